@@ -1,0 +1,1 @@
+"""Decode worker: a Ray actor that pulls KV blocks and continues generation."""

@@ -1,0 +1,62 @@
+"""Frozen, validated configuration of the engine's components."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine import envs
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size, how many blocks (or a memory budget), prefix caching."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derive from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 256 * 1024**2
+    enable_prefix_caching: bool = True
+    hash_seed: str = field(default_factory=envs.hash_seed)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if not isinstance(self.hash_seed, str):
+            raise ValueError(f"hash_seed must be a string, got {self.hash_seed!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits per step."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What one engine instance loads and how it runs."""
+
+    model_dir: str
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: float32 on CPU, bfloat16 on CUDA
+    device: str | None = field(default_factory=envs.device)  # None: CUDA if available, else CPU
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")

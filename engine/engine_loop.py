@@ -1,0 +1,79 @@
+"""EngineLoop: steps an LLMEngine in a background thread and delivers each request's outputs.
+
+Workers serve many concurrent requests from async code; the loop keeps the engine busy
+while any request is live and hands every ``RequestOutput`` to the callback registered
+with that request, on the loop thread. Callbacks must be quick and must not block
+(``loop.call_soon_threadsafe`` into an asyncio queue is the intended use).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from engine.engine import LLMEngine, RequestOutput
+from engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+OutputCallback = Callable[[RequestOutput | BaseException], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._idle_wait_s = idle_wait_s
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request, on_output: OutputCallback, running: bool = False) -> None:
+        """Queue ``request`` (or, with ``running``, continue a handed-over one)."""
+        with self.engine.lock:
+            self._callbacks[request.request_id] = on_output
+            try:
+                if running:
+                    self.engine.add_running(request)
+                else:
+                    self.engine.requests[request.request_id] = request
+                    self.engine.scheduler.add(request)
+            except BaseException:
+                self._callbacks.pop(request.request_id, None)
+                raise
+        self._wake.set()
+
+    def abort(self, request_id: str) -> bool:
+        with self.engine.lock:
+            self._callbacks.pop(request_id, None)
+            return self.engine.abort(request_id)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            if not self.engine.has_unfinished():
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # the engine already aborted the failed batch
+                logger.exception("engine step failed")
+                with self.engine.lock:
+                    failed = [rid for rid in self._callbacks if rid not in self.engine.requests]
+                    callbacks = [self._callbacks.pop(rid) for rid in failed]
+                for cb in callbacks:
+                    cb(exc)
+                continue
+            for out in outputs:
+                cb = self._callbacks.get(out.request_id)
+                if out.finished:
+                    self._callbacks.pop(out.request_id, None)
+                if cb is not None:
+                    cb(out)

@@ -1,0 +1,24 @@
+"""Every environment variable pdserve reads, read here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+
+
+def hash_seed() -> str:
+    """Cluster hash seed (``PDSERVE_HASH_SEED``, default ``"0"``)."""
+    return os.environ.get("PDSERVE_HASH_SEED", "0")
+
+
+def device() -> str | None:
+    """Forced device (``PDSERVE_DEVICE``: ``cpu`` or ``cuda``); None picks CUDA when present."""
+    return os.environ.get("PDSERVE_DEVICE") or None
+
+
+def redis_url() -> str | None:
+    """External Redis (``PDSERVE_REDIS_URL``); None starts the embedded server."""
+    return os.environ.get("PDSERVE_REDIS_URL") or None
+
+
+def redis_namespace() -> str:
+    return os.environ.get("PDSERVE_REDIS_NAMESPACE", "pdserve")

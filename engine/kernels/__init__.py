@@ -1,0 +1,26 @@
+"""Paged-attention and KV-write kernels (Triton on CUDA, vectorised torch on CPU) with torch references.
+
+Public API:
+
+* :func:`write_kv` / :func:`paged_attention`: validated host wrappers that dispatch to
+  Triton (CUDA), vectorised torch (CPU) or the reference (``impl=`` overrides).
+* :func:`write_kv_ref` / :func:`paged_attention_ref`: plain-torch references.
+* :class:`AttentionMetadata`: the per-step batch description these ops consume.
+
+Importing this package never imports triton; only the Triton backend does.
+"""
+
+from __future__ import annotations
+
+from engine.kernels.metadata import AttentionMetadata
+from engine.kernels.ops import IMPLS, paged_attention, write_kv
+from engine.kernels.reference import paged_attention_ref, write_kv_ref
+
+__all__ = [
+    "IMPLS",
+    "AttentionMetadata",
+    "paged_attention",
+    "paged_attention_ref",
+    "write_kv",
+    "write_kv_ref",
+]

@@ -1,0 +1,96 @@
+"""Offline API: ``LLM(model_dir, **options).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+_CACHE_KEYS = {f for f in CacheConfig.__dataclass_fields__}
+_SCHED_KEYS = {f for f in SchedulerConfig.__dataclass_fields__}
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+def build_engine_config(model_dir: str, **options: Any) -> EngineConfig:
+    """Split flat keyword options into the component configs; unknown names are an error."""
+    cache = {k: options.pop(k) for k in list(options) if k in _CACHE_KEYS}
+    sched = {k: options.pop(k) for k in list(options) if k in _SCHED_KEYS}
+    engine_keys = {"dtype", "device"}
+    unknown = set(options) - engine_keys
+    if unknown:
+        raise TypeError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
+    return EngineConfig(str(model_dir), cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **options)
+
+
+class LLM:
+    """Generates completions for a batch of prompts with continuous batching.
+
+    Options are the fields of ``CacheConfig`` (block_size, num_blocks, ...),
+    ``SchedulerConfig`` (max_num_batched_tokens, max_num_seqs, max_model_len) and
+    ``EngineConfig`` (dtype, device).
+    """
+
+    def __init__(self, model_dir: str, **options: Any) -> None:
+        self.engine = LLMEngine(build_engine_config(model_dir, **options))
+        self.tokenizer = self.engine.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]] | str,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[CompletionOutput]:
+        """One output per prompt, in order. Prompts are strings or lists of token ids.
+
+        All prompts are validated before any is queued, so a bad prompt leaves nothing behind.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        engine = self.engine
+        id_lists = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        reqs = [engine.make_request(ids, p, cache_salt=cache_salt) for ids, p in zip(id_lists, plist)]
+        outputs = {r.request_id: CompletionOutput(r.request_id, r.prompt_token_ids) for r in reqs}
+        for r in reqs:
+            engine.requests[r.request_id] = r
+            engine.scheduler.add(r)
+        try:
+            while any(o.finish_reason is None for o in outputs.values()):
+                for step_out in engine.step():
+                    o = outputs.get(step_out.request_id)
+                    if o is None:
+                        continue
+                    o.token_ids.extend(step_out.new_token_ids)
+                    o.num_cached_tokens = step_out.num_cached_tokens
+                    if step_out.finished:
+                        o.finish_reason = step_out.finish_reason
+        except BaseException:
+            for rid in outputs:
+                engine.abort(rid)
+            raise
+        for o in outputs.values():
+            o.text = self.decode(o.token_ids)
+        return [outputs[r.request_id] for r in reqs]

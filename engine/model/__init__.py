@@ -1,0 +1,10 @@
+"""Llama-family model: config parsing, safetensors loading, paged forward pass, tiny test models."""
+
+from __future__ import annotations
+
+from engine.model.config import ModelConfig
+from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import load_model, load_tokenizer
+from engine.model.tiny import make_tiny_model
+
+__all__ = ["LlamaForCausalLM", "ModelConfig", "load_model", "load_tokenizer", "make_tiny_model"]

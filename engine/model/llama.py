@@ -1,0 +1,314 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat batch and a paged KV cache.
+
+The batch is flattened: ``input_ids``/``positions`` are ``[num_tokens]`` covering
+every scheduled sequence back to back, described by an :class:`AttentionMetadata`.
+There is no padding and no per-sequence Python loop; per-layer work is a fixed,
+small number of torch calls because tiny-model CPU decoding is overhead-bound.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels import paged_attention, write_kv
+from engine.kernels.metadata import AttentionMetadata
+from engine.model.config import Llama3RopeScaling, ModelConfig
+
+
+# ----------------------------------------------------------------------------- rope
+def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> torch.Tensor:
+    """float32 ``[head_dim // 2]`` inverse frequencies, with llama3 scaling applied."""
+    # Same expression as HF so the float32 tables agree bit for bit. Explicit CPU:
+    # the model may be built under a meta-device context, the tables never are.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    old_ctx = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_ctx / scaling.low_freq_factor
+    high_freq_wavelen = old_ctx / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_ctx / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    in_band = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(in_band, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables up to ``max_position_embeddings``, stored half-width.
+
+    HF's tables are ``cat(freqs, freqs)``; both halves are equal, so only
+    ``head_dim // 2`` columns are kept (half the memory for 128k-context models).
+    """
+
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        cos, sin = self._tables()
+        # Non-persistent: derived from the config, never part of a checkpoint.
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        pos = torch.arange(c.max_position_embeddings, dtype=torch.int64, device="cpu").float()
+        freqs = torch.outer(pos, inv_freq)  # float32 [max_pos, head_dim // 2]
+        return freqs.cos(), freqs.sin()
+
+    @torch.no_grad()
+    def rebuild(self) -> None:
+        """Recompute the tables in place (``to_empty`` leaves them uninitialised)."""
+        cos, sin = self._tables()
+        self.cos_cache.copy_(cos)
+        self.sin_cache.copy_(sin)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[num_tokens, 1, head_dim // 2]`` in ``dtype``.
+
+        Positions must lie in ``[0, max_position_embeddings)``; not checked here
+        (a host sync per step would cost more than a tiny model's whole step).
+        """
+        cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[num_tokens, heads, head_dim]``; equals HF's rotate_half form exactly."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# ----------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, cast back, then scaled (HF's order of rounding)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.shape = (size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA attention with fused q/k/v projection; K/V go to the paged cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.qk_size = config.q_size + config.kv_size
+        self.qk_heads = config.num_attention_heads + config.num_key_value_heads
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # Rotate q and k in one go: they are adjacent columns of qkv.
+        qk = apply_rotary(qkv[:, : self.qk_size].view(n, self.qk_heads, self.head_dim), cos, sin)
+        q = qk[:, : self.num_heads]
+        k = qk[:, self.num_heads :]
+        v = qkv[:, self.qk_size :].view(n, self.num_kv_heads, self.head_dim)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            self.scale, meta.max_query_len, meta.max_seq_len,
+        )
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU with fused gate/up projection (gate first, then up)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :])
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder stack, final norm and the shared rope tables (HF module names)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+# HF per-projection names -> (our fused module, index of the shard within it).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 causal LM over a flat batch and a paged KV cache.
+
+    ``kv_cache`` is one tensor ``[num_blocks, num_layers, 2, block_size,
+    num_kv_heads, head_dim]`` in the model's dtype; layer ``l`` reads and writes
+    ``kv_cache[:, l, 0]`` (K) and ``kv_cache[:, l, 1]`` (V). Parameter names follow
+    HF except the fused ``qkv_proj`` (rows q, k, v) and ``gate_up_proj`` (rows gate,
+    up); :meth:`load_weights` maps HF checkpoint names onto them.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        # Tied models reuse the embedding matrix; no separate lm_head parameter.
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self._shard_sizes = {
+            "qkv_proj": (config.q_size, config.kv_size, config.kv_size),
+            "gate_up_proj": (config.intermediate_size, config.intermediate_size),
+        }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run one step; returns final-normed hidden states ``[num_tokens, hidden]``.
+
+        ``input_ids``/``positions`` are int64 ``[num_tokens]`` (positions are absolute
+        token positions in each sequence, used for rope only); token ``t``'s K/V is
+        written to ``attn_meta.slot_mapping[t]`` before attention, so the metadata must
+        already count this step's tokens in ``seq_lens``.
+        """
+        c = self.config
+        if kv_cache.dim() != 6 or kv_cache.shape[1] != c.num_hidden_layers or kv_cache.shape[2] != 2 \
+                or kv_cache.shape[4] != c.num_key_value_heads or kv_cache.shape[5] != c.head_dim:
+            raise ValueError(
+                f"kv_cache shape {tuple(kv_cache.shape)} is not [num_blocks, {c.num_hidden_layers}, 2, "
+                f"block_size, {c.num_key_value_heads}, {c.head_dim}]"
+            )
+        m = self.model
+        h = m.embed_tokens(input_ids)
+        cos, sin = m.rotary_emb.lookup(positions, h.dtype)  # shared by all layers
+        for layer, layer_kv in zip(m.layers, kv_cache.unbind(1)):
+            k_cache, v_cache = layer_kv.unbind(1)
+            h = layer(h, cos, sin, k_cache, v_cache, attn_meta)
+        return m.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[n, vocab_size]`` for the given hidden rows (select first)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ------------------------------------------------------------------ weights
+    def checkpoint_weight_names(self) -> set[str]:
+        """HF tensor names a complete checkpoint for this config must contain."""
+        names: set[str] = set()
+        for name, _ in self.named_parameters():
+            *prefix, module, kind = name.split(".")
+            for hf_module in _UNFUSED.get(module, (module,)):
+                names.add(".".join([*prefix, hf_module, kind]))
+        return names
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters (casting to their dtype/device).
+
+        Strict: raises ValueError listing every missing and unexpected name, or on a
+        shape mismatch. Ignored: ``*.rotary_emb.inv_freq`` (old checkpoints) and
+        ``lm_head.weight`` when embeddings are tied (it duplicates the embedding).
+        """
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
+                continue
+            *prefix, module, kind = name.split(".")
+            fused, shard = _FUSED.get(module, (module, None))
+            param = params.get(".".join([*prefix, fused, kind]))
+            if param is None:
+                unexpected.append(name)
+                continue
+            target = param.data
+            if shard is not None:
+                sizes = self._shard_sizes[fused]
+                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            seen.add(name)
+        missing = sorted(self.checkpoint_weight_names() - seen)
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"missing {len(missing)} weight(s): {_preview(missing)}")
+            if unexpected:
+                parts.append(f"unexpected {len(unexpected)} weight(s): {_preview(sorted(unexpected))}")
+            raise ValueError("checkpoint does not match the model: " + "; ".join(parts))
+
+
+def _preview(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, ... ({len(names) - limit} more)"

@@ -1,0 +1,98 @@
+"""Load a Llama-family model and its tokenizer from a local HF-style directory.
+
+Expected layout: ``config.json``, ``tokenizer.json`` and either ``model.safetensors``
+or ``model.safetensors.index.json`` plus the shards it names. Nothing is
+downloaded; only safetensors is read (no pickle).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from engine.model.config import ModelConfig
+from engine.model.llama import LlamaForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """float32 on CPU (bf16 matmuls are slow there), bfloat16 on accelerators."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files holding the weights, in a stable order.
+
+    Raises FileNotFoundError naming the directory when there are none, or naming
+    the shard when the index refers to a file that is absent.
+    """
+    model_dir = Path(model_dir)
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    index = model_dir / INDEX_FILE
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"no {SINGLE_FILE} or {INDEX_FILE} found in model directory {model_dir}"
+        )
+    with index.open("r", encoding="utf-8") as f:
+        weight_map: dict[str, str] = json.load(f).get("weight_map", {})
+    if not weight_map:
+        raise ValueError(f"{index} has an empty weight_map")
+    files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    for path in files:
+        if not path.is_file():
+            raise FileNotFoundError(f"shard {path.name} listed in {INDEX_FILE} not found in {model_dir}")
+    return files
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    # One shard open at a time keeps peak host memory near one shard.
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> LlamaForCausalLM:
+    """Build the model for ``model_dir`` and load its weights (strictly).
+
+    ``dtype`` defaults to float32 on CPU and bfloat16 otherwise; checkpoint tensors
+    are cast to it. Returns the model in eval mode with gradients disabled.
+    Raises FileNotFoundError for a missing directory, config.json or weights, and
+    ValueError for an unsupported config or missing/unexpected/misshapen tensors.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    config = ModelConfig.from_dir(model_dir)
+    files = weight_files(model_dir)
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    # Build on the meta device so no time is spent on random init that gets overwritten.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.model.rotary_emb.rebuild()
+    model.load_weights(_iter_tensors(files))
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """Load ``<model_dir>/tokenizer.json`` (FileNotFoundError naming it if absent)."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer.json not found in model directory {Path(model_dir)}")
+    return Tokenizer.from_file(str(path))

@@ -1,0 +1,78 @@
+"""ModelRunner: turns one scheduled step into flat model inputs, runs the model, samples."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.metadata import AttentionMetadata
+from engine.kv_cache import KVCacheTensor
+from engine.sampler import Sampler
+from engine.scheduler import ScheduledRequest
+
+
+class ModelRunner:
+    """Owns the model, the KV tensor and the sampler of one engine.
+
+    ``execute`` guarantees: every scheduled request's new tokens have their K/V written
+    into the slots its block table names, and each request with ``samples=True`` gets
+    exactly one sampled token back, in scheduling order.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCacheTensor, block_size: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = kv_cache.device
+        self.sampler = Sampler()
+
+    def prepare(
+        self, scheduled: list[ScheduledRequest], block_ids: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        qsl = [0]
+        sample_rows: list[int] = []
+        for sr, blocks in zip(scheduled, block_ids):
+            req = sr.request
+            start = req.num_computed_tokens
+            end = start + sr.num_new_tokens
+            input_ids.extend(req.all_token_ids[start:end])
+            pos = range(start, end)
+            positions.extend(pos)
+            slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
+            seq_lens.append(end)
+            qsl.append(qsl[-1] + sr.num_new_tokens)
+            if sr.samples:
+                sample_rows.append(qsl[-1] - 1)
+        max_blocks = max(len(b) for b in block_ids)
+        table = [b + [0] * (max_blocks - len(b)) for b in block_ids]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            max_query_len=max(s.num_new_tokens for s in scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos_t, meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest], block_ids: list[list[int]]) -> list[int]:
+        """Run one step; return the sampled token of each request with ``samples=True``."""
+        if not scheduled:
+            return []
+        ids, positions, meta, rows = self.prepare(scheduled, block_ids)
+        hidden = self.model(ids, positions, self.kv_cache.tensor, meta)
+        if not rows:
+            return []
+        logits = self.model.compute_logits(hidden[rows])
+        sampling = [sr for sr in scheduled if sr.samples]
+        return self.sampler.sample(
+            logits, [sr.request.request_id for sr in sampling], [sr.request.sampling_params for sr in sampling]
+        )

@@ -1,0 +1,95 @@
+"""Request: one sequence's tokens, progress and block hashes (pure Python)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+
+from engine.kvcache.hashing import BlockHasher
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """A generation request. ``all_token_ids`` is prompt + output; ``block_hashes`` grows with it.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the request's blocks.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        block_size: int,
+        hash_seed: str = "0",
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self._all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-hit tokens at first scheduling; -1 = not yet scheduled
+        self.num_external_tokens = 0  # tokens whose KV arrived from another worker
+        self.num_preemptions = 0
+        # Keep the KV blocks after finishing (a prefill worker leases them to a decode worker).
+        self.hold_kv = False
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.hasher = BlockHasher(block_size, seed=hash_seed, cache_salt=cache_salt, lora_name=lora_name)
+        self.hasher.extend(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return self.hasher.hashes
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        self.hasher.extend((token_id,))
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status if the last output token ends the request, else None."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, out={len(self.output_token_ids)}, {self.status.value})"

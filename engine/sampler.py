@@ -1,0 +1,57 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) everything outside the top-k and the top-p nucleus of one row."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep a token while the mass before it is < top_p: the first token always stays.
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
+    return logits
+
+
+class Sampler:
+    """Samples one token per row. Seeded requests own a generator, so their draws do not
+    depend on what else is in the batch."""
+
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request_id: str, params: SamplingParams, device: torch.device) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(params.seed)
+            self._generators[request_id] = gen
+        return gen
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+        """``logits`` is float32 ``[n, vocab]``; returns one token id per row."""
+        greedy = logits.argmax(dim=-1).tolist()
+        out: list[int] = []
+        for i, (rid, p) in enumerate(zip(request_ids, params)):
+            if p.greedy:
+                out.append(int(greedy[i]))
+                continue
+            row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+            probs = torch.softmax(row, dim=-1)
+            gen = self._generator(rid, p, logits.device)
+            out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+        return out

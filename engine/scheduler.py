@@ -1,0 +1,115 @@
+"""Continuous-batching scheduler with a per-step token budget, chunked prefill and preemption.
+
+Each step serves running requests first (decodes and unfinished prefill chunks, in
+arrival order), then admits waiting requests while the token budget, ``max_num_seqs``
+and the block pool allow. A waiting request first reuses its cached prefix. When a
+running request cannot get a block, the newest running request is preempted (its
+blocks freed, its progress reset) and put at the front of the waiting queue, so it is
+the next admitted: nothing is lost and the oldest work always progresses.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kvcache.manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens whose KV this step computes
+    samples: bool  # this step reaches the end of the request's tokens, so it samples one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req not in self.running:  # preempted earlier in this loop
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    num_new = 0
+                    break
+            if num_new == 0:
+                continue
+            out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens + num_new == req.num_tokens))
+            budget -= num_new
+
+        # Admitting while preempting would only thrash: wait for blocks to come back.
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                hit, num_hit = self.kv.get_computed_blocks(req)
+                num_new = min(req.num_tokens - num_hit, budget)
+                if self.kv.allocate_slots(req, num_new, num_hit, hit) is None:
+                    break
+                self.waiting.popleft()
+                req.num_computed_tokens = num_hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.scheduled.append(ScheduledRequest(req, num_new, num_hit + num_new == req.num_tokens))
+                budget -= num_new
+        return out
+
+    def add_running(self, request: Request) -> None:
+        """Continue a request whose KV is already in its blocks (handed over by a prefill worker)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stopped, length or aborted) and return its blocks, unless it holds
+        them for a lease (``hold_kv``, not aborted): then its owner frees them later."""
+        if request in self.running:
+            self.running.remove(request)
+            if not (request.hold_kv and status != RequestStatus.FINISHED_ABORTED):
+                self.kv.free(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status

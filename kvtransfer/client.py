@@ -1,0 +1,160 @@
+"""The puller side of the KV wire: ``KVTransferClient``.
+
+Every call carries a deadline (``TransferConfig.*_timeout_s`` unless overridden) and
+every failure raises a ``TransferError`` subclass:
+
+=============================  =======================================================
+``PeerUnavailableError``       holder unreachable or gone mid-stream (UNAVAILABLE, CANCELLED)
+``TransferTimeoutError``       deadline exceeded
+``BlockNotFoundError``         unknown/released/expired lease, hash not cached (NOT_FOUND)
+``LayoutMismatchError``        KV layout or model differs (FAILED_PRECONDITION, or ``check_compatible``)
+``ChecksumError``              a piece's bytes do not match its checksum
+``InvalidPullError``           bad arguments or a stream that breaks the chunking contract
+``TransferError``              any other gRPC status
+=============================  =======================================================
+
+A failed pull leaves the destination blocks partly written; the caller frees them
+(``kvtransfer.pull.pull_request_kv`` does) and recomputes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from engine.kv_cache import KVCacheTensor, KVLayout
+from kvtransfer.config import TransferConfig
+from kvtransfer.errors import (
+    BlockNotFoundError,
+    InvalidPullError,
+    LayoutMismatchError,
+    PeerUnavailableError,
+    TransferError,
+    TransferTimeoutError,
+)
+from kvtransfer.protoconv import chunk_from_proto, layout_to_proto, metadata_from_proto
+from kvtransfer.receiver import BlockReceiver
+from kvtransfer.wire import MISSING_HASHES_KEY, LayoutSpec, PullStats, TransferMetadata, describe_mismatch
+from pdserve.v1 import kvtransfer_pb2 as pb
+from pdserve.v1 import kvtransfer_pb2_grpc as pb_grpc
+
+
+class KVTransferClient:
+    """A channel to one holder. Thread-safe; reuse one per peer address; ``close()`` when done."""
+
+    def __init__(self, address: str, config: TransferConfig | None = None) -> None:
+        self.address = address
+        self.config = config or TransferConfig()
+        self._channel = grpc.insecure_channel(address, options=self.config.channel_options())
+        self._stub = pb_grpc.KVTransferStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> KVTransferClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- unary calls ----------------------------------------------------------------------
+    def metadata(self, timeout_s: float | None = None) -> TransferMetadata:
+        """The holder's identity and KV layout."""
+        try:
+            msg = self._stub.GetMetadata(pb.GetMetadataRequest(), timeout=timeout_s or self.config.metadata_timeout_s)
+        except grpc.RpcError as exc:
+            raise self._error(exc) from exc
+        return metadata_from_proto(msg)
+
+    def check_compatible(self, local_layout: KVLayout, fingerprint: str, timeout_s: float | None = None) -> TransferMetadata:
+        """Fetch the holder's metadata; raise ``LayoutMismatchError`` naming every field
+        (model fingerprint, dtype, block size, ...) in which it differs from the local worker."""
+        meta = self.metadata(timeout_s)
+        fields = meta.mismatches(local_layout, fingerprint)
+        if fields:
+            raise LayoutMismatchError(
+                f"worker {meta.worker_id!r} is incompatible: {describe_mismatch(fields)}", fields=fields, peer=self.address
+            )
+        return meta
+
+    def release(self, lease_id: str, timeout_s: float | None = None) -> bool:
+        """Release a lease on the holder; False if it was unknown, already released or expired."""
+        try:
+            resp = self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=timeout_s or self.config.release_timeout_s)
+        except grpc.RpcError as exc:
+            raise self._error(exc) from exc
+        return resp.released
+
+    # -- pull -----------------------------------------------------------------------------
+    def pull_into(
+        self,
+        kv: KVCacheTensor,
+        dest_block_ids: Sequence[int],
+        lease_id: str | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+        *,
+        first_block: int = 0,
+        timeout_s: float | None = None,
+    ) -> PullStats:
+        """Pull blocks straight into ``kv``: block ``i`` of the pull lands in ``dest_block_ids[i]``.
+
+        Name the blocks by ``lease_id`` (the lease's blocks from ``first_block`` on; the
+        lease must have exactly ``len(dest_block_ids)`` of them left) or by
+        ``block_hashes`` (one per destination block). The holder checks the local layout.
+        Returns the stats; raises a ``TransferError`` on any failure (module docstring).
+        """
+        if (lease_id is None) == (block_hashes is None):
+            raise InvalidPullError("pass exactly one of lease_id and block_hashes")
+        hashes = [bytes(h) for h in block_hashes] if block_hashes is not None else None
+        receiver = BlockReceiver(kv, dest_block_ids, first_block if lease_id is not None else 0, hashes)
+        request = pb.PullRequest(
+            first_block=first_block,
+            expected_layout=layout_to_proto(LayoutSpec.from_layout(kv.layout)),
+            max_chunk_bytes=self.config.chunk_bytes,
+            max_blocks_per_chunk=self.config.max_blocks_per_chunk,
+        )
+        if lease_id is not None:
+            request.lease_id = lease_id
+        else:
+            request.block_hashes.hashes.extend(hashes or [])
+        call = self._stub.Pull(request, timeout=timeout_s or self.config.pull_timeout_s)
+        try:
+            for msg in call:
+                receiver.accept(chunk_from_proto(msg))
+            return receiver.finish()
+        except grpc.RpcError as exc:
+            raise self._error(exc) from exc
+        except TransferError as exc:
+            exc.peer = exc.peer or self.address
+            raise
+        finally:
+            call.cancel()  # no-op once the stream completed; frees the holder's pins otherwise
+
+    # -- errors ---------------------------------------------------------------------------
+    def _error(self, exc: grpc.RpcError) -> TransferError:
+        """The typed error for a failed call (``exc`` is also a ``grpc.Call``)."""
+        code = exc.code() if isinstance(exc, grpc.Call) else None
+        details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
+        name = code.name if code is not None else None
+        kw = {"peer": self.address, "code": name}
+        if code == grpc.StatusCode.NOT_FOUND:
+            return BlockNotFoundError(details, missing_hashes=_missing_hashes(exc), **kw)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return TransferTimeoutError(f"deadline exceeded: {details}", **kw)
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            return PeerUnavailableError(f"holder unavailable: {details}", **kw)
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            return LayoutMismatchError(details, **kw)
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return InvalidPullError(details, **kw)
+        return TransferError(f"{name}: {details}", **kw)
+
+
+def _missing_hashes(exc: grpc.RpcError) -> list[bytes]:
+    if not isinstance(exc, grpc.Call):
+        return []
+    for key, value in exc.trailing_metadata() or ():
+        if key == MISSING_HASHES_KEY and value:
+            return [bytes.fromhex(h) for h in str(value).split(",")]
+    return []

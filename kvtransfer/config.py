@@ -1,0 +1,80 @@
+"""TransferConfig: sizes, deadlines and lease lifetimes of the KV wire (holder and puller)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MiB = 1 << 20
+
+# Upper bound of the protobuf framing of one BlockPiece inside a PullChunk, data excluded:
+# index/num_tokens/offset varints, a hash of <= MAX_HASH_BYTES, the fixed64 checksum,
+# tags and length prefixes (about 60 bytes in practice).
+PIECE_OVERHEAD_BYTES = 128
+MAX_HASH_BYTES = 64
+# Upper bound of a PullChunk's own fields (seq and totals).
+CHUNK_HEADER_BYTES = 1024
+# gRPC's hard limit on one message is 2 GiB - 1; stay well clear of it.
+MAX_CHUNK_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Settings shared by the holder (server) and the puller (client) of KV blocks.
+
+    ``chunk_bytes`` caps the payload (block bytes) of one stream message and
+    ``max_blocks_per_chunk`` the pieces in it; together they bound a message, and
+    ``max_message_bytes`` (both sides' gRPC message limit) is derived from them. A puller
+    sends its own caps with each pull and the holder uses the smaller of each, so a
+    message never exceeds the puller's receive limit. Blocks larger than a chunk are split.
+    Every RPC carries a deadline: ``metadata_timeout_s``, ``pull_timeout_s`` (the whole
+    stream) and ``release_timeout_s``.
+    """
+
+    chunk_bytes: int = 4 * MiB
+    max_blocks_per_chunk: int = 1024
+    lease_ttl_s: float = 30.0
+    reap_interval_s: float = 1.0
+    metadata_timeout_s: float = 5.0
+    pull_timeout_s: float = 60.0
+    release_timeout_s: float = 5.0
+    server_threads: int = 8
+    shutdown_grace_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunk_bytes, int) or not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be an integer in [1, {MAX_CHUNK_BYTES}], got {self.chunk_bytes!r}")
+        if not isinstance(self.max_blocks_per_chunk, int) or not 1 <= self.max_blocks_per_chunk <= 1 << 20:
+            raise ValueError(f"max_blocks_per_chunk must be an integer in [1, 2**20], got {self.max_blocks_per_chunk!r}")
+        if not isinstance(self.server_threads, int) or self.server_threads < 1:
+            raise ValueError(f"server_threads must be an integer >= 1, got {self.server_threads!r}")
+        for name in ("lease_ttl_s", "reap_interval_s", "metadata_timeout_s", "pull_timeout_s", "release_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not isinstance(self.shutdown_grace_s, (int, float)) or not 0 <= self.shutdown_grace_s < math.inf:
+            raise ValueError(f"shutdown_grace_s must be a finite number >= 0, got {self.shutdown_grace_s!r}")
+
+    @property
+    def max_message_bytes(self) -> int:
+        """Largest stream message these caps allow: payload plus worst-case framing."""
+        return message_bytes_for(self.chunk_bytes, self.max_blocks_per_chunk)
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        """gRPC options for a puller's channel (receives chunks, sends small requests)."""
+        return [
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+        ]
+
+    def server_options(self) -> list[tuple[str, int]]:
+        """gRPC options for a holder's server (sends chunks, receives hash lists)."""
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", max(self.max_message_bytes, 4 * MiB)),
+        ]
+
+
+def message_bytes_for(chunk_bytes: int, max_blocks_per_chunk: int) -> int:
+    """Upper bound of a PullChunk carrying ``chunk_bytes`` payload in ``max_blocks_per_chunk`` pieces."""
+    return chunk_bytes + max_blocks_per_chunk * PIECE_OVERHEAD_BYTES + CHUNK_HEADER_BYTES

@@ -1,0 +1,231 @@
+"""LeaseTable: the blocks of finished prefills, held for the decode worker that will pull them.
+
+Pure Python and thread-safe (gRPC handler threads, the reaper thread and the engine all
+call in). The table does not touch the blocks: it keeps them referenced by simply not
+releasing them, and hands each lease once to the owner's ``on_release`` callback when it
+ends (released, expired or closed); the callback frees the blocks (in a worker:
+``manager.free(request_id)`` under the pool lock).
+
+Contract:
+- A lease ends at most once; ``on_release`` runs exactly once per created lease,
+  outside the table's lock (so it may take the owner's pool lock without lock-order
+  trouble). An exception from it is logged, never propagated into the reaper.
+- Pulls are counted: ``acquire`` ... ``end_pull`` (or ``with table.pull(id)``). A lease
+  released or expired while pulls of it stream is *dead* (no new pull may acquire it)
+  and its blocks are released only when the last of those pulls ends.
+- ``acquire`` of an unknown, released or expired lease raises ``LeaseNotFoundError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from engine.kvcache.block import KVCacheBlock
+from kvtransfer.errors import BlockNotFoundError
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseNotFoundError(BlockNotFoundError):
+    """No live lease has this id (never created, released or expired)."""
+
+    def __init__(self, lease_id: str) -> None:
+        super().__init__(f"lease {lease_id!r} not found (unknown, released or expired)", lease_id=lease_id)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The first ``cdiv(num_tokens, block_size)`` blocks of a request, held for a puller.
+
+    ``block_hashes`` are the hashes of its full blocks (may be shorter than ``blocks``:
+    the partial last block has none).
+    """
+
+    lease_id: str
+    request_id: str
+    blocks: tuple[KVCacheBlock, ...]
+    block_hashes: tuple[bytes, ...]
+    num_tokens: int
+    block_size: int
+    expires_at: float
+
+    def num_tokens_of(self, index: int) -> int:
+        """Valid tokens in block ``index`` (only the last block may be partial)."""
+        return min(self.block_size, self.num_tokens - index * self.block_size)
+
+    def hash_of(self, index: int) -> bytes:
+        """Hash of block ``index``; empty for a partial or unhashed block."""
+        return self.block_hashes[index] if index < len(self.block_hashes) else b""
+
+
+@dataclass
+class _Entry:
+    lease: Lease
+    active_pulls: int = 0
+    dead: bool = False  # released or expired: no new pulls, freed when active_pulls hits 0
+
+
+class LeaseTable:
+    def __init__(
+        self,
+        on_release: Callable[[Lease], None],
+        block_size: int,
+        default_ttl_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not default_ttl_s > 0:
+            raise ValueError(f"default_ttl_s must be > 0, got {default_ttl_s}")
+        self._on_release = on_release
+        self._block_size = block_size
+        self._default_ttl_s = default_ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._by_request: dict[str, str] = {}  # live request id -> lease id
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def create(
+        self,
+        request_id: str,
+        blocks: Sequence[KVCacheBlock],
+        num_tokens: int,
+        ttl_s: float | None = None,
+        block_hashes: Sequence[bytes] = (),
+    ) -> str:
+        """Hold ``blocks`` (the request's first blocks, covering ``num_tokens`` tokens); return the lease id.
+
+        Raises ``ValueError`` if the blocks do not cover exactly ``num_tokens`` tokens, if
+        there are more hashes than full blocks, or if the request already has a live lease
+        (two leases would free its blocks twice).
+        """
+        bs = self._block_size
+        n = len(blocks)
+        if n == 0 or not (n - 1) * bs < num_tokens <= n * bs:
+            raise ValueError(f"{n} blocks of {bs} tokens cannot hold exactly {num_tokens} tokens")
+        if len(block_hashes) > num_tokens // bs:
+            raise ValueError(f"{len(block_hashes)} hashes for {num_tokens // bs} full blocks")
+        ttl = self._default_ttl_s if ttl_s is None else ttl_s
+        if not ttl > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl}")
+        lease_id = uuid.uuid4().hex
+        lease = Lease(lease_id, request_id, tuple(blocks), tuple(block_hashes), num_tokens, bs, self._clock() + ttl)
+        with self._lock:
+            if request_id in self._by_request:
+                raise ValueError(f"request {request_id!r} already has lease {self._by_request[request_id]!r}")
+            self._entries[lease_id] = _Entry(lease)
+            self._by_request[request_id] = lease_id
+        return lease_id
+
+    def acquire(self, lease_id: str) -> Lease:
+        """Start a pull of the lease; pair with ``end_pull``. Raises ``LeaseNotFoundError``."""
+        to_release: list[Lease] = []
+        try:
+            with self._lock:
+                entry = self._entries.get(lease_id)
+                if entry is not None and not entry.dead and self._clock() >= entry.lease.expires_at:
+                    to_release = self._kill(entry)  # expired but not reaped yet
+                if entry is None or entry.dead:
+                    raise LeaseNotFoundError(lease_id)
+                entry.active_pulls += 1
+                return entry.lease
+        finally:
+            self._run_callbacks(to_release)
+
+    def end_pull(self, lease_id: str) -> None:
+        """End a pull started by ``acquire``; frees a dead lease when its last pull ends."""
+        to_release: list[Lease] = []
+        with self._lock:
+            entry = self._entries.get(lease_id)
+            if entry is None or entry.active_pulls <= 0:
+                raise RuntimeError(f"end_pull of lease {lease_id!r} without a matching acquire")
+            entry.active_pulls -= 1
+            if entry.dead and entry.active_pulls == 0:
+                to_release = self._pop(entry)
+        self._run_callbacks(to_release)
+
+    @contextmanager
+    def pull(self, lease_id: str) -> Iterator[Lease]:
+        """``with table.pull(id) as lease:`` -- acquire for the duration of the block."""
+        lease = self.acquire(lease_id)
+        try:
+            yield lease
+        finally:
+            self.end_pull(lease_id)
+
+    def release(self, lease_id: str) -> bool:
+        """End the lease (deferred while pulls of it stream). False if it was not live."""
+        with self._lock:
+            entry = self._entries.get(lease_id)
+            if entry is None or entry.dead:
+                return False
+            to_release = self._kill(entry)
+        self._run_callbacks(to_release)
+        return True
+
+    def reap(self, now: float | None = None) -> int:
+        """Expire every lease past its deadline; return how many were released now."""
+        now = self._clock() if now is None else now
+        to_release: list[Lease] = []
+        with self._lock:
+            for entry in list(self._entries.values()):
+                if not entry.dead and now >= entry.lease.expires_at:
+                    to_release.extend(self._kill(entry))
+        self._run_callbacks(to_release)
+        return len(to_release)
+
+    def close(self) -> int:
+        """End every lease (those being pulled when their pulls end); return how many were released now."""
+        to_release: list[Lease] = []
+        with self._lock:
+            for entry in list(self._entries.values()):
+                if not entry.dead:
+                    to_release.extend(self._kill(entry))
+        self._run_callbacks(to_release)
+        return len(to_release)
+
+    # -- queries --------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Live leases (not released, not expired)."""
+        with self._lock:
+            return sum(1 for e in self._entries.values() if not e.dead)
+
+    def __contains__(self, lease_id: object) -> bool:
+        with self._lock:
+            entry = self._entries.get(lease_id)  # type: ignore[arg-type]
+            return entry is not None and not entry.dead
+
+    def num_holding(self) -> int:
+        """Leases still holding blocks: live ones plus dead ones whose pulls are streaming."""
+        with self._lock:
+            return len(self._entries)
+
+    def active_pulls(self, lease_id: str) -> int:
+        with self._lock:
+            entry = self._entries.get(lease_id)
+            return entry.active_pulls if entry else 0
+
+    # -- internals (call with self._lock held) -------------------------------------------
+    def _kill(self, entry: _Entry) -> list[Lease]:
+        entry.dead = True
+        return self._pop(entry) if entry.active_pulls == 0 else []
+
+    def _pop(self, entry: _Entry) -> list[Lease]:
+        del self._entries[entry.lease.lease_id]
+        # The request id stays taken until its blocks are actually released.
+        self._by_request.pop(entry.lease.request_id, None)
+        return [entry.lease]
+
+    def _run_callbacks(self, leases: list[Lease]) -> None:
+        for lease in leases:
+            try:
+                self._on_release(lease)
+            except Exception:
+                logger.exception("releasing the blocks of lease %s (request %s) failed", lease.lease_id, lease.request_id)

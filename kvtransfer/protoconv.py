@@ -1,0 +1,152 @@
+"""Conversions between the KV wire's dataclasses (``kvtransfer.wire``) and its protobufs.
+
+The only module besides the servicer and the client that touches generated code.
+"""
+
+from __future__ import annotations
+
+from pdserve.v1 import kvtransfer_pb2 as pb
+
+from kvtransfer.wire import Chunk, LayoutSpec, Piece, TransferMetadata
+
+
+def layout_to_proto(spec: LayoutSpec) -> pb.KVLayoutSpec:
+    return pb.KVLayoutSpec(
+        dtype=spec.dtype,
+        block_size=spec.block_size,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        block_nbytes=spec.block_nbytes,
+    )
+
+
+def layout_from_proto(msg: pb.KVLayoutSpec) -> LayoutSpec:
+    return LayoutSpec(
+        dtype=msg.dtype,
+        block_size=msg.block_size,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        block_nbytes=msg.block_nbytes,
+    )
+
+
+def metadata_to_proto(meta: TransferMetadata) -> pb.GetMetadataResponse:
+    return pb.GetMetadataResponse(
+        model_fingerprint=meta.model_fingerprint,
+        layout=layout_to_proto(meta.layout),
+        worker_id=meta.worker_id,
+        max_chunk_bytes=meta.max_chunk_bytes,
+    )
+
+
+def metadata_from_proto(msg: pb.GetMetadataResponse) -> TransferMetadata:
+    return TransferMetadata(
+        model_fingerprint=msg.model_fingerprint,
+        layout=layout_from_proto(msg.layout),
+        worker_id=msg.worker_id,
+        max_chunk_bytes=msg.max_chunk_bytes,
+    )
+
+
+def chunk_to_proto(chunk: Chunk) -> pb.PullChunk:
+    return pb.PullChunk(
+        seq=chunk.seq,
+        total_blocks=chunk.total_blocks,
+        total_tokens=chunk.total_tokens,
+        block_nbytes=chunk.block_nbytes,
+        pieces=[
+            pb.BlockPiece(
+                index=p.index,
+                block_hash=p.block_hash,
+                num_tokens=p.num_tokens,
+                offset=p.offset,
+                data=p.data,
+                checksum=p.checksum,
+            )
+            for p in chunk.pieces
+        ],
+    )
+
+
+def chunk_from_proto(msg: pb.PullChunk) -> Chunk:
+    """Reads each piece's ``data`` once (every read of a bytes field copies)."""
+    return Chunk(
+        seq=msg.seq,
+        total_blocks=msg.total_blocks,
+        total_tokens=msg.total_tokens,
+        block_nbytes=msg.block_nbytes,
+        pieces=tuple(
+            Piece(
+                index=p.index,
+                block_hash=p.block_hash,
+                num_tokens=p.num_tokens,
+                offset=p.offset,
+                data=p.data,
+                checksum=p.checksum,
+            )
+            for p in msg.pieces
+        ),
+    )
+
+
+# -- hand-written encoder of PullChunk -------------------------------------------------------
+# upb's SerializeToString copies multi-MB bytes fields slowly (about 0.3 GB/s measured
+# here for 4 MiB chunks, against ~1.5 GB/s for gRPC itself), so the holder encodes
+# PullChunk itself: the protobuf wire format of kvtransfer.proto, fields in number order and
+# zero values omitted, exactly as SerializeToString writes it (a test checks byte
+# equality). The block bytes are copied once, by the final join, straight from the KV
+# tensor. Pullers parse with the generated PullChunk.FromString.
+_VARINT, _FIXED64, _LEN = 0, 1, 2
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _key(field: int, wire_type: int) -> bytes:
+    return _varint(field << 3 | wire_type)
+
+
+def _uint_field(field: int, value: int) -> bytes:
+    return _key(field, _VARINT) + _varint(value) if value else b""
+
+
+def encode_piece(piece: Piece) -> list[bytes | memoryview]:
+    """The BlockPiece as a list of buffers (``data`` not copied) to be joined."""
+    head = _uint_field(1, piece.index)
+    if piece.block_hash:
+        head += _key(2, _LEN) + _varint(len(piece.block_hash)) + piece.block_hash
+    head += _uint_field(3, piece.num_tokens) + _uint_field(4, piece.offset)
+    n = len(piece.data)
+    parts: list[bytes | memoryview] = []
+    if n:
+        parts = [head + _key(5, _LEN) + _varint(n), piece.data]
+        head = b""
+    if piece.checksum:
+        head += _key(6, _FIXED64) + piece.checksum.to_bytes(8, "little")
+    if head:
+        parts.append(head)
+    return parts
+
+
+def encode_chunk(chunk: Chunk) -> bytes:
+    """``chunk_to_proto(chunk).SerializeToString()``, with one copy of the payload."""
+    parts: list[bytes | memoryview] = [
+        _uint_field(1, chunk.seq)
+        + _uint_field(2, chunk.total_blocks)
+        + _uint_field(3, chunk.total_tokens)
+        + _uint_field(4, chunk.block_nbytes)
+    ]
+    for piece in chunk.pieces:
+        body = encode_piece(piece)
+        size = sum(len(b) for b in body)
+        parts.append(_key(5, _LEN) + _varint(size))
+        parts.extend(body)
+    return b"".join(parts)

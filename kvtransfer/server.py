@@ -1,0 +1,168 @@
+"""The holder side of the KV wire: ``KVTransferServicer`` and ``start_transfer_server``.
+
+Why the synchronous gRPC server: serving a pull is blocking work (taking the owner's
+``threading`` pool lock, copying block bytes, hashing them), which in ``grpc.aio`` would
+need an executor hop per chunk anyway; the sync server runs each stream in its own
+pool thread, writes one message at a time (natural back-pressure: the next chunk is
+read from the KV tensor only when the previous one was sent, so a slow puller never
+makes the holder buffer more than a chunk), and runs termination callbacks on cancel.
+It is also independent of any event loop the hosting Ray actor may run.
+At most ``config.server_threads`` pulls stream at once; further RPCs wait for a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from typing import NoReturn
+
+import grpc
+
+from kvtransfer.config import TransferConfig
+from kvtransfer.errors import BlockNotFoundError, InvalidPullError, LayoutMismatchError, TransferError
+from kvtransfer.protoconv import chunk_to_proto, layout_from_proto, metadata_to_proto
+from kvtransfer.source import BlockSource, PinnedBlocks
+from kvtransfer.wire import MISSING_HASHES_KEY
+from pdserve.v1 import kvtransfer_pb2 as pb
+from pdserve.v1 import kvtransfer_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+_MAX_MISSING_IN_METADATA = 64  # keeps the trailer far below gRPC's header size limit
+
+
+class KVTransferServicer(pb_grpc.KVTransferServicer):
+    """Converts protos to calls on a ``BlockSource`` and its errors to status codes."""
+
+    def __init__(self, source: BlockSource, config: TransferConfig | None = None) -> None:
+        self.source = source
+        self.config = config or source.config
+
+    def GetMetadata(self, request: pb.GetMetadataRequest, context: grpc.ServicerContext) -> pb.GetMetadataResponse:
+        return metadata_to_proto(self.source.metadata())
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=self.source.release(request.lease_id))
+
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.PullChunk]:
+        try:
+            pinned = self._open(request)
+        except TransferError as exc:
+            _abort(context, exc)
+        # Unpin on cancel/deadline too: gRPC may never resume this generator then.
+        if not context.add_callback(pinned.close):
+            pinned.close()  # the RPC is already over
+            return
+        with pinned:
+            chunk_bytes = _clamp(request.max_chunk_bytes, self.config.chunk_bytes)
+            max_pieces = _clamp(request.max_blocks_per_chunk, self.config.max_blocks_per_chunk)
+            for chunk in self.source.chunks(pinned, chunk_bytes, max_pieces):
+                if not context.is_active():
+                    return
+                yield chunk_to_proto(chunk)
+
+    def _open(self, request: pb.PullRequest) -> PinnedBlocks:
+        if request.HasField("expected_layout"):
+            self.source.check_layout(layout_from_proto(request.expected_layout))
+        which = request.WhichOneof("source")
+        if which == "lease_id":
+            return self.source.open_lease(request.lease_id, request.first_block)
+        if which == "block_hashes":
+            if request.first_block:
+                raise InvalidPullError("first_block applies to lease pulls only")
+            return self.source.open_hashes(list(request.block_hashes.hashes))
+        raise InvalidPullError("pull names no blocks: set lease_id or block_hashes")
+
+
+def _clamp(requested: int, own: int) -> int:
+    return min(requested, own) if requested > 0 else own
+
+
+def _abort(context: grpc.ServicerContext, exc: TransferError) -> NoReturn:
+    """Abort the RPC with the status matching ``exc`` (raises)."""
+    if isinstance(exc, BlockNotFoundError):
+        if exc.missing_hashes:
+            shown = exc.missing_hashes[:_MAX_MISSING_IN_METADATA]
+            context.set_trailing_metadata(((MISSING_HASHES_KEY, ",".join(h.hex() for h in shown)),))
+        code = grpc.StatusCode.NOT_FOUND
+    elif isinstance(exc, LayoutMismatchError):
+        code = grpc.StatusCode.FAILED_PRECONDITION
+    elif isinstance(exc, InvalidPullError):
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    else:
+        code = grpc.StatusCode.INTERNAL
+    context.abort(code, str(exc))
+    raise AssertionError("unreachable: context.abort raises")
+
+
+class TransferServer:
+    """A running KV transfer server plus its lease reaper thread."""
+
+    def __init__(self, server: grpc.Server, host: str, port: int, source: BlockSource, config: TransferConfig) -> None:
+        self.server = server
+        self.host = host
+        self.port = port
+        self.source = source
+        self.config = config
+        self._stopped = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name=f"kv-lease-reaper:{port}", daemon=True)
+        self._reaper.start()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` to give to a ``KVTransferClient`` (a wildcard host is shown as is)."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def _reap_loop(self) -> None:
+        while not self._stopped.wait(self.config.reap_interval_s):
+            try:
+                self.source.leases.reap()
+            except Exception:  # the reaper must outlive any one bad lease
+                logger.exception("lease reaper failed")
+
+    def stop(self, grace_s: float | None = None, release_leases: bool = True) -> None:
+        """Stop serving (in-flight pulls get ``grace_s``), stop the reaper, and by default end every lease."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.server.stop(self.config.shutdown_grace_s if grace_s is None else grace_s).wait()
+        self._reaper.join()
+        if release_leases:
+            self.source.close()
+
+    def __enter__(self) -> TransferServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_transfer_server(
+    source: BlockSource,
+    config: TransferConfig | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    servicer: KVTransferServicer | None = None,
+) -> TransferServer:
+    """Serve ``source`` on ``host:port`` (``port=0``: any free port, see ``.port``).
+
+    ``servicer`` replaces the default ``KVTransferServicer(source, config)`` (tests wrap it).
+    Raises ``OSError`` if the address cannot be bound.
+    """
+    config = config or source.config
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.server_threads, thread_name_prefix="kv-transfer"),
+        options=config.server_options(),
+    )
+    pb_grpc.add_KVTransferServicer_to_server(servicer or KVTransferServicer(source, config), server)
+    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(bind)
+    except RuntimeError as exc:  # grpcio raises instead of returning 0 in recent versions
+        raise OSError(f"cannot bind the KV transfer server to {bind}: {exc}") from exc
+    if bound == 0:
+        raise OSError(f"cannot bind the KV transfer server to {bind}")
+    server.start()
+    return TransferServer(server, host, bound, source, config)

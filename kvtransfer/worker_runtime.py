@@ -1,0 +1,141 @@
+"""WorkerRuntime: what a prefill or decode worker is made of, wired together.
+
+An engine whose BlockPool publishes to the Redis index, a thread stepping it, a
+KV-transfer server over its pool (leases and pull-by-hash), the worker registry
+heartbeat, and stats counters. Both Ray actors are thin shells over this class,
+which is plain Python and testable without Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass, field
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.engine import LLMEngine
+from engine.engine_loop import EngineLoop
+from kvtransfer.client import KVTransferClient
+from kvtransfer.config import TransferConfig
+from kvtransfer.redis_index import KVEventPublisher, RedisIndexConfig, StatsRecorder
+from kvtransfer.registry import WorkerRegistry
+from kvtransfer.server import start_transfer_server
+from kvtransfer.source import BlockSource
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    model_dir: str
+    redis_url: str
+    namespace: str = "pdserve"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    dtype: str | None = None
+    device: str | None = None
+    bind_host: str = "0.0.0.0"
+    advertise_host: str | None = None  # None: this node's IP as Ray or the OS reports it
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    heartbeat_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        if not self.worker_id:
+            raise ValueError("worker_id must not be empty")
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - fall back to the OS
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class WorkerRuntime:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        index = RedisIndexConfig(config.redis_url, namespace=config.namespace)
+        self.publisher = KVEventPublisher(index, config.worker_id)
+        self.stats = StatsRecorder(index, config.worker_id)
+        self.engine = LLMEngine(
+            EngineConfig(config.model_dir, config.dtype, config.device, config.cache, config.scheduler),
+            event_sink=self.publisher,
+        )
+        self.loop = EngineLoop(self.engine)
+        self.source = BlockSource(
+            self.engine.kv_cache,
+            self.engine.kv,
+            self.engine.lock,
+            model_fingerprint=self.engine.model_config.fingerprint,
+            worker_id=config.worker_id,
+            config=config.transfer,
+        )
+        self.server = start_transfer_server(self.source, config.transfer, host=config.bind_host, port=0)
+        host = config.advertise_host or ("127.0.0.1" if config.bind_host in ("127.0.0.1", "localhost") else _node_ip())
+        self.address = f"{host}:{self.server.port}"
+        self._clients: dict[str, KVTransferClient] = {}
+        self.registry = WorkerRegistry(index)
+        self.registry.start_heartbeat(config.worker_id, self.info, config.heartbeat_s)
+        logger.info("%s worker %s ready, KV transfer at %s", config.role, config.worker_id, self.address)
+
+    def info(self) -> dict[str, object]:
+        kv = self.engine.kv
+        return {
+            "role": self.config.role,
+            "grpc_address": self.address,
+            "model_fingerprint": self.engine.model_config.fingerprint,
+            "block_size": kv.block_size,
+            "num_blocks": kv.num_blocks,
+            "free_blocks": kv.num_free_blocks(),
+        }
+
+    def load(self) -> dict[str, int]:
+        """Queued work, for routing: requests and prompt tokens not yet computed."""
+        with self.engine.lock:
+            sched = self.engine.scheduler
+            pending = sum(r.num_tokens - r.num_computed_tokens for r in (*sched.waiting, *sched.running))
+            return {
+                "requests": len(sched.waiting) + len(sched.running),
+                "pending_tokens": pending,
+                "free_blocks": self.engine.kv.num_free_blocks(),
+                "num_blocks": self.engine.kv.num_blocks,
+            }
+
+    def client(self, address: str) -> KVTransferClient:
+        """A cached transfer client for a peer, checked once for a compatible KV layout."""
+        c = self._clients.get(address)
+        if c is None:
+            c = KVTransferClient(address, self.config.transfer)
+            try:
+                c.check_compatible(self.engine.layout, self.engine.model_config.fingerprint)
+            except BaseException:
+                c.close()
+                raise
+            self._clients[address] = c
+        return c
+
+    def drop_client(self, address: str) -> None:
+        c = self._clients.pop(address, None)
+        if c is not None:
+            c.close()
+
+    def close(self) -> None:
+        self.registry.unregister(self.config.worker_id)
+        self.registry.close()
+        self.loop.stop()
+        self.server.stop()
+        for c in self._clients.values():
+            c.close()
+        self.publisher.close()
+        self.stats.close()

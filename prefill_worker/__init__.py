@@ -1,0 +1,1 @@
+"""Prefill worker: a Ray actor over the engine and the KV-transfer server."""

@@ -1,0 +1,1 @@
+"""Client-facing gRPC router, routing policy and the pdserve command line."""

@@ -1,0 +1,60 @@
+"""The router as a Ray actor: serves the public gRPC API (grpc.aio) on the actor's event loop."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.model import ModelConfig, load_tokenizer
+from kvtransfer.redis_index import PrefixLookup, RedisIndexConfig, StatsRecorder
+from pdserve.v1 import router_pb2, router_pb2_grpc
+from router.core import RouterConfig, RouterCore
+from router.ray_workers import RayWorkers
+from router.servicer import ModelLimits, RouterServicer
+
+
+class Router:
+    def __init__(
+        self,
+        model_dir: str,
+        router_config: RouterConfig,
+        redis_url: str,
+        namespace: str,
+        prefill: dict,
+        decode: dict,
+        max_model_len: int | None = None,
+    ) -> None:
+        mc = ModelConfig.from_dir(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        limit = min(max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        index = RedisIndexConfig(redis_url, namespace=namespace)
+        self.core = RouterCore(router_config, RayWorkers(prefill, decode), PrefixLookup(index), StatsRecorder(index))
+        self.servicer = RouterServicer(self.core, self.tokenizer, ModelLimits(mc.vocab_size, limit))
+        self.server: grpc.aio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Serve on ``host:port`` (0 = any free port); returns the bound port."""
+        server = grpc.aio.server()
+        router_pb2_grpc.add_RouterServicer_to_server(self.servicer, server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        names = (
+            router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, server)
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot bind the router to {host}:{port}")
+        await server.start()
+        await health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.server = server
+        return bound
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+            self.server = None

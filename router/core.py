@@ -1,0 +1,147 @@
+"""RouterCore: route one request through a prefill worker and a decode worker, stream its tokens.
+
+Plain Python over two narrow dependencies: a ``WorkerClient`` (how to call workers;
+Ray in production) and a ``PrefixLookup`` (Redis). The gRPC servicer converts proto
+messages at the edge and iterates ``RouterCore.generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.kvcache.hashing import block_hashes
+from kvtransfer.handoff import DecodeEvent, PrefillResult, RequestSpec
+from kvtransfer.redis_index import PrefixLookup, StatsRecorder
+from router.policy import pick_worker, prefill_locally
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerUnavailableError(RuntimeError):
+    """A worker died or cannot be reached; ``tokens_sent`` says whether the client saw tokens."""
+
+
+class WorkerClient(Protocol):
+    prefill_ids: list[str]
+    decode_ids: list[str]
+
+    async def prefill(self, worker_id: str, spec: RequestSpec) -> PrefillResult: ...
+
+    def decode(self, worker_id: str, spec: RequestSpec, prefill: PrefillResult | None) -> AsyncIterator[DecodeEvent]: ...
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    block_size: int = 16
+    hash_seed: str = "0"
+    local_prefill_threshold: int = 32
+    load_weight: float = 1.0
+    decode_retries: int = 1  # retries on another decode worker while no decode token was sent
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.local_prefill_threshold < 0 or self.load_weight < 0 or self.decode_retries < 0:
+            raise ValueError(f"invalid RouterConfig: {self}")
+
+
+@dataclass
+class StreamEvent:
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    ttft_ms: float | None = None
+    usage: dict[str, int] | None = None
+
+
+@dataclass
+class _Load:
+    queued: dict[str, int] = field(default_factory=dict)
+
+    def add(self, w: str, n: int) -> None:
+        self.queued[w] = self.queued.get(w, 0) + n
+
+
+class RouterCore:
+    def __init__(self, config: RouterConfig, workers: WorkerClient, lookup: PrefixLookup, stats: StatsRecorder) -> None:
+        self.config = config
+        self.workers = workers
+        self.lookup = lookup
+        self.stats = stats
+        self.prefill_load = _Load()
+        self.decode_load = _Load()
+
+    async def generate(self, spec: RequestSpec) -> AsyncIterator[StreamEvent]:
+        cfg = self.config
+        t0 = time.perf_counter()
+        prompt_len = len(spec.prompt_token_ids)
+        hashes = block_hashes(spec.prompt_token_ids, cfg.block_size, cfg.hash_seed, spec.cache_salt)
+        ids = self.workers.prefill_ids + self.workers.decode_ids
+        overlaps = await asyncio.to_thread(self.lookup.longest_prefix, hashes, ids) if hashes else {}
+        d = pick_worker(self.workers.decode_ids, overlaps, self.decode_load.queued, cfg.block_size, cfg.load_weight)
+        assert d is not None
+        usage = {"prompt_tokens": prompt_len, "cached_tokens": 0, "transferred_tokens": 0}
+        counters = {"requests": 1, "prompt_tokens": prompt_len}
+        prefill: PrefillResult | None = None
+        sent = 0
+        if not prefill_locally(prompt_len, overlaps.get(d, 0), cfg.block_size, cfg.local_prefill_threshold):
+            p = pick_worker(self.workers.prefill_ids, overlaps, self.prefill_load.queued, cfg.block_size, cfg.load_weight)
+            assert p is not None
+            work = prompt_len - overlaps.get(p, 0) * cfg.block_size
+            self.prefill_load.add(p, work)
+            try:
+                prefill = await self.workers.prefill(p, spec)
+            finally:
+                self.prefill_load.add(p, -work)
+            usage["cached_tokens"] = prefill.num_cached_tokens
+            ttft = (time.perf_counter() - t0) * 1000
+            sent = 1
+            if prefill.finished:
+                counters["prefix_hit_tokens"] = prefill.num_cached_tokens
+                self.stats.record(counters, spec.cache_salt, p)
+                yield StreamEvent([prefill.first_token], True, prefill.finish_reason, ttft, usage)
+                return
+            yield StreamEvent([prefill.first_token], ttft_ms=ttft, usage=dict(usage))
+
+        tried: set[str] = set()
+        footprint = prompt_len + spec.params.max_tokens
+        while True:
+            cur = d
+            tried.add(cur)
+            self.decode_load.add(cur, footprint)
+            decoded = 0
+            try:
+                async for ev in self.workers.decode(d, spec, prefill):
+                    decoded += len(ev.token_ids)
+                    if ev.finished:
+                        if prefill is None:
+                            usage["cached_tokens"] = ev.num_local_hit_tokens
+                        usage["transferred_tokens"] = ev.num_transferred_tokens
+                        counters["prefix_hit_tokens"] = usage["cached_tokens"]
+                        counters["transferred_tokens"] = ev.num_transferred_tokens
+                        counters["decode_local_hit_tokens"] = ev.num_local_hit_tokens
+                        self.stats.record(counters, spec.cache_salt, d)
+                    ttft = (time.perf_counter() - t0) * 1000 if sent == 0 and ev.token_ids else None
+                    sent += len(ev.token_ids)
+                    yield StreamEvent(
+                        list(ev.token_ids), ev.finished, ev.finish_reason, ttft, dict(usage) if ev.finished or ttft else None
+                    )
+                    if ev.finished:
+                        return
+                raise WorkerUnavailableError(f"decode worker {d} ended the stream of {spec.request_id} early")
+            except WorkerUnavailableError as exc:
+                nxt = pick_worker(
+                    self.workers.decode_ids, overlaps, self.decode_load.queued, cfg.block_size, cfg.load_weight,
+                    exclude=frozenset(tried),
+                )
+                if decoded or nxt is None or len(tried) > cfg.decode_retries:
+                    raise WorkerUnavailableError(
+                        f"decode worker {d} failed after {sent} token(s) of request {spec.request_id}: {exc}"
+                    ) from exc
+                logger.warning("decode worker %s failed before any decode token; retrying on %s", d, nxt)
+                d = nxt
+            finally:
+                self.decode_load.add(cur, -footprint)

@@ -1,0 +1,149 @@
+"""Service: start (or join) Ray, Redis, the workers and the router; stop them all cleanly."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import ray
+
+from engine.config import CacheConfig, SchedulerConfig
+from kvtransfer.config import TransferConfig
+from kvtransfer.redis_server import EmbeddedRedis
+from kvtransfer.worker_runtime import WorkerConfig
+from router.core import RouterConfig
+from router.service_config import ServiceConfig
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Service:
+    """Owns what it started: a local Ray (unless joining one), an embedded Redis (unless a URL
+    was given), the worker and router actors. ``stop`` is idempotent."""
+
+    def __init__(self, config: ServiceConfig, progress: Callable[[str], None] = _log) -> None:
+        self.config = config
+        self.progress = progress
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url = config.redis_url
+        self.model_dir = config.model
+        self.prefill: dict[str, ray.actor.ActorHandle] = {}
+        self.decode: dict[str, ray.actor.ActorHandle] = {}
+        self.router: ray.actor.ActorHandle | None = None
+        self.port: int | None = None
+        self._started_ray = False
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def _worker_config(self, wid: str, role: str) -> WorkerConfig:
+        c = self.config
+        assert self.model_dir and self.redis_url
+        local = c.host in ("127.0.0.1", "localhost") and not c.ray_address
+        return WorkerConfig(
+            worker_id=wid,
+            role=role,
+            model_dir=self.model_dir,
+            redis_url=self.redis_url,
+            namespace=c.namespace,
+            cache=CacheConfig(c.block_size, c.num_blocks, c.kv_cache_memory_bytes, True, c.hash_seed),
+            scheduler=SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs),
+            dtype=c.dtype,
+            device="cuda" if c.gpus_per_worker > 0 else "cpu",
+            bind_host="127.0.0.1" if local else "0.0.0.0",
+            transfer=replace(TransferConfig(), lease_ttl_s=c.lease_ttl_s),
+        )
+
+    def start(self) -> tuple[str, str]:
+        """Start everything; returns (router address, redis url). Stops what it started on failure."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> tuple[str, str]:
+        c = self.config
+        if self.model_dir is None:
+            from engine.model import make_tiny_model
+
+            self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-model-")
+            self.model_dir = str(make_tiny_model(self._tmp.name))
+            self.progress(f"no --model given: wrote a tiny model to {self.model_dir}")
+        if self.redis_url is None:
+            self.redis = EmbeddedRedis().start()
+            self.redis_url = self.redis.url
+            self.progress(f"started embedded redis-server at {self.redis_url}")
+        if not ray.is_initialized():
+            workers = c.prefill + c.decode
+            if c.ray_address:
+                ray.init(address=c.ray_address, log_to_driver=False)
+            else:
+                cpus = max(os.cpu_count() or 1, int(workers * c.cpus_per_worker) + 1)
+                ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            self._started_ray = True
+        self.progress(f"ray: {ray.cluster_resources().get('CPU', 0):.0f} CPUs, {ray.cluster_resources().get('GPU', 0):.0f} GPUs")
+        from decode_worker.actor import DecodeWorker
+        from prefill_worker.actor import PrefillWorker
+
+        opts = dict(num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker, max_restarts=-1, max_task_retries=0)
+        for i in range(c.prefill):
+            wid = f"prefill-{i}"
+            self.prefill[wid] = ray.remote(PrefillWorker).options(name=f"pdserve-{wid}", **opts).remote(
+                self._worker_config(wid, "prefill")
+            )
+        for i in range(c.decode):
+            wid = f"decode-{i}"
+            self.decode[wid] = ray.remote(DecodeWorker).options(name=f"pdserve-{wid}", **opts).remote(
+                self._worker_config(wid, "decode")
+            )
+        pending = {h.ready.remote(): wid for wid, h in {**self.prefill, **self.decode}.items()}
+        total, t0 = len(pending), time.monotonic()
+        while pending:
+            done, _ = ray.wait(list(pending), timeout=5.0)
+            for ref in done:
+                info = ray.get(ref)
+                wid = pending.pop(ref)
+                self.progress(
+                    f"[{total - len(pending)}/{total}] {wid} loaded the model ({info['num_blocks']} KV blocks, "
+                    f"transfer at {info['grpc_address']})"
+                )
+            if not done:
+                self.progress(f"waiting for {len(pending)} worker(s) to load the model ({time.monotonic() - t0:.0f}s)")
+        from router.actor import Router
+
+        rc = RouterConfig(c.block_size, c.hash_seed, c.local_prefill_threshold, c.load_weight)
+        self.router = ray.remote(Router).options(name="pdserve-router", num_cpus=0, max_restarts=-1).remote(
+            self.model_dir, rc, self.redis_url, c.namespace, self.prefill, self.decode
+        )
+        self.port = ray.get(self.router.start.remote(c.host, c.port))
+        return f"{c.host}:{self.port}", self.redis_url
+
+    def stop(self) -> None:
+        if ray.is_initialized():
+            if self.router is not None:
+                try:
+                    ray.get(self.router.stop.remote(), timeout=10)
+                except Exception:  # noqa: BLE001 - it is going away either way
+                    pass
+            for h in [*self.prefill.values(), *self.decode.values(), *([self.router] if self.router else [])]:
+                try:
+                    ray.kill(h, no_restart=True)
+                except Exception:  # noqa: BLE001
+                    pass
+            if self._started_ray:
+                ray.shutdown()
+        self.prefill.clear()
+        self.decode.clear()
+        self.router = None
+        self._started_ray = False
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

@@ -1,0 +1,109 @@
+"""The public gRPC API: proto <-> dataclasses at the edge, RouterCore inside."""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import unknown_fields
+from google.protobuf.message import Message
+from tokenizers import Tokenizer
+
+from engine.sampling_params import SamplingParams
+from kvtransfer.handoff import RequestSpec
+from pdserve.v1 import router_pb2 as pb
+from pdserve.v1 import router_pb2_grpc as pb_grpc
+from router.core import RouterCore, WorkerUnavailableError
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+
+
+def _check_unknown(msg: Message, where: str) -> None:
+    if len(unknown_fields.UnknownFieldSet(msg)):
+        raise InvalidRequest(f"{where}: unknown field(s) in the request (client built for a newer API?)")
+
+
+def to_spec(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits) -> RequestSpec:
+    """Validate a GenerateRequest and convert it; InvalidRequest names the bad field."""
+    _check_unknown(req, "GenerateRequest")
+    s = req.sampling
+    _check_unknown(s, "sampling")
+    which = req.WhichOneof("prompt")
+    if which is None:
+        raise InvalidRequest("prompt: set text or token_ids")
+    if which == "text":
+        ids = tokenizer.encode(req.text, add_special_tokens=False).ids
+    else:
+        _check_unknown(req.token_ids, "token_ids")
+        ids = list(req.token_ids.ids)
+    if not ids:
+        raise InvalidRequest("prompt: must not be empty")
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequest(f"token_ids: {bad[0]} is outside the vocabulary [0, {limits.vocab_size})")
+    if len(ids) >= limits.max_model_len:
+        raise InvalidRequest(f"prompt: {len(ids)} tokens, the limit is {limits.max_model_len - 1}")
+    for name in ("temperature", "top_p"):
+        if s.HasField(name) and not math.isfinite(getattr(s, name)):
+            raise InvalidRequest(f"sampling.{name}: must be finite")
+    try:
+        params = SamplingParams(
+            max_tokens=s.max_tokens if s.HasField("max_tokens") else 16,
+            temperature=s.temperature if s.HasField("temperature") else 0.0,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            top_k=s.top_k if s.HasField("top_k") else 0,
+            seed=s.seed if s.HasField("seed") else None,
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        )
+    except ValueError as e:
+        raise InvalidRequest(f"sampling.{e}") from e
+    return RequestSpec(req.request_id or uuid.uuid4().hex, tuple(ids), params, req.cache_salt or None)
+
+
+class RouterServicer(pb_grpc.RouterServicer):
+    def __init__(self, core: RouterCore, tokenizer: Tokenizer, limits: ModelLimits) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            spec = to_spec(request, self.tokenizer, self.limits)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        try:
+            async for ev in self.core.generate(spec):
+                resp = pb.GenerateResponse(
+                    request_id=spec.request_id,
+                    token_ids=ev.token_ids,
+                    text=self.tokenizer.decode(ev.token_ids, skip_special_tokens=True),
+                    finished=ev.finished,
+                    finish_reason=ev.finish_reason or "",
+                )
+                if ev.usage:
+                    resp.usage.CopyFrom(pb.Usage(**ev.usage))
+                if ev.ttft_ms is not None:
+                    resp.ttft_ms = ev.ttft_ms
+                yield resp
+        except WorkerUnavailableError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except ValueError as e:  # a worker refused the request
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -1,0 +1,111 @@
+"""The engine's greedy output equals transformers' greedy ``generate`` on the same checkpoint."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.model_utils import load_hf_reference, make_hf_checkpoint
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module", params=["llama_gqa", "qwen2_bias"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    path = make_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=3)
+    return path, load_hf_reference(path)
+
+
+@torch.no_grad()
+def hf_greedy(hf_model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),  # else token 0 (= pad_token_id) would be masked as padding
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,  # generate exactly n tokens, like ignore_eos below
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+LENGTHS = [1, 7, 16, 17, 31, 45, 50]  # 1 to several blocks of 16, mostly not multiples
+
+
+def assert_idle(llm: LLM) -> None:
+    kv = llm.engine.kv
+    kv.check_invariants()
+    assert kv.num_free_blocks() == kv.num_blocks
+    assert not llm.engine.has_unfinished()
+
+
+def test_batch_matches_transformers(checkpoint) -> None:
+    path, hf = checkpoint
+    llm = LLM(str(path), num_blocks=128, block_size=16)
+    ps = prompts(0, LENGTHS)
+    outs = llm.generate(ps, GREEDY)
+    for p, o in zip(ps, outs):
+        assert o.token_ids == hf_greedy(hf, p)
+        assert o.finish_reason == "length"
+    assert_idle(llm)
+
+
+def test_shared_prefix_hits_cache_and_matches(checkpoint) -> None:
+    path, hf = checkpoint
+    llm = LLM(str(path), num_blocks=128, block_size=16)
+    prefix = prompts(1, [40])[0]
+    a, b = prefix + [1, 2, 3], prefix + [9, 8, 7, 6, 5]
+    first = llm.generate([a], GREEDY)[0]
+    second = llm.generate([b], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 32  # two full blocks of the shared 40-token prefix
+    assert first.token_ids == hf_greedy(hf, a)
+    assert second.token_ids == hf_greedy(hf, b)
+    stats = llm.engine.kv.stats
+    assert stats.hits == 32 and stats.queries == len(a) + len(b)
+    assert_idle(llm)
+
+
+def test_chunked_prefill_matches(checkpoint) -> None:
+    path, hf = checkpoint
+    llm = LLM(str(path), num_blocks=128, block_size=16, max_num_batched_tokens=12)
+    ps = prompts(2, [45, 30, 5])
+    outs = llm.generate(ps, GREEDY)
+    for p, o in zip(ps, outs):
+        assert o.token_ids == hf_greedy(hf, p)
+    assert_idle(llm)
+
+
+def test_preemption_matches(checkpoint) -> None:
+    path, hf = checkpoint
+    # 4 requests of 20+32 tokens need 4 blocks of 16 each; 9 blocks force preemption while decoding.
+    llm = LLM(str(path), num_blocks=9, block_size=16, enable_prefix_caching=False)
+    ps = prompts(3, [20, 18, 21, 19])
+    outs = llm.generate(ps, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for p, o in zip(ps, outs):
+        assert o.token_ids == hf_greedy(hf, p)
+    assert_idle(llm)
+
+
+def test_eos_stops_and_text_decodes(checkpoint) -> None:
+    path, hf = checkpoint
+    llm = LLM(str(path), num_blocks=64, block_size=16)
+    p = prompts(4, [12])[0]
+    ref = hf_greedy(hf, p)
+    stop_tok = ref[5]
+    out = llm.generate([p], SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=(stop_tok,)))[0]
+    assert out.token_ids == ref[: ref.index(stop_tok) + 1] and out.finish_reason == "stop"
+    assert isinstance(out.text, str)
+    assert_idle(llm)
