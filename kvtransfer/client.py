@@ -106,6 +106,8 @@ class KVTransferClient:
         """
         if (lease_id is None) == (block_hashes is None):
             raise InvalidPullError("pass exactly one of lease_id and block_hashes")
+        if first_block and lease_id is None:
+            raise InvalidPullError("first_block applies to lease pulls only")
         hashes = [bytes(h) for h in block_hashes] if block_hashes is not None else None
         receiver = BlockReceiver(kv, dest_block_ids, first_block if lease_id is not None else 0, hashes)
         request = pb.PullRequest(

@@ -51,6 +51,7 @@ def metadata_from_proto(msg: pb.GetMetadataResponse) -> TransferMetadata:
 
 
 def chunk_to_proto(chunk: Chunk) -> pb.PullChunk:
+    """The protobuf of a chunk (copies the payload; the server uses ``encode_chunk`` instead)."""
     return pb.PullChunk(
         seq=chunk.seq,
         total_blocks=chunk.total_blocks,
@@ -62,7 +63,7 @@ def chunk_to_proto(chunk: Chunk) -> pb.PullChunk:
                 block_hash=p.block_hash,
                 num_tokens=p.num_tokens,
                 offset=p.offset,
-                data=p.data,
+                data=bytes(p.data),
                 checksum=p.checksum,
             )
             for p in chunk.pieces

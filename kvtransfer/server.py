@@ -22,9 +22,9 @@ import grpc
 
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import BlockNotFoundError, InvalidPullError, LayoutMismatchError, TransferError
-from kvtransfer.protoconv import chunk_to_proto, layout_from_proto, metadata_to_proto
+from kvtransfer.protoconv import encode_chunk, layout_from_proto, metadata_to_proto
 from kvtransfer.source import BlockSource, PinnedBlocks
-from kvtransfer.wire import MISSING_HASHES_KEY
+from kvtransfer.wire import MISSING_HASHES_KEY, Chunk
 from pdserve.v1 import kvtransfer_pb2 as pb
 from pdserve.v1 import kvtransfer_pb2_grpc as pb_grpc
 
@@ -34,7 +34,12 @@ _MAX_MISSING_IN_METADATA = 64  # keeps the trailer far below gRPC's header size 
 
 
 class KVTransferServicer(pb_grpc.KVTransferServicer):
-    """Converts protos to calls on a ``BlockSource`` and its errors to status codes."""
+    """Converts protos to calls on a ``BlockSource`` and its errors to status codes.
+
+    ``Pull`` yields ``kvtransfer.wire.Chunk``s, not protos: ``add_servicer_to_server``
+    registers ``protoconv.encode_chunk`` as its serializer (the PullChunk wire format,
+    written with one copy of the payload; see there why not ``SerializeToString``).
+    """
 
     def __init__(self, source: BlockSource, config: TransferConfig | None = None) -> None:
         self.source = source
@@ -46,7 +51,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=self.source.release(request.lease_id))
 
-    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.PullChunk]:
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[Chunk]:
         try:
             pinned = self._open(request)
         except TransferError as exc:
@@ -61,7 +66,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             for chunk in self.source.chunks(pinned, chunk_bytes, max_pieces):
                 if not context.is_active():
                     return
-                yield chunk_to_proto(chunk)
+                yield chunk
 
     def _open(self, request: pb.PullRequest) -> PinnedBlocks:
         if request.HasField("expected_layout"):
@@ -74,6 +79,28 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
                 raise InvalidPullError("first_block applies to lease pulls only")
             return self.source.open_hashes(list(request.block_hashes.hashes))
         raise InvalidPullError("pull names no blocks: set lease_id or block_hashes")
+
+
+def add_servicer_to_server(servicer: KVTransferServicer, server: grpc.Server) -> None:
+    """Like the generated ``add_KVTransferServicer_to_server``, with ``encode_chunk`` for Pull."""
+    service = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name
+    handlers = {
+        "GetMetadata": grpc.unary_unary_rpc_method_handler(
+            servicer.GetMetadata,
+            request_deserializer=pb.GetMetadataRequest.FromString,
+            response_serializer=pb.GetMetadataResponse.SerializeToString,
+        ),
+        "Pull": grpc.unary_stream_rpc_method_handler(
+            servicer.Pull, request_deserializer=pb.PullRequest.FromString, response_serializer=encode_chunk
+        ),
+        "Release": grpc.unary_unary_rpc_method_handler(
+            servicer.Release,
+            request_deserializer=pb.ReleaseRequest.FromString,
+            response_serializer=pb.ReleaseResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)  # as the generated code does (faster dispatch)
 
 
 def _clamp(requested: int, own: int) -> int:
@@ -156,7 +183,7 @@ def start_transfer_server(
         futures.ThreadPoolExecutor(max_workers=config.server_threads, thread_name_prefix="kv-transfer"),
         options=config.server_options(),
     )
-    pb_grpc.add_KVTransferServicer_to_server(servicer or KVTransferServicer(source, config), server)
+    add_servicer_to_server(servicer or KVTransferServicer(source, config), server)
     bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(bind)

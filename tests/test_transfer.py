@@ -35,7 +35,9 @@ from kvtransfer.leases import LeaseNotFoundError, LeaseTable
 from kvtransfer.pull import pull_request_kv
 from kvtransfer.server import KVTransferServicer, start_transfer_server
 from kvtransfer.source import BlockSource
-from kvtransfer.wire import plan_chunks
+from kvtransfer.protoconv import chunk_from_proto, chunk_to_proto, encode_chunk
+from kvtransfer.wire import Chunk, Piece, plan_chunks
+from pdserve.v1 import kvtransfer_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_SCRIPT = ROOT / "tests" / "transfer_peer.py"
@@ -462,3 +464,28 @@ def test_pull_arguments_validated() -> None:
         with pytest.raises(InvalidPullError):
             client.pull_into(kv, [LOCAL_BLOCKS], lease_id="x")
 
+
+def test_hand_encoder_matches_protobuf() -> None:
+    """The holder's PullChunk encoder writes exactly what SerializeToString would."""
+    gen = torch.Generator().manual_seed(0)
+
+    def pick(*options):  # noqa: ANN002, ANN202
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    for _ in range(200):
+        pieces = tuple(
+            Piece(
+                index=pick(0, 1, 300, 2**32 - 1),
+                block_hash=pick(b"", bytes(range(16))),
+                num_tokens=pick(0, 3, 16),
+                offset=pick(0, 127, 1 << 40),
+                data=memoryview(bytes(pick(0, 1, 127, 128, 20000))),
+                checksum=pick(0, 1, 2**64 - 1),
+            )
+            for _ in range(pick(0, 1, 3))
+        )
+        chunk = Chunk(pick(0, 1, 300), pick(0, 7), pick(0, 2**40), pick(0, 1024), pieces)
+        encoded = encode_chunk(chunk)
+        assert encoded == chunk_to_proto(chunk).SerializeToString()
+        decoded = chunk_from_proto(pb.PullChunk.FromString(encoded))
+        assert [bytes(p.data) for p in decoded.pieces] == [bytes(p.data) for p in pieces]

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +43,7 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from kvtransfer.config import TransferConfig  # noqa: E402
 from kvtransfer.server import KVTransferServicer, start_transfer_server  # noqa: E402
 from kvtransfer.source import BlockSource  # noqa: E402
+from kvtransfer.wire import Chunk  # noqa: E402
 
 
 def token_ids(request_id: str, num_tokens: int) -> list[int]:
@@ -65,14 +67,15 @@ class FaultyServicer(KVTransferServicer):
         self.stall_after_chunk = stall_after_chunk
         self.stall_s = stall_s
 
-    def Pull(self, request, context) -> Iterator:  # type: ignore[override]
-        for msg in super().Pull(request, context):
-            if msg.seq == self.corrupt_chunk and msg.pieces:
-                data = bytearray(msg.pieces[0].data)
-                data[len(data) // 2] ^= 0xFF
-                msg.pieces[0].data = bytes(data)
-            yield msg
-            if msg.seq == self.stall_after_chunk:
+    def Pull(self, request, context) -> Iterator[Chunk]:  # type: ignore[override]
+        for chunk in super().Pull(request, context):
+            if chunk.seq == self.corrupt_chunk and chunk.pieces:
+                first = chunk.pieces[0]
+                data = bytearray(first.data)
+                data[len(data) // 2] ^= 0xFF  # the checksum stays that of the true bytes
+                chunk = replace(chunk, pieces=(replace(first, data=bytes(data)), *chunk.pieces[1:]))
+            yield chunk
+            if chunk.seq == self.stall_after_chunk:
                 print(f"STALL {request.WhichOneof('source')}", flush=True)
                 time.sleep(self.stall_s)
 
