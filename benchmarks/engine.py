@@ -19,6 +19,7 @@ Run: ``python -m benchmarks.engine [--quick] [--json]`` or ``pdserve bench engin
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -72,6 +73,8 @@ def make_prompts(n: int, min_len: int, max_len: int, seed: int) -> list[list[int
 # ---------------------------------------------------------------------------------------
 @dataclass
 class ThroughputConfig:
+    """Sizes of the throughput comparison."""
+
     num_prompts: int
     min_len: int
     max_len: int
@@ -97,6 +100,7 @@ class OursRunner:
         self._runs = 0
 
     def generate(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Greedy output token ids per prompt (fails on any prefix-cache hit)."""
         self._runs += 1
         outs = self.llm.generate(prompts, self.params, cache_salt=f"bench-run-{self._runs}")
         cached = sum(o.num_cached_tokens for o in outs)
@@ -111,11 +115,17 @@ class HFRunner:
     def __init__(self, model_dir: Path, max_tokens: int) -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, attn_implementation="sdpa"
+        )
         self.model.eval()
         self.max_tokens = max_tokens
-        # eos_token_id=None is the equivalent of our ignore_eos: an EOS may be emitted and
-        # generation goes on. min_new_tokens pins the count in case a default EOS creeps in.
+        # Our requests use ignore_eos: an EOS may be emitted and generation goes on. HF's
+        # equivalent is no EOS at all. min_new_tokens alone would not do: it *suppresses* EOS
+        # (forcing the runner-up token, so greedy outputs diverge wherever EOS is the argmax).
+        # The model's own generation_config is cleared too, or generate() merges its EOS back
+        # in; with no EOS, min_new_tokens is inert and every row runs to max_new_tokens.
+        self.model.generation_config.eos_token_id = None
         self.gen_config = GenerationConfig(
             do_sample=False,
             max_new_tokens=max_tokens,
@@ -127,6 +137,7 @@ class HFRunner:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Greedy output token ids per prompt, exactly ``max_tokens`` each."""
         width = max(len(p) for p in prompts)
         ids = torch.zeros((len(prompts), width), dtype=torch.int64)
         mask = torch.zeros((len(prompts), width), dtype=torch.int64)
@@ -141,8 +152,10 @@ class HFRunner:
 
 
 def bench_throughput(model_dir: Path, cfg: ThroughputConfig) -> dict[str, Any]:
+    """Alternate ours / HF over ``cfg.repeats`` runs of the same batch; medians, ratio and agreement."""
     prompts = make_prompts(cfg.num_prompts, cfg.min_len, cfg.max_len, cfg.seed)
     out_tokens = cfg.num_prompts * cfg.max_tokens
+    log(f"load average before: {os.getloadavg()[0]:.2f} (timings are noisy if other processes compete)")
     log(f"throughput: {cfg.num_prompts} prompts ({sum(map(len, prompts))} prompt tokens), "
         f"{cfg.max_tokens} new tokens each, {torch.get_num_threads()} torch threads")
     ours = OursRunner(model_dir, cfg)
@@ -178,6 +191,7 @@ def bench_throughput(model_dir: Path, cfg: ThroughputConfig) -> dict[str, Any]:
         common_prefix.append(n)
     med_ours, med_hf = statistics.median(t_ours), statistics.median(t_hf)
     return {
+        "load_average_1min_after": os.getloadavg()[0],
         "num_prompts": cfg.num_prompts,
         "prompt_len_range": [cfg.min_len, cfg.max_len],
         "prompt_tokens": sum(map(len, prompts)),
@@ -227,6 +241,8 @@ def kv_utilization(
     valid = sum(r.num_computed_tokens for r in reqs)
     held_ids = {b for r in reqs for b in engine.kv.get_block_ids(r.request_id)}
     held = len(held_ids)
+    # The fewest blocks that can hold each request's computed tokens: any excess is over-allocation.
+    ideal = sum(cdiv(r.num_computed_tokens, block_size) for r in reqs)
     allocated_slots = held * block_size
     for r in reqs:
         engine.abort(r.request_id)
@@ -236,6 +252,7 @@ def kv_utilization(
         "steps": steps,
         "valid_tokens": valid,
         "blocks_held": held,
+        "blocks_minimum": ideal,
         "allocated_slots": allocated_slots,
         "utilization": valid / allocated_slots,
         "contiguous_max_len_slots": len(prompts) * max_model_len,
@@ -249,6 +266,7 @@ def bench_utilization(
     model_dir: Path, num_prompts: int, min_len: int, max_len: int, max_tokens: int,
     max_model_len: int, block_sizes: list[int], seed: int,
 ) -> dict[str, Any]:
+    """KV utilization of one seeded workload at each block size."""
     prompts = make_prompts(num_prompts, min_len, max_len, seed + 1)
     rows = []
     for bs in block_sizes:
@@ -265,6 +283,7 @@ def bench_utilization(
 
 # ---------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
+    """``pdserve bench engine``: run both parts, print a table (or JSON with ``--json``)."""
     ap = argparse.ArgumentParser(prog="pdserve bench engine", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
@@ -295,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-engine-") as tmp:
         model_dir = build_model(tmp)
         m = MODEL_KWARGS
-        rows.append(("model", f"llama {m['num_layers']}L h{m['hidden_size']} {m['num_heads']}q/"
-                              f"{m['num_kv_heads']}kv heads ffn{m['intermediate_size']} vocab{m['vocab_size']}, fp32 CPU"))
+        rows.append(("model", f"llama {m['num_layers']}L h{m['hidden_size']} {m['num_heads']}q/{m['num_kv_heads']}kv "
+                              f"heads ffn{m['intermediate_size']} vocab{m['vocab_size']}, fp32 CPU"))
         if not args.skip_throughput:
             t = bench_throughput(model_dir, tp)
             result["throughput"] = t
@@ -306,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{t['torch_threads']} threads, median of {t['repeats']}"),
                 ("ours (LLM.generate)", f"{t['ours_tok_per_s']:,.0f} output tok/s"),
                 ("HF generate (sdpa, fp32)", f"{t['hf_tok_per_s']:,.0f} output tok/s"),
-                ("speedup ours / HF", f"{t['speedup']:.2f}x (target >= 1.5x)"),
+                ("speedup ours / HF", f"{t['speedup']:.2f}x (target >= 1.5x; "
+                                      f"1-min load avg {t['load_average_1min_after']:.1f})"),
                 ("greedy outputs identical", f"{t['greedy_identical_fraction']:.0%} of sequences "
                                              f"(mean common prefix {t['greedy_mean_common_prefix_fraction']:.0%})"),
             ]
@@ -319,11 +339,13 @@ def main(argv: list[str] | None = None) -> int:
             for r in u["rows"]:
                 target = " (target >= 95%)" if r["block_size"] == 16 else ""
                 rows.append((f"KV util paged, block {r['block_size']}",
-                             f"{r['utilization']:.1%} ({r['valid_tokens']} / {r['allocated_slots']} slots){target}"))
+                             f"{r['utilization']:.1%} ({r['valid_tokens']} / {r['allocated_slots']} slots, "
+                             f"{r['blocks_held']} blocks, minimum {r['blocks_minimum']}){target}"))
             r0 = u["rows"][0]
             rows += [
                 (f"KV util contiguous, max_model_len {args.max_model_len}",
-                 f"{r0['contiguous_max_len_utilization']:.1%} ({r0['valid_tokens']} / {r0['contiguous_max_len_slots']})"),
+                 f"{r0['contiguous_max_len_utilization']:.1%} "
+                 f"({r0['valid_tokens']} / {r0['contiguous_max_len_slots']})"),
                 ("KV util contiguous, prompt+max_tokens",
                  f"{r0['contiguous_prompt_plus_max_tokens_utilization']:.1%} "
                  f"({r0['valid_tokens']} / {r0['contiguous_prompt_plus_max_tokens_slots']})"),

@@ -53,6 +53,7 @@ def ttft(engine: LLMEngine, prompt: list[int], cache_salt: str | None) -> tuple[
 
 
 def bench_prefix(prefix_len: int, suffix_len: int, repeats: int, block_size: int, seed: int) -> dict[str, Any]:
+    """Alternate cold / warm TTFT measurements on one engine; medians and their ratio."""
     if prefix_len + suffix_len + 1 > MODEL_KWARGS["max_position_embeddings"]:
         raise ValueError("prefix + suffix exceed the model's max_position_embeddings")
     rng = random.Random(seed)
@@ -106,6 +107,7 @@ def bench_prefix(prefix_len: int, suffix_len: int, repeats: int, block_size: int
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``pdserve bench prefix``: print a table (or JSON with ``--json``)."""
     ap = argparse.ArgumentParser(prog="pdserve bench prefix", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="shorter prefix and fewer repeats (a smoke run)")

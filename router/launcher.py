@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from engine.config import CacheConfig, SchedulerConfig
 from kvtransfer.config import TransferConfig
@@ -75,6 +76,11 @@ class Service:
             self.model_dir = str(make_tiny_model(self._tmp.name))
             self.progress(f"no --model given: wrote a tiny model to {self.model_dir}")
         if self.redis_url is None:
+            if c.ray_address:
+                self.progress(
+                    "warning: the embedded redis-server listens on 127.0.0.1 only; workers on other nodes "
+                    "cannot reach it. Pass --redis-url for a multi-node cluster."
+                )
             self.redis = EmbeddedRedis().start()
             self.redis_url = self.redis.url
             self.progress(f"started embedded redis-server at {self.redis_url}")
@@ -117,7 +123,11 @@ class Service:
         from router.actor import Router
 
         rc = RouterConfig(c.block_size, c.hash_seed, c.local_prefill_threshold, c.load_weight)
-        self.router = ray.remote(Router).options(name="pdserve-router", num_cpus=0, max_restarts=-1).remote(
+        # The router runs on this (the head) node, where users reach its port.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.router = ray.remote(Router).options(
+            name="pdserve-router", num_cpus=0, max_restarts=-1, scheduling_strategy=here
+        ).remote(
             self.model_dir, rc, self.redis_url, c.namespace, self.prefill, self.decode
         )
         self.port = ray.get(self.router.start.remote(c.host, c.port))

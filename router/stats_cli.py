@@ -36,6 +36,6 @@ def run_stats(args: argparse.Namespace) -> int:
     try:
         stats = read_stats(client, cfg.namespace)
     except redis.RedisError as e:
-        raise ValueError(f"cannot read stats from {url}: {e}") from e
+        raise ValueError(f"cannot read stats from {cfg.redacted_url}: {e}") from e
     print(json.dumps(stats, indent=2, sort_keys=True) if args.json else format_stats(stats))
     return 0

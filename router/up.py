@@ -6,6 +6,7 @@ import argparse
 import signal
 import threading
 
+from kvtransfer.redis_index import RedisIndexConfig
 from router.launcher import Service
 from router.service_config import ServiceConfig
 
@@ -14,13 +15,13 @@ def run_up(args: argparse.Namespace) -> int:
     config = ServiceConfig.load(
         args.config,
         model=args.model,
-        prefill=args.prefill if args.prefill != 1 or args.config is None else None,
-        decode=args.decode if args.decode != 1 or args.config is None else None,
-        port=args.port if args.port != 50051 or args.config is None else None,
+        prefill=args.prefill,
+        decode=args.decode,
+        port=args.port,
         redis_url=args.redis_url,
         ray_address=args.ray_address,
         hash_seed=args.hash_seed,
-        block_size=args.block_size if args.block_size != 16 or args.config is None else None,
+        block_size=args.block_size,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -29,7 +30,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         address, redis_url = service.start()
         print(f"router listening on {address}", flush=True)
-        print(f"redis at {redis_url}", flush=True)
+        print(f"redis at {RedisIndexConfig(redis_url).redacted_url}", flush=True)
         stop.wait()
         print("stopping...", flush=True)
     finally:
