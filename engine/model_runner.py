@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import plan_attention
 from engine.kernels.metadata import AttentionMetadata
 from engine.kv_cache import KVCacheTensor
 from engine.sampler import Sampler
@@ -58,6 +59,8 @@ class ModelRunner:
             max_query_len=max(s.num_new_tokens for s in scheduled),
             max_seq_len=max(seq_lens),
         )
+        if dev.type == "cpu":
+            meta.torch_plan = plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         return ids, pos_t, meta, sample_rows

@@ -15,10 +15,13 @@ from __future__ import annotations
 from engine.kernels.metadata import AttentionMetadata
 from engine.kernels.ops import IMPLS, paged_attention, write_kv
 from engine.kernels.reference import paged_attention_ref, write_kv_ref
+from engine.kernels.torch_paged import TorchAttentionPlan, plan_attention
 
 __all__ = [
     "IMPLS",
     "AttentionMetadata",
+    "TorchAttentionPlan",
+    "plan_attention",
     "paged_attention",
     "paged_attention_ref",
     "write_kv",

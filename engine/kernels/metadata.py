@@ -27,6 +27,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     max_query_len: int
     max_seq_len: int
+    # CPU only: the torch path's per-step index plan, shared by every layer (see torch_paged).
+    torch_plan: object | None = None
 
     @property
     def num_seqs(self) -> int:

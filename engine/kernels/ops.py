@@ -21,7 +21,7 @@ import os
 import torch
 
 from engine.kernels.reference import paged_attention_ref, write_kv_ref
-from engine.kernels.torch_paged import paged_attention_torch, write_kv_torch
+from engine.kernels.torch_paged import TorchAttentionPlan, paged_attention_torch, write_kv_torch
 
 IMPLS = ("triton", "torch", "reference")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -147,6 +147,7 @@ def paged_attention(
     max_seq_len: int,
     *,
     impl: str | None = None,
+    plan: TorchAttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a flattened mixed batch (prefill, chunked prefill, decode).
 
@@ -167,6 +168,8 @@ def paged_attention(
             only as tuning hints (results stay correct if they are loose).
         impl: backend, see the module docstring. Triton needs a power-of-two
             ``head_dim <= 256``.
+        plan: optional per-step index plan for the torch backend (``plan_attention`` over
+            the same metadata); lets every layer of a forward share that work.
 
     Returns:
         A new contiguous ``[num_tokens, num_heads, head_dim]`` tensor in ``q.dtype``;
@@ -230,5 +233,7 @@ def paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), max_query_len, max_seq_len
         )
     if backend == "torch":
-        return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale))
+        return paged_attention_torch(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), plan
+        )
     return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale))

@@ -14,6 +14,8 @@ dominated by compute, so the Python loop is negligible.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
@@ -40,54 +42,126 @@ def write_kv_torch(
     v_cache.index_put_((blocks, offsets), value)
 
 
-def _gather_padded(
-    cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int
-) -> torch.Tensor:
-    """Gather ``[B, max_len_padded, H, D]`` K or V for the sequences of ``block_tables``.
+@dataclass
+class DecodeGroup:
+    """One batched SDPA call: decode sequences padded to ``padded_len`` KV positions."""
 
-    Positions past a sequence's length are zeroed (never-written cache memory may
-    hold NaN, and a zero probability times a NaN value is still NaN), but the
-    caller must still mask them out of the softmax. Table entries past a sequence's last block
-    are replaced by block 0 so stale or sentinel ids cannot index out of range.
+    rows: torch.Tensor  # int64 [B]: their query rows
+    block_index: torch.Tensor  # int64 [B * num_blocks]: physical blocks to gather, row-major
+    pad_rows: torch.Tensor  # int64: rows of the gathered [B * padded_len] that are past a sequence's end
+    mask: torch.Tensor  # bool [B, 1, 1, padded_len]
+    padded_len: int
+    all_rows: bool  # rows == arange(num_tokens): no row selection needed
+    buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class TorchAttentionPlan:
+    """Per-step index work of the torch path, computed once and shared by every layer.
+
+    Build it with :func:`plan_attention` from the step's metadata; passing it is an
+    optimisation only (``paged_attention_torch`` builds one itself when it gets none).
     """
-    block_size = cache.shape[1]
-    num_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks].long()
-    needed = (seq_lens.long() + block_size - 1) // block_size
-    in_use = torch.arange(num_blocks, device=table.device)[None, :] < needed[:, None]
-    table = torch.where(in_use, table, torch.zeros_like(table))
-    # index_select is several times faster than advanced indexing (cache[table]) on CPU.
-    gathered = cache.index_select(0, table.view(-1))  # fresh contiguous [B*num_blocks, block_size, H, D]
-    rows = gathered.view(table.shape[0] * num_blocks * block_size, -1)
-    positions = torch.arange(num_blocks * block_size, device=table.device)
-    pad = (positions[None, :] >= seq_lens.long()[:, None]).view(-1).nonzero().view(-1)
-    # Only the padded rows are touched, not a full masked pass over K/V.
-    rows.index_fill_(0, pad, 0)
-    return gathered.view(table.shape[0], num_blocks * block_size, *cache.shape[2:])
+
+    block_size: int
+    num_tokens: int
+    decode_groups: list[DecodeGroup]
+    prefills: list[tuple[int, int, int]]  # (seq, start row, seq_len) of sequences with q_len > 1
+    starts: list[int]
 
 
-def _decode_batch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_len: int,
-    scale: float,
+def _length_buckets(seqs: list[int], lens: list[int], min_fill: float = 0.75) -> list[list[int]]:
+    """Split decode sequences into groups, longest first, padded to the group's longest.
+
+    A new group starts when a sequence is shorter than ``min_fill`` of the group's longest,
+    so at most ~25% of a group's gathered K/V is padding (memory traffic, not compute,
+    bounds CPU decode attention). Each group is one batched SDPA call.
+    """
+    groups: list[list[int]] = []
+    for s in sorted(seqs, key=lambda x: -lens[x]):
+        if groups and lens[s] >= min_fill * lens[groups[-1][0]]:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
+
+
+def plan_attention(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int
+) -> TorchAttentionPlan:
+    """Group the decodes, precompute gather indices, padding rows and masks for one step."""
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    num_seqs = len(lens)
+    q_lens = [starts[s + 1] - starts[s] for s in range(num_seqs)]
+    device = block_tables.device
+    groups: list[DecodeGroup] = []
+    decode = [s for s in range(num_seqs) if q_lens[s] == 1]
+    for group in _length_buckets(decode, lens):
+        group.sort()  # batch order = row order, so a single all-decode group needs no row shuffle
+        padded_blocks = -(-max(lens[s] for s in group) // block_size)
+        padded = padded_blocks * block_size
+        table = [
+            block_tables[s, : -(-lens[s] // block_size)].tolist() + [0] * (padded_blocks - -(-lens[s] // block_size))
+            for s in group
+        ]
+        pad = [b * padded + p for b, s in enumerate(group) for p in range(lens[s], padded)]
+        glens = torch.tensor([lens[s] for s in group], device=device)
+        mask = (torch.arange(padded, device=device)[None, :] < glens[:, None]).view(len(group), 1, 1, padded)
+        rows = [starts[s] for s in group]
+        groups.append(
+            DecodeGroup(
+                rows=torch.tensor(rows, dtype=torch.int64, device=device),
+                block_index=torch.tensor(table, dtype=torch.int64, device=device).view(-1),
+                pad_rows=torch.tensor(pad, dtype=torch.int64, device=device),
+                mask=mask,
+                padded_len=padded,
+                all_rows=rows == list(range(starts[-1])),
+            )
+        )
+    prefills = [(s, starts[s], lens[s]) for s in range(num_seqs) if q_lens[s] > 1]
+    return TorchAttentionPlan(block_size, starts[-1], groups, prefills, starts)
+
+
+def _gather(cache: torch.Tensor, group: DecodeGroup, which: int) -> torch.Tensor:
+    """``[B, padded_len, H, D]`` gather of K (``which=0``) or V into the group's reused buffer.
+
+    Padding rows are zeroed: never-written cache memory may hold NaN, and a zero
+    probability times NaN is still NaN.
+    """
+    key = (cache.dtype, cache.shape[2], cache.shape[3])
+    bufs = group.buffers.get(key)
+    if bufs is None:
+        shape = (group.block_index.numel(), *cache.shape[1:])
+        bufs = (torch.empty(shape, dtype=cache.dtype, device=cache.device),
+                torch.empty(shape, dtype=cache.dtype, device=cache.device))  # fmt: skip
+        group.buffers[key] = bufs
+    out = torch.index_select(cache, 0, group.block_index, out=bufs[which])
+    flat = out.view(-1, cache.shape[2] * cache.shape[3])
+    if group.pad_rows.numel():
+        flat.index_fill_(0, group.pad_rows, 0)
+    return out.view(group.rows.numel(), group.padded_len, *cache.shape[2:])
+
+
+def _decode_group(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
 ) -> torch.Tensor:
-    """Attention for ``B`` single-token queries ``q [B, Hq, D]``; returns ``[B, Hq, D]``."""
+    """Attention for the group's single-token queries ``q [B, Hq, D]``; returns ``[B, Hq, D]``."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    k = _gather_padded(k_cache, block_tables, seq_lens, max_len).transpose(1, 2)  # [B, Hkv, L, D]
-    v = _gather_padded(v_cache, block_tables, seq_lens, max_len).transpose(1, 2)
-    # Pad positions were zeroed by the gather; the mask drops them from the softmax.
-    positions = torch.arange(k.shape[2], device=q.device)
-    mask = (positions[None, :] < seq_lens.to(q.device)[:, None]).view(batch, 1, 1, -1)
+    k = _gather(k_cache, group, 0).transpose(1, 2)  # [B, Hkv, L, D]
+    v = _gather(v_cache, group, 1).transpose(1, 2)
     # Query heads h*group .. h*group+group-1 share KV head h: fold them into q_len.
-    qg = q.view(batch, num_kv_heads, group, head_dim)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
+
+
+def _gather_seq(cache: torch.Tensor, table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[seq_len, H, D]`` K or V of one sequence (a fresh copy)."""
+    block_size = cache.shape[1]
+    blocks = table_row[: -(-seq_len // block_size)].long()
+    return cache.index_select(0, blocks).view(-1, *cache.shape[2:])[:seq_len]
 
 
 def _prefill_one(
@@ -100,9 +174,8 @@ def _prefill_one(
 ) -> torch.Tensor:
     """Causal attention for one sequence's ``q [q_len, Hq, D]`` (its last ``q_len`` positions)."""
     q_len = q.shape[0]
-    lens = torch.tensor([seq_len], device=q.device)
-    k = _gather_padded(k_cache, block_table_row[None], lens, seq_len)[0, :seq_len].transpose(0, 1)
-    v = _gather_padded(v_cache, block_table_row[None], lens, seq_len)[0, :seq_len].transpose(0, 1)
+    k = _gather_seq(k_cache, block_table_row, seq_len).transpose(0, 1)
+    v = _gather_seq(v_cache, block_table_row, seq_len).transpose(0, 1)
     qh = q.transpose(0, 1)  # [Hq, q_len, D]
     context_len = seq_len - q_len
     if context_len == 0:
@@ -125,37 +198,28 @@ def paged_attention_torch(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    plan: TorchAttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed batch; see ``reference.paged_attention_ref``.
 
+    ``plan`` must come from :func:`plan_attention` over these same metadata tensors.
     Returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``; rows owned by no
     sequence are zero.
     """
+    if plan is None:
+        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+    elif plan.block_size != k_cache.shape[1]:
+        raise ValueError(f"plan was built for block_size {plan.block_size}, cache has {k_cache.shape[1]}")
+    if q.shape[0] == 0 or not plan.starts[-1]:
+        return torch.zeros_like(q, memory_format=torch.contiguous_format)
+    groups = plan.decode_groups
+    if len(groups) == 1 and groups[0].all_rows and q.shape[0] == plan.num_tokens:
+        # Hot path: one decode group covering every row.
+        return _decode_group(q, k_cache, v_cache, groups[0], scale)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    num_seqs = seq_lens.shape[0]
-    if q.shape[0] == 0 or num_seqs == 0:
-        return out
-    # Batch structure on the host: this path serves CPU tensors, so .tolist() is cheap.
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [starts[s + 1] - starts[s] for s in range(num_seqs)]
-
-    decode = [s for s in range(num_seqs) if q_lens[s] == 1]
-    if decode:
-        if len(decode) == num_seqs:
-            # Hot path: a pure decode batch needs no index selection at all.
-            rows = query_start_loc[:-1].long()
-            tables, dec_lens = block_tables, seq_lens
-        else:
-            idx = torch.tensor(decode, device=q.device)
-            rows = query_start_loc[idx].long()
-            tables, dec_lens = block_tables[idx], seq_lens[idx]
-        max_len = max(lens[s] for s in decode)
-        dec_out = _decode_batch(q[rows], k_cache, v_cache, tables, dec_lens, max_len, scale)
-        out.index_copy_(0, rows, dec_out)
-
-    for s in range(num_seqs):
-        if q_lens[s] > 1:
-            start, end = starts[s], starts[s + 1]
-            out[start:end] = _prefill_one(q[start:end], k_cache, v_cache, block_tables[s], lens[s], scale)
+    for group in groups:
+        out.index_copy_(0, group.rows, _decode_group(q[group.rows], k_cache, v_cache, group, scale))
+    for s, start, seq_len in plan.prefills:
+        end = plan.starts[s + 1]
+        out[start:end] = _prefill_one(q[start:end], k_cache, v_cache, block_tables[s], seq_len, scale)
     return out

@@ -142,7 +142,7 @@ class Attention(nn.Module):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            self.scale, meta.max_query_len, meta.max_seq_len,
+            self.scale, meta.max_query_len, meta.max_seq_len, plan=meta.torch_plan,
         )
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 

@@ -1,0 +1,709 @@
+"""Serving benchmark: open-loop load on the whole service, 1 prefill + 1 decode vs monolithic.
+
+Workload (seeded, identical for every side): ``--num-requests`` requests arrive as a Poisson
+process at ``--rate`` requests/s (open loop: each request is sent at its scheduled time,
+whether or not earlier ones have answered). ``--tenants`` tenants each have a long shared
+system prompt (200..400 tokens) and a ``cache_salt`` of their own; every request is its
+tenant's system prompt plus a fresh question (30..80 tokens), greedy, ``max_tokens`` new
+tokens with ``ignore_eos``. Prompts are byte token ids, sent as ``token_ids``.
+
+Per request the client timestamps every streamed message: TTFT is send -> first message
+with tokens, the inter-token latencies (ITL) are the gaps between successive messages
+(a message carrying k tokens counts as k tokens of gap/k each), end-to-end is send -> last
+message. Reported: TTFT / ITL / end-to-end p50 and p99, output tokens/s over the run's
+wall time (first scheduled send -> last response), errors, the prefix hit rate from Redis
+(the delta of the cluster counters over the measured run: prefix_hit_tokens / prompt_tokens)
+and the same ratio from the responses' usage (cached_tokens / prompt_tokens).
+
+Without ``--router`` the benchmark starts the service itself (local Ray, embedded Redis) on
+a tiny but real Llama (``MODEL_KWARGS``: 4 layers, hidden 256, fp32 on CPU) twice, one
+after the other, with the same workload:
+
+- ``1P+1D``: one prefill and one decode worker, 1 CPU each; prompts whose uncached part is
+  above ``--local-prefill-threshold`` (default 16) are prefilled by the prefill worker and
+  their KV pulled by the decode worker.
+- ``monolithic``: the same two actors with 2 CPUs each and a local-prefill threshold of
+  10**9, so the decode worker prefills and decodes every request itself (the router's
+  local-prefill path; the prefill worker stays idle). Checked: every response's usage
+  must show ``transferred_tokens == 0`` and the prefill worker's Redis counters must show
+  no request.
+
+Each side: start, warm up with 2 requests (a salt of their own, so tenants start cold),
+measure, read worker pool states (leak check), stop. Torch's thread count inside each
+worker (Ray sets ``OMP_NUM_THREADS`` to the actor's ``num_cpus``) is probed and reported.
+
+With ``--router HOST:PORT [--redis-url URL]`` the same load runs once against a running
+service (no comparison; the Redis hit rate is the delta over the run).
+
+Run: ``python -m benchmarks.serve [--quick] [--json]`` or ``pdserve bench serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import router_pb2 as pb
+from pdserve.v1 import router_pb2_grpc as pb_grpc
+from router.client import build_request
+
+# The served model: small enough that a 2-core CPU box serves a few requests/s, real enough
+# (4 Llama layers, GQA, fp32) that compute, not Python, is most of a step.
+MODEL_KWARGS: dict[str, int] = {
+    "seed": 0,
+    "hidden_size": 256,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 704,
+    "vocab_size": 512,
+    "max_position_embeddings": 2048,
+}
+KV_CACHE_BYTES = 64 * 1024**2
+NUM_BYTE_TOKENS = 256  # prompts are byte token ids (no special tokens)
+DISAGG, MONO = "1P+1D", "monolithic"
+
+
+def log(msg: str) -> None:
+    """Progress line on stderr (stdout stays clean for ``--json``)."""
+    print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Workload
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """Sizes and seed of the open-loop multi-tenant workload."""
+
+    num_requests: int
+    rate: float  # requests/s (Poisson arrivals)
+    tenants: int
+    system_len: tuple[int, int]
+    question_len: tuple[int, int]
+    max_tokens: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1 or self.tenants < 1 or self.max_tokens < 1:
+            raise ValueError("num_requests, tenants and max_tokens must be >= 1")
+        if not (self.rate > 0 and math.isfinite(self.rate)):
+            raise ValueError(f"rate must be a positive number, got {self.rate}")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One scheduled request of the workload."""
+
+    index: int
+    arrival_s: float  # offset from the start of the run
+    tenant: str  # its cache_salt
+    prompt: tuple[int, ...]
+
+
+def make_workload(cfg: WorkloadConfig) -> list[BenchRequest]:
+    """The seeded request list: Poisson arrival offsets, tenant, system prompt + question."""
+    rng = random.Random(cfg.seed)
+    systems = {
+        f"tenant-{t}": [rng.randrange(NUM_BYTE_TOKENS) for _ in range(rng.randint(*cfg.system_len))]
+        for t in range(cfg.tenants)
+    }
+    names = list(systems)
+    arrivals = random.Random(cfg.seed + 1)
+    out, t = [], 0.0
+    for i in range(cfg.num_requests):
+        tenant = rng.choice(names)
+        question = [rng.randrange(NUM_BYTE_TOKENS) for _ in range(rng.randint(*cfg.question_len))]
+        out.append(BenchRequest(i, t, tenant, tuple(systems[tenant] + question)))
+        t += arrivals.expovariate(cfg.rate)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Load generation (grpc.aio: arrivals never wait on responses)
+# ---------------------------------------------------------------------------------------
+@dataclass
+class RequestRecord:
+    """What the client saw of one request (times in seconds since the run's start)."""
+
+    index: int
+    tenant: str
+    scheduled_s: float
+    sent_s: float = 0.0
+    message_times: list[float] = field(default_factory=list)  # receipt of each message with tokens
+    message_tokens: list[int] = field(default_factory=list)  # tokens in each of those messages
+    done_s: float | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.message_tokens)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.message_times[0] - self.sent_s if self.message_times else None
+
+    @property
+    def e2e_s(self) -> float | None:
+        return self.done_s - self.sent_s if self.done_s is not None else None
+
+    def itls_s(self) -> list[float]:
+        """Per output token after the first: the gap before its message, split over the message's tokens."""
+        out: list[float] = []
+        for k in range(1, len(self.message_times)):
+            gap = self.message_times[k] - self.message_times[k - 1]
+            n = self.message_tokens[k]
+            out.extend([gap / n] * n)
+        return out
+
+
+class ProgressBar:
+    """A text bar on stderr: redrawn in place on a terminal, a line per 10% otherwise."""
+
+    def __init__(self, label: str, total: int, width: int = 30) -> None:
+        self.label, self.total, self.width = label, total, width
+        self.tty = sys.stderr.isatty()
+        self._last_decile = -1
+
+    def update(self, done: int, errors: int) -> None:
+        filled = int(self.width * done / self.total)
+        text = (f"[bench serve] {self.label:<10} [{'#' * filled}{'.' * (self.width - filled)}] "
+                f"{done}/{self.total} done, {errors} errors")
+        if self.tty:
+            sys.stderr.write("\r" + text + ("\n" if done == self.total else ""))
+            sys.stderr.flush()
+        else:
+            decile = 10 * done // self.total
+            if decile != self._last_decile:
+                self._last_decile = decile
+                print(text, file=sys.stderr, flush=True)
+
+
+async def _send(
+    stub: pb_grpc.RouterStub, req: BenchRequest, params: SamplingParams, t0: float, timeout_s: float
+) -> RequestRecord:
+    """Stream one request, timestamping every message; errors are recorded, not raised."""
+    rec = RequestRecord(req.index, req.tenant, req.arrival_s)
+    request = build_request(list(req.prompt), params, cache_salt=req.tenant, request_id=f"bench-{req.index}")
+    rec.sent_s = time.perf_counter() - t0
+    try:
+        resp: pb.GenerateResponse
+        async for resp in stub.Generate(request, timeout=timeout_s):
+            now = time.perf_counter() - t0
+            if resp.token_ids:
+                rec.message_times.append(now)
+                rec.message_tokens.append(len(resp.token_ids))
+            if resp.HasField("usage"):
+                u = resp.usage
+                rec.usage = {"prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
+                             "transferred_tokens": u.transferred_tokens}
+            if resp.finished:
+                rec.finish_reason = resp.finish_reason
+        rec.done_s = time.perf_counter() - t0
+        if rec.finish_reason is None:
+            rec.error = "stream ended without a finished message"
+        elif rec.output_tokens != params.max_tokens:
+            rec.error = f"{rec.output_tokens} tokens, expected {params.max_tokens} (ignore_eos)"
+    except grpc.aio.AioRpcError as e:
+        rec.error = f"{e.code().name}: {e.details()}"
+    except Exception as e:  # noqa: BLE001 - one failed request must not stop the run
+        rec.error = repr(e)
+    return rec
+
+
+async def _run_load(
+    address: str, workload: list[BenchRequest], params: SamplingParams, timeout_s: float,
+    on_done: Callable[[RequestRecord], None] | None,
+) -> tuple[list[RequestRecord], float]:
+    """Send every request at its arrival time; returns the records and the wall time."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        await asyncio.wait_for(channel.channel_ready(), timeout=30)
+        stub = pb_grpc.RouterStub(channel)
+        t0 = time.perf_counter()
+        tasks = []
+        for req in workload:
+            delay = req.arrival_s - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(_send(stub, req, params, t0, timeout_s))
+            if on_done is not None:
+                task.add_done_callback(lambda t: on_done(t.result()))
+            tasks.append(task)
+        records = list(await asyncio.gather(*tasks))
+        wall = max((r.done_s for r in records if r.done_s is not None), default=time.perf_counter() - t0)
+    return records, wall
+
+
+def run_load(
+    address: str, workload: list[BenchRequest], params: SamplingParams, timeout_s: float, label: str
+) -> tuple[list[RequestRecord], float]:
+    """``_run_load`` with a progress bar on stderr."""
+    bar = ProgressBar(label, len(workload))
+    state = {"done": 0, "errors": 0}
+
+    def on_done(rec: RequestRecord) -> None:
+        state["done"] += 1
+        state["errors"] += rec.error is not None
+        bar.update(state["done"], state["errors"])
+
+    return asyncio.run(_run_load(address, workload, params, timeout_s, on_done))
+
+
+def warm_up(address: str, params: SamplingParams, prompt_len: int, n: int, salt: str, timeout_s: float) -> int:
+    """``n`` sequential requests under a salt of their own; returns how many failed."""
+    rng = random.Random(12345)
+    reqs = [BenchRequest(i, 0.0, salt, tuple(rng.randrange(NUM_BYTE_TOKENS) for _ in range(prompt_len)))
+            for i in range(n)]
+
+    async def go() -> int:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.RouterStub(channel)
+            failed = 0
+            for r in reqs:
+                failed += (await _send(stub, r, params, time.perf_counter(), timeout_s)).error is not None
+            return failed
+
+    return asyncio.run(go())
+
+
+# ---------------------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated ``q``-th percentile (0..100); None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1000
+
+
+def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
+    """Latency percentiles, throughput, errors and usage-based hit rate of one run."""
+    ok = [r for r in records if r.error is None]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+    itl = [x for r in ok for x in r.itls_s()]
+    prompt = sum(r.usage.get("prompt_tokens", 0) for r in ok)
+    cached = sum(r.usage.get("cached_tokens", 0) for r in ok)
+    out_tokens = sum(r.output_tokens for r in ok)
+    lags = [r.sent_s - r.scheduled_s for r in records]
+    return {
+        "requests": len(records),
+        "completed": len(ok),
+        "errors": len(records) - len(ok),
+        "error_messages": sorted({r.error for r in records if r.error})[:5],
+        "wall_s": wall_s,
+        "output_tokens": out_tokens,
+        "output_tok_per_s": out_tokens / wall_s if wall_s > 0 else 0.0,
+        "request_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "ttft_ms_p50": _ms(percentile(ttft, 50)),
+        "ttft_ms_p99": _ms(percentile(ttft, 99)),
+        "ttft_ms_mean": _ms(statistics.fmean(ttft)) if ttft else None,
+        "itl_ms_p50": _ms(percentile(itl, 50)),
+        "itl_ms_p99": _ms(percentile(itl, 99)),
+        "itl_ms_mean": _ms(statistics.fmean(itl)) if itl else None,
+        "e2e_ms_p50": _ms(percentile(e2e, 50)),
+        "e2e_ms_p99": _ms(percentile(e2e, 99)),
+        "multi_token_messages": sum(1 for r in ok for n in r.message_tokens if n > 1),
+        "max_send_lag_ms": _ms(max(lags)) if lags else None,
+        "max_in_flight": _max_in_flight(records),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "transferred_tokens": sum(r.usage.get("transferred_tokens", 0) for r in ok),
+        "requests_with_transfer": sum(1 for r in ok if r.usage.get("transferred_tokens", 0) > 0),
+        "usage_hit_rate": cached / prompt if prompt else 0.0,
+    }
+
+
+def _max_in_flight(records: list[RequestRecord]) -> int:
+    """Most requests outstanding at once (sent, not yet answered)."""
+    events = sorted([(r.sent_s, 1) for r in records] + [(r.done_s, -1) for r in records if r.done_s is not None])
+    cur = best = 0
+    for _, d in events:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+# ---------------------------------------------------------------------------------------
+# Redis counters
+# ---------------------------------------------------------------------------------------
+def _read_stats(redis_url: str, namespace: str) -> dict | None:
+    from kvtransfer.redis_index import RedisIndexConfig, read_stats
+
+    cfg = RedisIndexConfig(redis_url, namespace=namespace)
+    client = cfg.client()
+    try:
+        return read_stats(client, cfg.namespace)
+    finally:
+        client.close()
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
+
+def redis_delta(redis_url: str, namespace: str, before: dict, expect_requests: int, wait_s: float = 10.0) -> dict:
+    """Cluster (and per-worker) counter deltas since ``before``, once the stats writers caught up.
+
+    The router records each request's counters from a background thread, so this polls
+    until the cluster ``requests`` delta reaches ``expect_requests`` (or ``wait_s`` passes).
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        after = _read_stats(redis_url, namespace)
+        assert after is not None
+        cluster = _delta(after["cluster"], before["cluster"])
+        if cluster.get("requests", 0) >= expect_requests or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    workers = {w: _delta(c, before["workers"].get(w, {})) for w, c in after["workers"].items()}
+    prompt = cluster.get("prompt_tokens", 0)
+    return {
+        "cluster": cluster,
+        "workers": workers,
+        "hit_rate": cluster.get("prefix_hit_tokens", 0) / prompt if prompt else 0.0,
+        "caught_up": cluster.get("requests", 0) >= expect_requests,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# One measured run against a router
+# ---------------------------------------------------------------------------------------
+def measure(
+    label: str, address: str, redis_url: str | None, namespace: str, workload: list[BenchRequest],
+    params: SamplingParams, timeout_s: float, warmup: int,
+) -> dict[str, Any]:
+    """Warm up, snapshot Redis, run the load, summarize, Redis delta."""
+    if warmup:
+        log(f"{label}: warm-up ({warmup} requests)")
+        failed = warm_up(address, params, 64, warmup, f"bench-warmup-{label}", timeout_s)
+        if failed:
+            log(f"{label}: warning: {failed} warm-up request(s) failed")
+    before = None
+    if redis_url:
+        time.sleep(0.5)  # let the warm-up's counters land before the snapshot
+        before = _read_stats(redis_url, namespace)
+    load = os.getloadavg()[0]
+    log(f"{label}: {len(workload)} requests over ~{workload[-1].arrival_s:.1f}s (1-min load avg {load:.2f})")
+    records, wall = run_load(address, workload, params, timeout_s, label)
+    result = summarize(records, wall)
+    result["load_average_1min_before"] = load
+    if redis_url and before is not None:
+        result["redis"] = redis_delta(redis_url, namespace, before, result["completed"])
+        result["redis_hit_rate"] = result["redis"]["hit_rate"]
+    else:
+        result["redis_hit_rate"] = None
+    log(f"{label}: done in {wall:.1f}s: {result['completed']} ok, {result['errors']} errors, "
+        f"TTFT p50 {_fmt(result['ttft_ms_p50'])} ms, ITL p50 {_fmt(result['itl_ms_p50'])} ms")
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# Self-started services
+# ---------------------------------------------------------------------------------------
+def _probe_worker(worker: Any) -> dict[str, Any]:
+    """Runs inside a worker actor (``__ray_call__``): its thread settings."""
+    import os as _os
+
+    import torch as _torch
+
+    return {
+        "pid": _os.getpid(),
+        "OMP_NUM_THREADS": _os.environ.get("OMP_NUM_THREADS"),
+        "torch_threads": _torch.get_num_threads(),
+        "torch_interop_threads": _torch.get_num_interop_threads(),
+        "cpu_affinity": len(_os.sched_getaffinity(0)),
+    }
+
+
+def _worker_checks(service: Any) -> dict[str, Any]:
+    """Thread probe and pool state of every worker of a self-started service."""
+    import ray
+
+    out: dict[str, Any] = {}
+    for wid, h in {**service.prefill, **service.decode}.items():
+        entry: dict[str, Any] = {}
+        try:
+            entry["threads"] = ray.get(h.__ray_call__.remote(_probe_worker), timeout=30)
+        except Exception as e:  # noqa: BLE001 - report, do not fail the benchmark
+            entry["threads"] = {"error": repr(e)}
+        try:
+            entry["pool"] = ray.get(h.pool_state.remote(), timeout=30)
+        except Exception as e:  # noqa: BLE001
+            entry["pool"] = {"error": repr(e)}
+        out[wid] = entry
+    return out
+
+
+def _pool_states(service: Any, settle_s: float = 2.0) -> dict[str, Any]:
+    """Pool states after the run; waits up to ``settle_s`` for requests and leases to drain."""
+    import ray
+
+    deadline = time.monotonic() + settle_s
+    while True:
+        states = {}
+        for wid, h in {**service.prefill, **service.decode}.items():
+            try:
+                states[wid] = ray.get(h.pool_state.remote(), timeout=30)
+            except Exception as e:  # noqa: BLE001
+                states[wid] = {"error": repr(e)}
+        busy = any(s.get("requests", 0) or s.get("leases", 0) for s in states.values())
+        if not busy or time.monotonic() > deadline:
+            return states
+        time.sleep(0.25)
+
+
+def _child_processes() -> list[str]:
+    """Descendant processes of this one, as ``name(pid)``."""
+    try:
+        import psutil
+    except ImportError:
+        return []
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            out.append(f"{p.name()}({p.pid})")
+        except psutil.Error:
+            pass
+    return out
+
+
+def run_service(
+    label: str, model_dir: str, cpus_per_worker: float, threshold: int, workload: list[BenchRequest],
+    params: SamplingParams, timeout_s: float, warmup: int,
+) -> dict[str, Any]:
+    """Start a 1 prefill + 1 decode service, measure it, check its workers, stop it."""
+    from router.launcher import Service
+    from router.service_config import ServiceConfig
+
+    config = ServiceConfig(
+        model=model_dir, prefill=1, decode=1, cpus_per_worker=cpus_per_worker, port=0,
+        kv_cache_memory_bytes=KV_CACHE_BYTES, local_prefill_threshold=threshold, redis_url=None,
+    )
+    before_children = set(_child_processes())
+    service = Service(config, progress=lambda m: log(f"{label}: {m}"))
+    t_start = time.perf_counter()
+    try:
+        address, redis_url = service.start()
+        log(f"{label}: router at {address} ({time.perf_counter() - t_start:.1f}s to start)")
+        checks = _worker_checks(service)
+        result = measure(label, address, redis_url, config.namespace, workload, params, timeout_s, warmup)
+        pools = _pool_states(service)
+        for wid, pool in pools.items():
+            checks[wid]["pool_after"] = pool
+        result["workers"] = checks
+    finally:
+        service.stop()
+    time.sleep(1.0)
+    left = sorted(set(_child_processes()) - before_children)
+    result["processes_left_after_stop"] = left
+    if left:
+        log(f"{label}: warning: processes still running after stop: {', '.join(left)}")
+    result["config"] = {"cpus_per_worker": cpus_per_worker, "local_prefill_threshold": threshold,
+                        "kv_cache_memory_bytes": KV_CACHE_BYTES}
+    return result
+
+
+def check_assumptions(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """Findings about the comparison's assumptions (empty: all held)."""
+    notes = []
+    mono = runs.get(MONO)
+    if mono is not None:
+        if mono["transferred_tokens"] or mono["requests_with_transfer"]:
+            notes.append(f"monolithic: {mono['requests_with_transfer']} request(s) transferred KV "
+                         f"({mono['transferred_tokens']} tokens): not all prefilled locally")
+        pre = mono.get("redis", {}).get("workers", {}).get("prefill-0", {})
+        if pre.get("requests", 0):
+            notes.append(f"monolithic: the prefill worker served {pre['requests']} request(s)")
+    dis = runs.get(DISAGG)
+    if dis is not None and dis["completed"] and dis["requests_with_transfer"] < dis["completed"]:
+        notes.append(f"{DISAGG}: only {dis['requests_with_transfer']} of {dis['completed']} requests "
+                     "transferred KV (the rest were prefilled on the decode worker)")
+    for label, run in runs.items():
+        for wid, w in run.get("workers", {}).items():
+            th = w.get("threads", {})
+            want = run["config"]["cpus_per_worker"]
+            if "torch_threads" in th and th["torch_threads"] != int(want):
+                notes.append(f"{label}: {wid} runs {th['torch_threads']} torch threads "
+                             f"(OMP_NUM_THREADS={th['OMP_NUM_THREADS']}), expected {int(want)} = num_cpus")
+            pool = w.get("pool_after", {})
+            if pool.get("requests") or pool.get("leases"):
+                notes.append(f"{label}: {wid} still holds {pool.get('requests')} request(s) and "
+                             f"{pool.get('leases')} lease(s) after the run")
+        if run["errors"]:
+            notes.append(f"{label}: {run['errors']} request(s) failed: {run['error_messages']}")
+        red = run.get("redis")
+        if red is not None and not red["caught_up"]:
+            notes.append(f"{label}: Redis counted {red['cluster'].get('requests', 0)} requests, "
+                         f"{run['completed']} completed")
+        if run.get("processes_left_after_stop"):
+            notes.append(f"{label}: processes left after stop: {run['processes_left_after_stop']}")
+    return notes
+
+
+# ---------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+TABLE: list[tuple[str, str, str]] = [
+    # (label, key, format)
+    ("TTFT p50 (ms)", "ttft_ms_p50", ".1f"),
+    ("TTFT p99 (ms)", "ttft_ms_p99", ".1f"),
+    ("ITL p50 (ms)", "itl_ms_p50", ".1f"),
+    ("ITL p99 (ms)", "itl_ms_p99", ".1f"),
+    ("end-to-end p50 (ms)", "e2e_ms_p50", ".0f"),
+    ("end-to-end p99 (ms)", "e2e_ms_p99", ".0f"),
+    ("output tokens/s", "output_tok_per_s", ".1f"),
+    ("wall time (s)", "wall_s", ".1f"),
+    ("completed", "completed", "d"),
+    ("errors", "errors", "d"),
+    ("prefix hit rate (Redis)", "redis_hit_rate", ".1%"),
+    ("prefix hit rate (usage)", "usage_hit_rate", ".1%"),
+    ("transferred tokens", "transferred_tokens", "d"),
+    ("max in flight", "max_in_flight", "d"),
+    ("max send lag (ms)", "max_send_lag_ms", ".1f"),
+]
+
+
+def format_table(runs: dict[str, dict[str, Any]]) -> str:
+    """Rows: metrics; columns: each run, then the ratio of the first to the second."""
+    labels = list(runs)
+    header = ["metric", *labels] + ([f"ratio {labels[0]}/{labels[1]}"] if len(labels) == 2 else [])
+    rows = [header]
+    for name, key, spec in TABLE:
+        vals = [runs[lab].get(key) for lab in labels]
+        row = [name, *[_fmt(v, spec) for v in vals]]
+        if len(labels) == 2:
+            a, b = vals
+            row.append(f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "-")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = []
+    for j, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``pdserve bench serve``: run the load (twice, compared, unless ``--router``); table or JSON."""
+    ap = argparse.ArgumentParser(prog="pdserve bench serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smoke run (12 requests)")
+    ap.add_argument("--num-requests", type=int, default=None, help="requests per run (default 40; 12 with --quick)")
+    ap.add_argument("--rate", type=float, default=2.0, help="Poisson arrival rate, requests/s (default 2)")
+    ap.add_argument("--tenants", type=int, default=4, help="tenants, each a cache_salt and system prompt (default 4)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="new tokens per request (default 32)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up requests before each measured run")
+    ap.add_argument("--timeout", type=float, default=120.0, help="per-request deadline in seconds")
+    ap.add_argument("--local-prefill-threshold", type=int, default=16,
+                    help="the 1P+1D side's threshold (uncached prompt tokens prefilled on the decode worker)")
+    ap.add_argument("--only", choices=["disagg", "mono"], default=None, help="run one side only")
+    ap.add_argument("--router", default=None, help="HOST:PORT of a running service (no comparison)")
+    ap.add_argument("--redis-url", default=None, help="its Redis (for the hit rate; with --router)")
+    ap.add_argument("--namespace", default="pdserve", help="its Redis namespace (with --router)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.redis_url and not args.router:
+        ap.error("--redis-url goes with --router (a self-started service has its own Redis)")
+
+    wcfg = WorkloadConfig(
+        num_requests=args.num_requests or (12 if args.quick else 40), rate=args.rate, tenants=args.tenants,
+        system_len=(200, 400), question_len=(30, 80), max_tokens=args.max_tokens, seed=args.seed,
+    )
+    workload = make_workload(wcfg)
+    params = SamplingParams(max_tokens=wcfg.max_tokens, temperature=0.0, ignore_eos=True)
+    prompt_lens = [len(r.prompt) for r in workload]
+    result: dict[str, Any] = {
+        "workload": {**asdict(wcfg), "prompt_tokens": sum(prompt_lens),
+                     "prompt_len_range": [min(prompt_lens), max(prompt_lens)],
+                     "last_arrival_s": workload[-1].arrival_s},
+        "quick": args.quick,
+    }
+    log(f"workload: {wcfg.num_requests} requests at {wcfg.rate} req/s (Poisson, seed {wcfg.seed}), "
+        f"{wcfg.tenants} tenants, prompts {min(prompt_lens)}..{max(prompt_lens)} tokens, "
+        f"{wcfg.max_tokens} new tokens each")
+
+    runs: dict[str, dict[str, Any]] = {}
+    try:
+        if args.router:
+            result["router"] = args.router
+            runs[args.router] = measure(args.router, args.router, args.redis_url, args.namespace, workload,
+                                        params, args.timeout, args.warmup)
+        else:
+            from engine.model import make_tiny_model
+
+            result["model"] = dict(MODEL_KWARGS)
+            with tempfile.TemporaryDirectory(prefix="pdserve-bench-serve-") as tmp:
+                model_dir = str(make_tiny_model(tmp, **MODEL_KWARGS))
+                sides = [(DISAGG, 1.0, args.local_prefill_threshold), (MONO, 2.0, 10**9)]
+                if args.only:
+                    sides = [s for s in sides if (s[0] == DISAGG) == (args.only == "disagg")]
+                for label, cpus, threshold in sides:
+                    runs[label] = run_service(label, model_dir, cpus, threshold, workload, params,
+                                              args.timeout, args.warmup)
+    except grpc.RpcError as e:
+        print(f"pdserve bench serve: error: {e}", file=sys.stderr)
+        return 1
+    result["runs"] = runs
+    result["findings"] = check_assumptions(runs)
+
+    if args.json:
+        import json
+
+        print(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        if not args.router:
+            m = MODEL_KWARGS
+            print(f"model: llama {m['num_layers']}L h{m['hidden_size']} {m['num_heads']}q/{m['num_kv_heads']}kv "
+                  f"heads ffn{m['intermediate_size']} vocab{m['vocab_size']}, fp32 CPU")
+            print(f"{DISAGG}: 1 prefill + 1 decode worker, 1 CPU each, local-prefill threshold "
+                  f"{args.local_prefill_threshold}; {MONO}: the decode worker prefills everything, 2 CPUs")
+        w = result["workload"]
+        print(f"workload: {w['num_requests']} requests, Poisson {w['rate']} req/s, {w['tenants']} tenants, "
+              f"prompts {w['prompt_len_range'][0]}..{w['prompt_len_range'][1]} tokens, "
+              f"{w['max_tokens']} new tokens, seed {w['seed']}")
+        print()
+        print(format_table(runs))
+        for label, run in runs.items():
+            for wid, wk in run.get("workers", {}).items():
+                th = wk.get("threads", {})
+                print(f"{label} {wid}: OMP_NUM_THREADS={th.get('OMP_NUM_THREADS')} "
+                      f"torch threads={th.get('torch_threads')}")
+        if result["findings"]:
+            print("\nfindings:")
+            for note in result["findings"]:
+                print(f"  - {note}")
+    return 0 if all(r["errors"] == 0 for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
