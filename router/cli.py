@@ -12,7 +12,7 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"pdserve: error: --prompt-ids must be comma-separated integers, got {text!r}") from None
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:

@@ -24,11 +24,12 @@ def run_up(args: argparse.Namespace) -> int:
         block_size=args.block_size,
     )
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     service = Service(config)
     try:
         address, redis_url = service.start()
+        # After start: ray.init installs its own SIGTERM handler, which would skip the clean stop.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         print(f"router listening on {address}", flush=True)
         print(f"redis at {RedisIndexConfig(redis_url).redacted_url}", flush=True)
         stop.wait()
