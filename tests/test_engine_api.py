@@ -1,0 +1,80 @@
+"""The offline API's contracts: input validation, sampling options end to end, block accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    path = make_tiny_model(tmp_path_factory.mktemp("api"), max_position_embeddings=128)
+    return LLM(str(path), num_blocks=32, block_size=8)
+
+
+def idle(llm: LLM) -> bool:
+    kv = llm.engine.kv
+    kv.check_invariants()
+    return kv.num_free_blocks() == kv.num_blocks and not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ([], SamplingParams(), "prompt"),
+        ("", SamplingParams(), "prompt"),
+        ([1] * 128, SamplingParams(), "max_model_len"),
+        ([1, 2, 100000], SamplingParams(), "prompt_token_ids"),
+        ([1, -3], SamplingParams(), "prompt_token_ids"),
+    ],
+)
+def test_bad_prompts_name_the_field_and_leave_nothing(llm: LLM, prompt, params, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        llm.generate([[5, 6], prompt], params)  # the good prompt is not queued either
+    assert idle(llm)
+
+
+def test_text_prompt_and_decode(llm: LLM) -> None:
+    out = llm.generate("héllo wörld", SamplingParams(max_tokens=5))[0]
+    assert out.prompt_token_ids == llm.encode("héllo wörld") and len(out.token_ids) == 5
+    assert out.text == llm.decode(out.token_ids)
+    assert idle(llm)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm: LLM) -> None:
+    p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=7)
+    alone = llm.generate([[10, 20, 30]], p)[0].token_ids
+    batched = llm.generate([[1, 2, 3, 4], [10, 20, 30], [9] * 11], [SamplingParams(max_tokens=12, temperature=1.0), p, p])
+    assert batched[1].token_ids == alone
+    other_seed = llm.generate([[10, 20, 30]], SamplingParams(max_tokens=12, temperature=1.0, seed=8))[0].token_ids
+    assert other_seed != alone
+    assert idle(llm)
+
+
+def test_max_model_len_caps_generation(llm: LLM) -> None:
+    out = llm.generate([[3] * 120], SamplingParams(max_tokens=50, ignore_eos=True))[0]
+    assert len(out.token_ids) == 128 - 120 and out.finish_reason == "length"
+    assert idle(llm)
+
+
+def test_abort_returns_blocks(llm: LLM) -> None:
+    eng = llm.engine
+    req = eng.add_request([4] * 20, SamplingParams(max_tokens=40, ignore_eos=True))
+    eng.step()
+    assert eng.kv.num_free_blocks() < eng.kv.num_blocks
+    assert eng.abort(req.request_id) and not eng.abort(req.request_id)
+    assert idle(llm)
+
+
+def test_request_larger_than_the_pool_is_refused(tmp_path) -> None:
+    small = LLM(str(make_tiny_model(tmp_path / "m")), num_blocks=4, block_size=8)
+    with pytest.raises(ValueError, match="KV blocks"):
+        small.generate([[1] * 30], SamplingParams(max_tokens=10))
+    assert idle(small)
+
+
+def test_unknown_option_is_an_error(tmp_path) -> None:
+    with pytest.raises(TypeError, match="blok_size"):
+        LLM(str(make_tiny_model(tmp_path / "m")), blok_size=16)
