@@ -17,7 +17,7 @@ from engine.engine import LLMEngine
 from engine.engine_loop import EngineLoop
 from kvtransfer.client import KVTransferClient
 from kvtransfer.config import TransferConfig
-from kvtransfer.redis_index import KVEventPublisher, RedisIndexConfig, StatsRecorder
+from kvtransfer.redis_index import REDIS_ERRORS, KVEventPublisher, RedisIndexConfig, StatsRecorder, remove_worker_blocks
 from kvtransfer.registry import WorkerRegistry
 from kvtransfer.server import start_transfer_server
 from kvtransfer.source import BlockSource
@@ -62,10 +62,22 @@ def _node_ip() -> str:
         return "127.0.0.1"
 
 
+def _forget_previous_blocks(index: RedisIndexConfig, worker_id: str) -> None:
+    """A (re)started worker's pool is empty: drop holder fields a previous incarnation left."""
+    try:
+        removed = remove_worker_blocks(index.client(), index.namespace, worker_id)
+    except REDIS_ERRORS as exc:  # Redis is an index: start anyway, the publisher resyncs later
+        logger.warning("could not clear stale block holders of %s: %s", worker_id, exc)
+        return
+    if removed:
+        logger.info("cleared %d stale block holder fields of %s", removed, worker_id)
+
+
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         index = RedisIndexConfig(config.redis_url, namespace=config.namespace)
+        _forget_previous_blocks(index, config.worker_id)
         self.publisher = KVEventPublisher(index, config.worker_id)
         self.stats = StatsRecorder(index, config.worker_id)
         self.engine = LLMEngine(
@@ -110,6 +122,16 @@ class WorkerRuntime:
                 "pending_tokens": pending,
                 "free_blocks": self.engine.kv.num_free_blocks(),
                 "num_blocks": self.engine.kv.num_blocks,
+            }
+
+    def pool_state(self) -> dict[str, int]:
+        """Free blocks, leases and requests holding blocks (idle: free == total, 0, 0)."""
+        with self.engine.lock:
+            return {
+                "free_blocks": self.engine.kv.num_free_blocks(),
+                "num_blocks": self.engine.kv.num_blocks,
+                "leases": len(self.source.leases),
+                "requests": len(self.engine.kv.req_to_blocks),
             }
 
     def client(self, address: str) -> KVTransferClient:

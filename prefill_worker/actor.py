@@ -22,14 +22,7 @@ class PrefillWorker:
         return await self.service.prefill(spec)
 
     async def pool_state(self) -> dict[str, int]:
-        """Free blocks, leases and live requests (tests assert the pool returns to idle)."""
-        with self.rt.engine.lock:
-            return {
-                "free_blocks": self.rt.engine.kv.num_free_blocks(),
-                "num_blocks": self.rt.engine.kv.num_blocks,
-                "leases": len(self.rt.source.leases),
-                "requests": len(self.rt.engine.kv.req_to_blocks),
-            }
+        return self.rt.pool_state()
 
     async def shutdown(self) -> None:
         self.rt.close()

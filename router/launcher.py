@@ -123,10 +123,11 @@ class Service:
         from router.actor import Router
 
         rc = RouterConfig(c.block_size, c.hash_seed, c.local_prefill_threshold, c.load_weight)
-        # The router runs on this (the head) node, where users reach its port.
+        # The router runs on this (the head) node, where users reach its port. It is not
+        # restarted by Ray: a restarted actor would not re-bind the port (start() is a call).
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.router = ray.remote(Router).options(
-            name="pdserve-router", num_cpus=0, max_restarts=-1, scheduling_strategy=here
+            name="pdserve-router", num_cpus=0, max_restarts=0, scheduling_strategy=here
         ).remote(
             self.model_dir, rc, self.redis_url, c.namespace, self.prefill, self.decode
         )

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import grpc
 import ray
 
@@ -20,15 +17,6 @@ def stub_for(address: str) -> tuple[grpc.Channel, pb_grpc.RouterStub]:
 def pool_states(service: Service) -> dict[str, dict[str, int]]:
     handles = {**service.prefill, **service.decode}
     return {wid: ray.get(h.pool_state.remote(), timeout=60) for wid, h in handles.items()}
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 30.0, interval: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval)
-    return cond()
 
 
 def all_idle(service: Service) -> bool:

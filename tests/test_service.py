@@ -11,6 +11,7 @@ import ray
 import torch
 
 from engine import LLM, SamplingParams
+from engine.kvcache.hashing import block_hashes
 from engine.model import make_tiny_model
 from kvtransfer.handoff import RequestSpec
 from kvtransfer.redis_index import RedisIndexConfig, read_stats
@@ -18,7 +19,8 @@ from pdserve.v1 import router_pb2 as pb
 from router.client import build_request, generate
 from router.launcher import Service
 from router.service_config import ServiceConfig
-from tests.service_utils import all_idle, stub_for, wait_for
+from tests.redis_utils import wait_until
+from tests.service_utils import all_idle, stub_for
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +72,7 @@ def test_outputs_equal_offline_engine_and_transformers(service, model_dir) -> No
         assert r.token_ids == o.token_ids == ref
         assert r.finish_reason == "length"
         assert r.usage["prompt_tokens"] == len(p)
-    assert wait_for(lambda: all_idle(svc))
+    assert wait_until(lambda: all_idle(svc), timeout=30)
 
 
 def test_repeated_prompt_hits_cache_and_pulls_only_missing_blocks(service) -> None:
@@ -83,11 +85,11 @@ def test_repeated_prompt_hits_cache_and_pulls_only_missing_blocks(service) -> No
     assert second.usage["cached_tokens"] == 64  # prefill worker computed only the tail
     # The decode worker holds the 4 prefix blocks from the first pull; only the rest moves.
     assert second.usage["transferred_tokens"] == 94 - 64
-    assert wait_for(lambda: stats(svc)["cluster"]["prefix_hit_tokens"] >= 64)
+    assert wait_until(lambda: stats(svc)["cluster"]["prefix_hit_tokens"] >= 64, timeout=30)
     s = stats(svc)
     assert s["cluster"]["decode_local_hit_tokens"] >= 64
     assert s["hit_rate"] == pytest.approx(s["cluster"]["prefix_hit_tokens"] / s["cluster"]["prompt_tokens"])
-    assert wait_for(lambda: all_idle(svc))
+    assert wait_until(lambda: all_idle(svc), timeout=30)
 
 
 @pytest.mark.parametrize(
@@ -137,7 +139,7 @@ def test_client_cancel_frees_blocks_on_both_workers(service) -> None:
         if got >= 3:
             call.cancel()
             break
-    assert wait_for(lambda: all_idle(svc), timeout=30)
+    assert wait_until(lambda: all_idle(svc), timeout=30)
 
 
 def test_deadline_is_honoured(service) -> None:
@@ -148,7 +150,7 @@ def test_deadline_is_honoured(service) -> None:
                            timeout=0.5))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - t0 < 5
-    assert wait_for(lambda: all_idle(svc), timeout=30)
+    assert wait_until(lambda: all_idle(svc), timeout=30)
 
 
 def test_prefill_worker_killed_before_pull_decode_recomputes(service, model_dir) -> None:
@@ -157,13 +159,16 @@ def test_prefill_worker_killed_before_pull_decode_recomputes(service, model_dir)
     spec = RequestSpec("kill-prefill", tuple(p), GREEDY)
     prefill = ray.get(svc.prefill["prefill-0"].prefill.remote(spec), timeout=60)
     ray.kill(svc.prefill["prefill-0"], no_restart=False)  # Ray restarts it; its leases are gone
-    assert wait_for(lambda: _address(svc.prefill["prefill-0"]) not in (None, prefill.address), timeout=120)
+    assert wait_until(lambda: _address(svc.prefill["prefill-0"]) not in (None, prefill.address), timeout=120)
+    # The restarted worker's pool is empty, so it dropped the holder fields its predecessor published.
+    key = f"pdserve:block:{block_hashes(p, 16)[0].hex()}"
+    assert RedisIndexConfig(svc.redis_url).client().hget(key, "prefill-0") is None
     events = [ray.get(r) for r in svc.decode["decode-0"].generate.options(num_returns="streaming").remote(spec, prefill)]
     tokens = [prefill.first_token] + [t for ev in events for t in ev.token_ids]
     assert events[-1].finished and events[-1].num_recomputed_tokens == 45
     assert tokens == LLM(model_dir, num_blocks=64).generate([p], GREEDY)[0].token_ids
-    assert wait_for(lambda: stats(svc)["cluster"]["recomputed_tokens"] >= 45)
-    assert wait_for(lambda: all_idle(svc), timeout=60)
+    assert wait_until(lambda: stats(svc)["cluster"]["recomputed_tokens"] >= 45, timeout=30)
+    assert wait_until(lambda: all_idle(svc), timeout=60)
 
 
 def test_redis_outage_keeps_serving_and_counters_resume(service) -> None:
@@ -178,9 +183,9 @@ def test_redis_outage_keeps_serving_and_counters_resume(service) -> None:
         svc.redis.restart()
     generate(stub, build_request(prompt_ids(12, 30), GREEDY))
     # The restarted server is empty; counting resumes (and lost increments are replayed).
-    assert wait_for(lambda: stats(svc)["cluster"]["requests"] >= 1, timeout=30)
+    assert wait_until(lambda: stats(svc)["cluster"]["requests"] >= 1, timeout=30)
     assert before >= 0
-    assert wait_for(lambda: all_idle(svc))
+    assert wait_until(lambda: all_idle(svc), timeout=30)
 
 
 def test_decode_worker_killed_mid_generation(service) -> None:
@@ -200,14 +205,14 @@ def test_decode_worker_killed_mid_generation(service) -> None:
 
     t = threading.Thread(target=consume)
     t.start()
-    assert wait_for(lambda: got >= 3, timeout=60)
+    assert wait_until(lambda: got >= 3, timeout=60)
     ray.kill(svc.decode["decode-0"], no_restart=False)
     t.join(timeout=60)
     assert err and err[0].code() == grpc.StatusCode.UNAVAILABLE
     assert "decode worker" in err[0].details()
     # Ray restarts the worker and the router keeps serving.
-    assert wait_for(lambda: _serves(stub), timeout=120)
-    assert wait_for(lambda: all_idle(svc), timeout=60)
+    assert wait_until(lambda: _serves(stub), timeout=120)
+    assert wait_until(lambda: all_idle(svc), timeout=60)
 
 
 def _address(handle) -> str | None:

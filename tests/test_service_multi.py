@@ -12,7 +12,8 @@ from kvtransfer.redis_index import RedisIndexConfig, read_stats
 from router.client import build_request, generate
 from router.launcher import Service
 from router.service_config import ServiceConfig
-from tests.service_utils import all_idle, stub_for, wait_for
+from tests.redis_utils import wait_until
+from tests.service_utils import all_idle, stub_for
 
 pytestmark = pytest.mark.slow
 
@@ -35,13 +36,13 @@ def test_two_plus_two_workers(tmp_path) -> None:
         expected = LLM(model_dir, num_blocks=256).generate(prompts, params)
         assert [r.token_ids for r in results] == [e.token_ids for e in expected]
         cfg = RedisIndexConfig(redis_url)
-        assert wait_for(lambda: read_stats(cfg.client(), cfg.namespace)["cluster"]["requests"] == 12)
+        assert wait_until(lambda: read_stats(cfg.client(), cfg.namespace)["cluster"]["requests"] == 12, timeout=30)
         s = read_stats(cfg.client(), cfg.namespace)
         assert s["cluster"]["prefix_hit_tokens"] > 0
         workers = cfg.client().hgetall(f"{cfg.namespace}:workers")
         assert {w if isinstance(w, str) else w.decode() for w in workers} == {
             "prefill-0", "prefill-1", "decode-0", "decode-1"}
-        assert wait_for(lambda: all_idle(svc))
+        assert wait_until(lambda: all_idle(svc), timeout=30)
     finally:
         channel.close()
         svc.stop()
