@@ -195,7 +195,7 @@ def bench(reps: int, with_torch: bool) -> list[dict]:
                 "rel_err": err,
             }
             if with_torch:
-                torch_call = lambda: paged_attention(*p.args(), impl="torch")  # noqa: E731
+                torch_call = lambda p=p: paged_attention(*p.args(), impl="torch")  # noqa: E731
                 torch_call()
                 row["torch_us"] = round(_median_event_us(torch_call, max(reps // 5, 3), flush), 2)
             rows.append(row)

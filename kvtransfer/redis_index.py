@@ -21,285 +21,38 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
-import xxhash
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from engine.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvtransfer.redis_common import (
+    REDIS_ERRORS,
+    STATS_FIELDS,
+    OutageTracker,
+    RedisIndexConfig,
+    hit_rate,
+    now_ms,
+    tenant_digest,
+)
+from kvtransfer.redis_writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
-_W = TypeVar("_W", bound="BackgroundWriter")
 
-STATS_FIELDS: tuple[str, ...] = (
-    "requests",
-    "prompt_tokens",
-    "prefix_hit_tokens",
-    "prefill_computed_tokens",
-    "transferred_tokens",
-    "decode_local_hit_tokens",
-    "blocks_stored",
-    "blocks_evicted",
-    "transfer_failures",
-    "recomputed_tokens",
-)
-# Errors that mean "the index is unreachable or refuses writes", never the caller's fault.
-REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")  # no glob characters: read_stats SCANs by pattern
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def tenant_digest(cache_salt: str) -> str:
-    """Tenant id in key names: ``xxh3_64`` of the UTF-8 salt as 16 hex chars (the salt never appears)."""
-    return xxhash.xxh3_64_hexdigest(cache_salt.encode("utf-8"))
-
-
-def hit_rate(counters: Mapping[str, int]) -> float:
-    """``prefix_hit_tokens / prompt_tokens`` of summed counters (0.0 when nothing was prompted)."""
-    prompt = counters.get("prompt_tokens", 0)
-    return counters.get("prefix_hit_tokens", 0) / prompt if prompt else 0.0
-
-
-@dataclass(frozen=True, repr=False)
-class RedisIndexConfig:
-    """Where the index lives and how its clients behave.
-
-    ``url`` is handed to ``redis.Redis.from_url`` as is, so ``redis://:pw@host:port/db``,
-    ``redis://user:pw@...`` and ``rediss://`` (TLS) work. ``repr`` hides the password.
-    """
-
-    url: str
-    namespace: str = "pdserve"
-    events_maxlen: int = 10000
-    socket_timeout_s: float = 1.0  # bounds every Redis call, so a hung server costs at most this
-    batch_max: int = 256  # events per pipeline round trip
-    max_queue: int = 100_000  # queued writes beyond this are dropped (and covered by a republish)
-    retry_initial_s: float = 0.05
-    retry_max_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        scheme = urlsplit(self.url).scheme
-        if scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://, got {self.redacted_url!r}")
-        if not _NAMESPACE_RE.match(self.namespace):
-            raise ValueError(f"namespace must match {_NAMESPACE_RE.pattern}, got {self.namespace!r}")
-        for name in ("events_maxlen", "batch_max", "max_queue"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("socket_timeout_s", "retry_initial_s", "retry_max_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.retry_initial_s > self.retry_max_s:
-            raise ValueError("retry_initial_s must be <= retry_max_s")
-
-    @property
-    def redacted_url(self) -> str:
-        parts = urlsplit(self.url)
-        if parts.password is None:
-            return self.url
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-        return urlunsplit(parts._replace(netloc=netloc))
-
-    def __repr__(self) -> str:
-        return f"RedisIndexConfig(url={self.redacted_url!r}, namespace={self.namespace!r})"
-
-    def client(self) -> redis.Redis:
-        """A new client with str replies and one immediate retry (which re-dials a stale pooled socket)."""
-        return redis.Redis.from_url(
-            self.url,
-            decode_responses=True,
-            socket_timeout=self.socket_timeout_s,
-            socket_connect_timeout=self.socket_timeout_s,
-            retry=Retry(NoBackoff(), 1),
-        )
-
-    # -- key names (design.md) ------------------------------------------------------------
-    def block_key(self, block_hash: bytes) -> str:
-        return f"{self.namespace}:block:{block_hash.hex()}"
-
-    @property
-    def events_key(self) -> str:
-        return f"{self.namespace}:events"
-
-    @property
-    def workers_key(self) -> str:
-        return f"{self.namespace}:workers"
-
-    @property
-    def stats_key(self) -> str:
-        return f"{self.namespace}:stats"
-
-    def worker_stats_key(self, worker_id: str) -> str:
-        return f"{self.namespace}:stats:worker:{worker_id}"
-
-    def tenant_stats_key(self, cache_salt: str) -> str:
-        return f"{self.namespace}:stats:tenant:{tenant_digest(cache_salt)}"
-
-
-class OutageTracker:
-    """Logs an outage once (warning) and its end once (info); counts outages."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.outages = 0
-        self.down_since: float | None = None
-
-    @property
-    def down(self) -> bool:
-        return self.down_since is not None
-
-    def failed(self, exc: BaseException) -> None:
-        if self.down_since is None:
-            self.down_since = time.monotonic()
-            self.outages += 1
-            log.warning("%s: Redis unavailable (%s: %s); serving goes on without the index", self.what,
-                        type(exc).__name__, exc)  # fmt: skip
-
-    def ok(self) -> None:
-        if self.down_since is not None:
-            log.info("%s: Redis reachable again after %.1fs", self.what, time.monotonic() - self.down_since)
-            self.down_since = None
-
-
-class BackgroundWriter:
-    """A queue the caller fills without blocking and a daemon thread that writes it in batches.
-
-    Subclasses implement ``_write(pipe, batch)`` (queue the commands of a batch on a pipeline)
-    and may override ``_dropped(batch)`` (remember what a batch that could not be written would
-    have changed) and ``_resync(client)`` (write that back once Redis answers again). All three
-    run on the writer thread; ``_dropped`` and the caller share ``self._cv``, which subclasses
-    also use to guard their own state. On failure the whole queue is dropped (it is covered by the
-    resync) and retried with exponential backoff; ``outages``, ``dropped_batches`` and
-    ``dropped_items`` count what happened.
-    """
-
-    def __init__(self, config: RedisIndexConfig, name: str) -> None:
-        self.config = config
-        self.name = name
-        self._client = config.client()
-        self._cv = threading.Condition()
-        self._items: deque = deque()
-        self._unfinished = 0  # items enqueued and not yet written or dropped
-        self._resync_pending = False
-        self._busy = False  # the thread holds a batch or runs a resync (flush must wait for it)
-        self._closed = False
-        self._stop = threading.Event()
-        self._outage = OutageTracker(name)
-        self.dropped_batches = 0
-        self.dropped_items = 0
-        self.resyncs = 0
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    @property
-    def outages(self) -> int:
-        return self._outage.outages
-
-    def _enqueue(self, item: object) -> None:
-        """Queue one item; the caller holds ``self._cv``. Never blocks on I/O, never raises."""
-        if self._closed:
-            return
-        if len(self._items) >= self.config.max_queue:
-            # Redis is too slow to keep up: drop, and let a resync restore the state later.
-            self._dropped([item])
-            self.dropped_items += 1
-            self._resync_pending = True
-        else:
-            self._items.append(item)
-            self._unfinished += 1
-        self._cv.notify_all()
-
-    def _write(self, pipe: redis.client.Pipeline, batch: list) -> None:
-        raise NotImplementedError
-
-    def _dropped(self, batch: list) -> None:
-        """Called with ``self._cv`` held for items that will never be written."""
-
-    def _resync(self, client: redis.Redis) -> None:
-        """Restore in Redis what dropped items would have written."""
-
-    def _run(self) -> None:
-        delay = self.config.retry_initial_s
-        while True:
-            with self._cv:
-                while not self._items and not self._resync_pending and not self._closed:
-                    self._cv.wait()
-                if self._closed and (self._outage.down or not (self._items or self._resync_pending)):
-                    return
-                batch = [self._items.popleft() for _ in range(min(len(self._items), self.config.batch_max))]
-                resync = self._resync_pending
-                self._busy = True
-            try:
-                if resync:
-                    with self._cv:
-                        self._resync_pending = False  # a drop during the resync sets it again
-                    self._resync(self._client)
-                    self.resyncs += 1
-                if batch:
-                    pipe = self._client.pipeline(transaction=False)
-                    self._write(pipe, batch)
-                    pipe.execute()
-                self._outage.ok()
-                delay = self.config.retry_initial_s
-                self._finish(len(batch))
-            except Exception as exc:  # noqa: BLE001 - the writer thread must survive anything
-                if not isinstance(exc, REDIS_ERRORS):
-                    log.exception("%s: unexpected error writing to Redis; batch dropped", self.name)
-                self._outage.failed(exc)
-                with self._cv:
-                    # The rest of the queue would fail too: drop it now, the resync covers it.
-                    rest = list(self._items)
-                    self._items.clear()
-                    self._dropped(batch + rest)
-                    self.dropped_batches += 1
-                    self.dropped_items += len(batch) + len(rest)
-                    self._resync_pending = True
-                self._finish(len(batch) + len(rest))
-                self._stop.wait(delay)
-                delay = min(delay * 2, self.config.retry_max_s)
-
-    def _finish(self, n: int) -> None:
-        with self._cv:
-            self._unfinished -= n
-            self._busy = False
-            self._cv.notify_all()
-
-    def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until every queued item is handled and nothing awaits a resync; False on timeout.
-
-        During an outage this returns False (a resync is pending until Redis answers).
-        """
-        with self._cv:
-            return self._cv.wait_for(
-                lambda: self._unfinished == 0 and not self._resync_pending and not self._busy, timeout
-            )
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Write what is queued if Redis answers (bounded by ``timeout``), then stop the thread."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._stop.set()
-        self._thread.join(timeout)
-        self._client.close()
-
-    def __enter__(self: _W) -> _W:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+__all__ = [
+    "KVEventPublisher",
+    "PrefixLookup",
+    "RedisIndexConfig",
+    "StatsRecorder",
+    "STATS_FIELDS",
+    "REDIS_ERRORS",
+    "hit_rate",
+    "read_stats",
+    "remove_worker_blocks",
+    "tenant_digest",
+]
 
 
 class KVEventPublisher(BackgroundWriter):

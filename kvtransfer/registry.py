@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from kvtransfer.redis_index import REDIS_ERRORS, OutageTracker, RedisIndexConfig, now_ms
+from kvtransfer.redis_common import REDIS_ERRORS, OutageTracker, RedisIndexConfig, now_ms
 
 log = logging.getLogger(__name__)
 

@@ -283,7 +283,7 @@ def test_outage_never_blocks_callers_and_index_is_republished(caplog: pytest.Log
         stats.record({"requests": 1, "prompt_tokens": 32})
         assert stats.flush(5)
 
-        caplog.set_level(logging.WARNING, logger="kvtransfer.redis_index")
+        caplog.set_level(logging.WARNING, logger="kvtransfer")
         server.stop()
         t0 = time.perf_counter()
         pool.free_blocks(evict_me)
