@@ -7,9 +7,10 @@ import logging
 from collections.abc import AsyncIterator
 
 from engine.engine import RequestOutput
-from kvtransfer.errors import TransferError
+from engine.request import Request
+from kvtransfer.errors import BlockNotFoundError, LayoutMismatchError, PeerUnavailableError, TransferError
 from kvtransfer.handoff import DecodeEvent, PrefillResult, RequestSpec
-from kvtransfer.pull import pull_request_kv
+from kvtransfer.pull import KVPullResult, pull_request_kv
 from kvtransfer.worker_runtime import WorkerRuntime
 
 logger = logging.getLogger(__name__)
@@ -20,41 +21,65 @@ class DecodeService:
 
     ``generate`` yields DecodeEvents until the request finishes. Whatever happens (the
     consumer stops iterating, is cancelled, or a pull fails) the request's blocks are
-    back in the pool when the generator closes. A failed pull is not an error for the
+    back in the pool when the generator closes, and the prefill worker's lease is
+    released once this worker will not pull it. A failed pull is not an error for the
     client: the prompt is recomputed here and counted in ``recomputed_tokens``.
     """
 
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
 
-    async def _pull(self, spec: RequestSpec, prefill: PrefillResult, req) -> tuple[int, int] | None:
-        """Pull the prompt's KV; (local hit tokens, transferred tokens), or None to recompute."""
+    async def _pull(self, spec: RequestSpec, prefill: PrefillResult, req: Request) -> KVPullResult | None:
+        """Pull the prompt's KV into this pool; None when it must be recomputed instead."""
         rt = self.rt
+
+        def work() -> KVPullResult | None:
+            client = rt.client(prefill.address)
+            return pull_request_kv(
+                rt.engine.kv, rt.engine.kv_cache, req, client, req.num_prompt_tokens,
+                lease_id=prefill.lease_id, lock=rt.engine.lock,
+            )  # fmt: skip
+
+        # The pull thread cannot be interrupted: if this coroutine is cancelled, wait for the
+        # thread to finish (it frees what it allocated on failure) before anyone frees blocks
+        # it may still be writing into.
+        fut = asyncio.ensure_future(asyncio.to_thread(work))
         try:
-            client = await asyncio.to_thread(rt.client, prefill.address)
-            result = await asyncio.to_thread(
-                pull_request_kv,
-                rt.engine.kv,
-                rt.engine.kv_cache,
-                req,
-                client,
-                req.num_prompt_tokens,
-                lease_id=prefill.lease_id,
-                lock=rt.engine.lock,
-            )
+            result = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
         except TransferError as exc:
             logger.warning("pull of %s from %s failed (%s); recomputing", spec.request_id, prefill.address, exc)
-            rt.drop_client(prefill.address)
+            if isinstance(exc, (PeerUnavailableError, LayoutMismatchError)):
+                await asyncio.to_thread(rt.drop_client, prefill.address)
             rt.stats.record({"transfer_failures": 1}, spec.cache_salt)
+            if not isinstance(exc, (PeerUnavailableError, BlockNotFoundError)):
+                await self._release(prefill)
             return None
-        if result is None:  # no room to pull now: the scheduler will admit and recompute it
-            return None
-        return result.num_local_hit_tokens, result.num_external_tokens
+        if result is None:  # no room to pull now: the scheduler admits and recomputes it later
+            await self._release(prefill)
+        return result
+
+    async def _release(self, prefill: PrefillResult) -> None:
+        """Best effort: a lease this worker will not pull goes back now, not after its TTL."""
+        if not prefill.lease_id:
+            return
+        try:
+            await asyncio.to_thread(lambda: self.rt.client(prefill.address).release(prefill.lease_id))
+        except Exception as exc:  # noqa: BLE001 - the lease expires by itself
+            logger.debug("release of lease %s failed: %s", prefill.lease_id, exc)
+
+    def _cleanup(self, request_id: str) -> None:
+        engine = self.rt.engine
+        self.rt.loop.abort(request_id)
+        with engine.lock:
+            if engine.kv.get_blocks(request_id):
+                engine.kv.free(request_id)
 
     async def generate(self, spec: RequestSpec, prefill: PrefillResult | None = None) -> AsyncIterator[DecodeEvent]:
         rt = self.rt
-        engine = rt.engine
-        req = engine.make_request(spec.prompt_token_ids, spec.params, spec.request_id, spec.cache_salt)
+        req = rt.engine.make_request(spec.prompt_token_ids, spec.params, spec.request_id, spec.cache_salt)
         aloop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
@@ -62,21 +87,26 @@ class DecodeService:
             aloop.call_soon_threadsafe(queue.put_nowait, out)
 
         local_hit = transferred = recomputed = 0
-        submitted = False
+        pulled = False
         try:
             if prefill is None:
                 rt.loop.submit(req, on_output)
             else:
-                pulled = await self._pull(spec, prefill, req)
+                result = await self._pull(spec, prefill, req)
+                pulled = True
+                # The first token came from the prefill worker; a seeded stream continues after it.
                 req.append_output_token(prefill.first_token)
-                if pulled is None:
+                with rt.engine.lock:
+                    rt.engine.runner.sampler.skip_draws(
+                        req.request_id, req.sampling_params, rt.engine.model_config.vocab_size, rt.engine.device, 1
+                    )
+                if result is None:
                     recomputed = req.num_prompt_tokens
                     rt.stats.record({"recomputed_tokens": recomputed}, spec.cache_salt)
                     rt.loop.submit(req, on_output)
                 else:
-                    local_hit, transferred = pulled
+                    local_hit, transferred = result.num_local_hit_tokens, result.num_external_tokens
                     rt.loop.submit(req, on_output, running=True)
-            submitted = True
             while True:
                 out = await queue.get()
                 if isinstance(out, BaseException):
@@ -87,24 +117,13 @@ class DecodeService:
                     local_hit = out.num_cached_tokens
                 if out.new_token_ids or out.finished:
                     yield DecodeEvent(
-                        spec.request_id,
-                        tuple(out.new_token_ids),
-                        out.finished,
-                        out.finish_reason,
-                        local_hit,
-                        transferred,
-                        recomputed,
-                    )
+                        spec.request_id, tuple(out.new_token_ids), out.finished, out.finish_reason,
+                        local_hit, transferred, recomputed,
+                    )  # fmt: skip
                 if out.finished:
                     return
         finally:
             # Cancelled, consumer gone or failed: the engine drops the request and its blocks.
-            rt.loop.abort(spec.request_id)
-            with engine.lock:
-                if engine.kv.get_blocks(spec.request_id):
-                    engine.kv.free(spec.request_id)
-            if not submitted and prefill is not None and prefill.lease_id:
-                try:
-                    rt.client(prefill.address).release(prefill.lease_id)
-                except Exception:  # noqa: BLE001 - the lease expires by itself
-                    pass
+            await asyncio.to_thread(self._cleanup, spec.request_id)
+            if prefill is not None and not pulled:
+                await self._release(prefill)

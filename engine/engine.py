@@ -56,7 +56,7 @@ class LLMEngine:
         self.model = load_model(config.model_dir, dtype=dtype, device=self.device)
         self.dtype = next(self.model.parameters()).dtype
         mc = self.model_config
-        self.max_model_len = min(config.scheduler.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = min(config.scheduler.max_model_len or mc.max_context_len, mc.max_context_len)
         cc = config.cache
         self.layout = KVLayout(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cc.block_size, self.dtype)
         num_blocks = cc.num_blocks or max(1, self.layout.num_blocks_for_budget(cc.kv_cache_memory_bytes))
@@ -97,7 +97,7 @@ class LLMEngine:
                 f"{cdiv(total, self.layout.block_size)} KV blocks but the pool has {self.kv.num_blocks}"
             )
         rid = request_id or uuid.uuid4().hex
-        if rid in self.requests:
+        if rid in self.requests or self.kv.get_blocks(rid):
             raise ValueError(f"request_id: {rid!r} is already in use")
         return Request(
             rid,
@@ -158,8 +158,10 @@ class LLMEngine:
             try:
                 tokens = self.runner.execute(out.scheduled, block_ids)
             except BaseException:
-                # A failed forward must not strand blocks: abort what was in the batch.
+                # A failed forward must not strand blocks, nor leave cached hashes on blocks
+                # whose KV it never wrote: uncache this step's blocks, abort the batch.
                 for s in out.scheduled:
+                    self.kv.uncache_blocks(s.request, s.request.num_computed_tokens)
                     self.abort(s.request.request_id)
                 raise
             outputs: list[RequestOutput] = []

@@ -55,6 +55,12 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout=10)
 
+    def _deliver(self, cb: OutputCallback, out: RequestOutput | BaseException) -> None:
+        try:
+            cb(out)
+        except Exception:  # a consumer's bug (or closed event loop) must not stop the engine
+            logger.exception("output callback failed")
+
     def _run(self) -> None:
         while not self._stopped:
             if not self.engine.has_unfinished():
@@ -69,11 +75,24 @@ class EngineLoop:
                     failed = [rid for rid in self._callbacks if rid not in self.engine.requests]
                     callbacks = [self._callbacks.pop(rid) for rid in failed]
                 for cb in callbacks:
-                    cb(exc)
+                    self._deliver(cb, exc)
+                if not callbacks:  # nothing to blame: back off instead of failing in a tight loop
+                    self._wake.wait(self._idle_wait_s)
+                    self._wake.clear()
+                continue
+            if not outputs:
+                # Work is queued but nothing fits now (blocks held by leases or pulls): wait for
+                # a wake-up or a short timeout instead of spinning on the lock.
+                self._wake.wait(self._idle_wait_s / 5)
+                self._wake.clear()
                 continue
             for out in outputs:
                 cb = self._callbacks.get(out.request_id)
                 if out.finished:
                     self._callbacks.pop(out.request_id, None)
                 if cb is not None:
-                    cb(out)
+                    self._deliver(cb, out)
+
+    def wake(self) -> None:
+        """Blocks were freed outside the engine (a lease ended): try to schedule now."""
+        self._wake.set()

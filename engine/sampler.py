@@ -42,6 +42,17 @@ class Sampler:
             self._generators[request_id] = gen
         return gen
 
+    def skip_draws(self, request_id: str, params: SamplingParams, vocab_size: int, device: torch.device, n: int) -> None:
+        """Advance a seeded request's generator past ``n`` draws made elsewhere (a prefill
+        worker sampled the first token), so the stream continues as if sampled here.
+        A multinomial draw consumes the same generator state whatever the probabilities."""
+        gen = None if params.greedy else self._generator(request_id, params, device)
+        if gen is None:
+            return
+        uniform = torch.ones(vocab_size, device=device)
+        for _ in range(n):
+            torch.multinomial(uniform, 1, generator=gen)
+
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
         """``logits`` is float32 ``[n, vocab]``; returns one token id per row."""
         greedy = logits.argmax(dim=-1).tolist()

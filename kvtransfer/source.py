@@ -80,6 +80,8 @@ class BlockSource:
         self.model_fingerprint = model_fingerprint
         self.worker_id = worker_id
         self.leases = LeaseTable(self._free_lease, manager.block_size, self.config.lease_ttl_s)
+        # Called (outside the lock) after a lease returns its blocks, e.g. to wake the engine.
+        self.on_blocks_freed: Callable[[], None] | None = None
 
     def metadata(self) -> TransferMetadata:
         return TransferMetadata(self.model_fingerprint, self.layout, self.worker_id, self.config.chunk_bytes)
@@ -107,6 +109,8 @@ class BlockSource:
     def _free_lease(self, lease: Lease) -> None:
         with self.lock:
             self.manager.free(lease.request_id)
+        if self.on_blocks_freed is not None:
+            self.on_blocks_freed()
 
     def close(self) -> None:
         """End every lease (blocks being pulled are freed when those pulls end)."""

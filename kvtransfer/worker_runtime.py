@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -93,10 +94,12 @@ class WorkerRuntime:
             worker_id=config.worker_id,
             config=config.transfer,
         )
+        self.source.on_blocks_freed = self.loop.wake
         self.server = start_transfer_server(self.source, config.transfer, host=config.bind_host, port=0)
         host = config.advertise_host or ("127.0.0.1" if config.bind_host in ("127.0.0.1", "localhost") else _node_ip())
         self.address = f"{host}:{self.server.port}"
         self._clients: dict[str, KVTransferClient] = {}
+        self._clients_lock = threading.Lock()  # pulls run in several threads
         self.registry = WorkerRegistry(index)
         self.registry.start_heartbeat(config.worker_id, self.info, config.heartbeat_s)
         logger.info("%s worker %s ready, KV transfer at %s", config.role, config.worker_id, self.address)
@@ -136,19 +139,22 @@ class WorkerRuntime:
 
     def client(self, address: str) -> KVTransferClient:
         """A cached transfer client for a peer, checked once for a compatible KV layout."""
-        c = self._clients.get(address)
-        if c is None:
-            c = KVTransferClient(address, self.config.transfer)
-            try:
-                c.check_compatible(self.engine.layout, self.engine.model_config.fingerprint)
-            except BaseException:
-                c.close()
-                raise
-            self._clients[address] = c
-        return c
+        with self._clients_lock:
+            c = self._clients.get(address)
+            if c is None:
+                c = KVTransferClient(address, self.config.transfer)
+                try:
+                    c.check_compatible(self.engine.layout, self.engine.model_config.fingerprint)
+                except BaseException:
+                    c.close()
+                    raise
+                self._clients[address] = c
+            return c
 
     def drop_client(self, address: str) -> None:
-        c = self._clients.pop(address, None)
+        """Forget a peer that is gone (its channel's other calls are failing too)."""
+        with self._clients_lock:
+            c = self._clients.pop(address, None)
         if c is not None:
             c.close()
 
@@ -157,7 +163,9 @@ class WorkerRuntime:
         self.registry.close()
         self.loop.stop()
         self.server.stop()
-        for c in self._clients.values():
+        with self._clients_lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
             c.close()
         self.publisher.close()
         self.stats.close()

@@ -21,6 +21,9 @@ class PrefillWorker:
     async def prefill(self, spec: RequestSpec) -> PrefillResult:
         return await self.service.prefill(spec)
 
+    async def release(self, lease_id: str) -> bool:
+        return self.rt.source.release(lease_id)
+
     async def pool_state(self) -> dict[str, int]:
         return self.rt.pool_state()
 

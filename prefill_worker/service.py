@@ -54,7 +54,9 @@ class PrefillService:
             if not finished:
                 lease_id = rt.source.lease_request(req, num_tokens=req.num_prompt_tokens)
                 leased = True
-            rt.stats.record({"prefill_computed_tokens": req.num_prompt_tokens - max(req.num_cached_tokens, 0)})
+            rt.stats.record(
+                {"prefill_computed_tokens": req.num_prompt_tokens - max(req.num_cached_tokens, 0)}, spec.cache_salt
+            )
             return PrefillResult(
                 spec.request_id,
                 first,

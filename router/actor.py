@@ -27,7 +27,7 @@ class Router:
     ) -> None:
         mc = ModelConfig.from_dir(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
-        limit = min(max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        limit = min(max_model_len or mc.max_context_len, mc.max_context_len)
         index = RedisIndexConfig(redis_url, namespace=namespace)
         self.core = RouterCore(router_config, RayWorkers(prefill, decode), PrefixLookup(index), StatsRecorder(index))
         self.servicer = RouterServicer(self.core, self.tokenizer, ModelLimits(mc.vocab_size, limit))

@@ -34,6 +34,9 @@ class WorkerClient(Protocol):
 
     def decode(self, worker_id: str, spec: RequestSpec, prefill: PrefillResult | None) -> AsyncIterator[DecodeEvent]: ...
 
+    def release(self, worker_id: str, lease_id: str) -> None:
+        """Fire and forget: end a lease that no decode worker will pull."""
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -74,7 +77,20 @@ class RouterCore:
         self.prefill_load = _Load()
         self.decode_load = _Load()
 
+    async def _prefill(self, spec: RequestSpec, p: str, work: int) -> PrefillResult | None:
+        """Run the prefill on ``p``; None when that worker is unavailable (decode will prefill)."""
+        self.prefill_load.add(p, work)
+        try:
+            return await self.workers.prefill(p, spec)
+        except WorkerUnavailableError as exc:
+            logger.warning("prefill worker %s unavailable (%s); the decode worker prefills %s", p, exc, spec.request_id)
+            return None
+        finally:
+            self.prefill_load.add(p, -work)
+
     async def generate(self, spec: RequestSpec) -> AsyncIterator[StreamEvent]:
+        """Stream one request's tokens. Counters go to Redis exactly once per request, when it
+        ends (finished, failed or cancelled), credited to the worker that did the work."""
         cfg = self.config
         t0 = time.perf_counter()
         prompt_len = len(spec.prompt_token_ids)
@@ -84,64 +100,73 @@ class RouterCore:
         d = pick_worker(self.workers.decode_ids, overlaps, self.decode_load.queued, cfg.block_size, cfg.load_weight)
         assert d is not None
         usage = {"prompt_tokens": prompt_len, "cached_tokens": 0, "transferred_tokens": 0}
-        counters = {"requests": 1, "prompt_tokens": prompt_len}
+        front = {"requests": 1, "prompt_tokens": prompt_len, "prefix_hit_tokens": 0}  # who computed the prompt
+        back: dict[str, int] = {}  # what the decode worker reused or pulled
+        front_worker = d
         prefill: PrefillResult | None = None
+        handed_over = False
         sent = 0
-        if not prefill_locally(prompt_len, overlaps.get(d, 0), cfg.block_size, cfg.local_prefill_threshold):
-            p = pick_worker(self.workers.prefill_ids, overlaps, self.prefill_load.queued, cfg.block_size, cfg.load_weight)
-            assert p is not None
-            work = prompt_len - overlaps.get(p, 0) * cfg.block_size
-            self.prefill_load.add(p, work)
-            try:
-                prefill = await self.workers.prefill(p, spec)
-            finally:
-                self.prefill_load.add(p, -work)
-            usage["cached_tokens"] = prefill.num_cached_tokens
-            ttft = (time.perf_counter() - t0) * 1000
-            sent = 1
-            if prefill.finished:
-                counters["prefix_hit_tokens"] = prefill.num_cached_tokens
-                self.stats.record(counters, spec.cache_salt, p)
-                yield StreamEvent([prefill.first_token], True, prefill.finish_reason, ttft, usage)
-                return
-            yield StreamEvent([prefill.first_token], ttft_ms=ttft, usage=dict(usage))
-
-        tried: set[str] = set()
-        footprint = prompt_len + spec.params.max_tokens
-        while True:
-            cur = d
-            tried.add(cur)
-            self.decode_load.add(cur, footprint)
-            decoded = 0
-            try:
-                async for ev in self.workers.decode(d, spec, prefill):
-                    decoded += len(ev.token_ids)
-                    if ev.finished:
-                        if prefill is None:
-                            usage["cached_tokens"] = ev.num_local_hit_tokens
-                        usage["transferred_tokens"] = ev.num_transferred_tokens
-                        counters["prefix_hit_tokens"] = usage["cached_tokens"]
-                        counters["transferred_tokens"] = ev.num_transferred_tokens
-                        counters["decode_local_hit_tokens"] = ev.num_local_hit_tokens
-                        self.stats.record(counters, spec.cache_salt, d)
-                    ttft = (time.perf_counter() - t0) * 1000 if sent == 0 and ev.token_ids else None
-                    sent += len(ev.token_ids)
-                    yield StreamEvent(
-                        list(ev.token_ids), ev.finished, ev.finish_reason, ttft, dict(usage) if ev.finished or ttft else None
-                    )
-                    if ev.finished:
-                        return
-                raise WorkerUnavailableError(f"decode worker {d} ended the stream of {spec.request_id} early")
-            except WorkerUnavailableError as exc:
-                nxt = pick_worker(
-                    self.workers.decode_ids, overlaps, self.decode_load.queued, cfg.block_size, cfg.load_weight,
-                    exclude=frozenset(tried),
+        try:
+            if not prefill_locally(prompt_len, overlaps.get(d, 0), cfg.block_size, cfg.local_prefill_threshold):
+                p = pick_worker(
+                    self.workers.prefill_ids, overlaps, self.prefill_load.queued, cfg.block_size, cfg.load_weight
                 )
-                if decoded or nxt is None or len(tried) > cfg.decode_retries:
-                    raise WorkerUnavailableError(
-                        f"decode worker {d} failed after {sent} token(s) of request {spec.request_id}: {exc}"
-                    ) from exc
-                logger.warning("decode worker %s failed before any decode token; retrying on %s", d, nxt)
-                d = nxt
-            finally:
-                self.decode_load.add(cur, -footprint)
+                assert p is not None
+                prefill = await self._prefill(spec, p, prompt_len - overlaps.get(p, 0) * cfg.block_size)
+            if prefill is not None:
+                front_worker = prefill.worker_id
+                usage["cached_tokens"] = front["prefix_hit_tokens"] = prefill.num_cached_tokens
+                ttft = (time.perf_counter() - t0) * 1000
+                sent = 1
+                if prefill.finished:
+                    yield StreamEvent([prefill.first_token], True, prefill.finish_reason, ttft, usage)
+                    return
+                yield StreamEvent([prefill.first_token], ttft_ms=ttft, usage=dict(usage))
+
+            tried: set[str] = set()
+            footprint = prompt_len + spec.params.max_tokens
+            while True:
+                cur = d
+                tried.add(cur)
+                self.decode_load.add(cur, footprint)
+                decoded = 0
+                try:
+                    handed_over = True  # from here the decode worker releases the lease
+                    async for ev in self.workers.decode(cur, spec, prefill):
+                        decoded += len(ev.token_ids)
+                        if prefill is None:
+                            usage["cached_tokens"] = front["prefix_hit_tokens"] = ev.num_local_hit_tokens
+                        else:
+                            back = {
+                                "transferred_tokens": ev.num_transferred_tokens,
+                                "decode_local_hit_tokens": ev.num_local_hit_tokens,
+                            }
+                        usage["transferred_tokens"] = ev.num_transferred_tokens
+                        ttft = (time.perf_counter() - t0) * 1000 if sent == 0 and ev.token_ids else None
+                        sent += len(ev.token_ids)
+                        yield StreamEvent(
+                            list(ev.token_ids), ev.finished, ev.finish_reason, ttft,
+                            dict(usage) if ev.finished or ttft else None,
+                        )  # fmt: skip
+                        if ev.finished:
+                            return
+                    raise WorkerUnavailableError(f"decode worker {cur} ended the stream of {spec.request_id} early")
+                except WorkerUnavailableError as exc:
+                    nxt = pick_worker(
+                        self.workers.decode_ids, overlaps, self.decode_load.queued, cfg.block_size, cfg.load_weight,
+                        exclude=frozenset(tried),
+                    )  # fmt: skip
+                    if decoded or nxt is None or len(tried) > cfg.decode_retries:
+                        raise WorkerUnavailableError(
+                            f"decode worker {cur} failed after {sent} token(s) of request {spec.request_id}: {exc}"
+                        ) from exc
+                    logger.warning("decode worker %s failed before any decode token; retrying on %s", cur, nxt)
+                    d = nxt
+                finally:
+                    self.decode_load.add(cur, -footprint)
+        finally:
+            if prefill is not None and prefill.lease_id and not handed_over:
+                self.workers.release(prefill.worker_id, prefill.lease_id)  # cancelled before decode began
+            self.stats.record(front, spec.cache_salt, front_worker)
+            if back:
+                self.stats.record(back, spec.cache_salt, d)

@@ -32,6 +32,11 @@ class RayWorkers:
             ray.cancel(ref)
             raise
 
+    def release(self, worker_id: str, lease_id: str) -> None:
+        handle = self.prefill_handles.get(worker_id)
+        if handle is not None:
+            handle.release.remote(lease_id)  # not awaited: the lease also expires on its own
+
     async def decode(
         self, worker_id: str, spec: RequestSpec, prefill: PrefillResult | None
     ) -> AsyncIterator[DecodeEvent]:

@@ -18,6 +18,7 @@ from kvtransfer.handoff import RequestSpec
 from pdserve.v1 import router_pb2 as pb
 from pdserve.v1 import router_pb2_grpc as pb_grpc
 from router.core import RouterCore, WorkerUnavailableError
+from router.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,9 @@ def to_spec(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits) 
         )
     except ValueError as e:
         raise InvalidRequest(f"sampling.{e}") from e
-    return RequestSpec(req.request_id or uuid.uuid4().hex, tuple(ids), params, req.cache_salt or None)
+    # Workers always see a fresh id: a client reusing its own id (a retry) must never share
+    # blocks or leases with an earlier request that is still held somewhere.
+    return RequestSpec(uuid.uuid4().hex, tuple(ids), params, req.cache_salt or None)
 
 
 class RouterServicer(pb_grpc.RouterServicer):
@@ -89,12 +92,13 @@ class RouterServicer(pb_grpc.RouterServicer):
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
+        detok = IncrementalDetokenizer(self.tokenizer)
         try:
             async for ev in self.core.generate(spec):
                 resp = pb.GenerateResponse(
-                    request_id=spec.request_id,
+                    request_id=request.request_id or spec.request_id,
                     token_ids=ev.token_ids,
-                    text=self.tokenizer.decode(ev.token_ids, skip_special_tokens=True),
+                    text=detok.push(ev.token_ids, final=ev.finished),
                     finished=ev.finished,
                     finish_reason=ev.finish_reason or "",
                 )
@@ -105,5 +109,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                 yield resp
         except WorkerUnavailableError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except ValueError as e:  # a worker refused the request
+        except ValueError as e:  # a worker refused the request (e.g. it needs more KV than a pool has)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # noqa: BLE001 - a worker failed: say so, keep serving
+            logger.exception("request %s failed", spec.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"request {spec.request_id} failed: {e}")

@@ -117,3 +117,17 @@ def test_reset_prefix_cache() -> None:
     assert isinstance(events[-1], AllBlocksCleared)
     assert pool.get_cached_block(hs[0]) is None and blocks[0].block_hash is None
     pool.check_invariants()
+
+
+def test_uncache_blocks_forgets_hashes_and_emits_removed() -> None:
+    pool, events = _pool_with_events(4)
+    tokens = list(range(32))
+    hs = block_hashes(tokens, 16)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(blocks, hs, 0, 2, 16, tokens)
+    assert pool.uncache_blocks(blocks[1:]) == 1
+    assert events[-1] == BlockRemoved([hs[1]], "GPU")
+    assert pool.get_cached_block(hs[1]) is None and pool.get_cached_block(hs[0]) is blocks[0]
+    assert pool.uncache_blocks(blocks[1:]) == 0  # already uncached: no event
+    pool.free_blocks(reversed(blocks))
+    pool.check_invariants()

@@ -78,3 +78,40 @@ def test_request_larger_than_the_pool_is_refused(tmp_path) -> None:
 def test_unknown_option_is_an_error(tmp_path) -> None:
     with pytest.raises(TypeError, match="blok_size"):
         LLM(str(make_tiny_model(tmp_path / "m")), blok_size=16)
+
+
+def test_failed_forward_uncaches_and_returns_blocks(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward pass that raises (e.g. out of memory) leaves no cached hash on blocks it never
+    filled: a later identical prompt must recompute, and its output must be right."""
+    prompt = list(range(40, 70))  # 3 full blocks of 8 + 6
+    expected = llm.generate([prompt], SamplingParams(max_tokens=4))[0].token_ids
+    assert llm.engine.kv.reset_prefix_cache()
+    events: list = []
+    llm.engine.kv.pool.add_event_sink(events.append)
+    model = llm.engine.runner.model
+    real = model.forward
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected forward failure")
+
+    monkeypatch.setattr(model, "forward", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([prompt], SamplingParams(max_tokens=4))
+    monkeypatch.setattr(model, "forward", real)
+    assert idle(llm)
+    assert not llm.engine.kv.pool.cached  # the 3 blocks stored at scheduling were removed again
+    stored = [h for e in events if type(e).__name__ == "BlockStored" for h in e.block_hashes]
+    removed = [h for e in events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes]
+    assert len(stored) == 3 and sorted(stored) == sorted(removed)
+    again = llm.generate([prompt], SamplingParams(max_tokens=4))[0]
+    assert again.num_cached_tokens == 0 and again.token_ids == expected
+
+
+def test_sliding_window_caps_context() -> None:
+    from engine.model import ModelConfig
+
+    base = {"architectures": ["MistralForCausalLM"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}  # fmt: skip
+    assert ModelConfig.from_dict({**base, "sliding_window": 1024}).max_context_len == 1024
+    assert ModelConfig.from_dict({**base, "sliding_window": None}).max_context_len == 4096

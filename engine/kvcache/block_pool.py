@@ -167,6 +167,23 @@ class BlockPool:
             self._emit(BlockStored(stored, parent, stored_tokens, block_size, lora_name, self.medium))
         return len(stored)
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> int:
+        """Forget the hashes of ``blocks`` (their KV turned out invalid); emits one ``BlockRemoved``.
+
+        Blocks that are not cached are skipped. Returns how many were uncached.
+        """
+        removed: list[bytes] = []
+        for block in blocks:
+            h = block.block_hash
+            if h is not None and self.cached.get(h) is block:
+                del self.cached[h]
+                block.block_hash = None
+                removed.append(h)
+        if removed:
+            self.blocks_evicted += len(removed)
+            self._emit(BlockRemoved(removed, self.medium))
+        return len(removed)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no block is held; returns False otherwise."""
         if len(self.free_queue) != self.num_blocks:

@@ -200,6 +200,20 @@ class KVCacheManager:
         )
         self.num_cached_blocks[rid] = num_full
 
+    def uncache_blocks(self, request: KVRequest, from_token: int) -> int:
+        """Unregister the request's cached blocks from the one holding ``from_token`` on.
+
+        For a step whose forward pass failed: blocks registered when it was scheduled never
+        received their KV, so no later request may hit them. Returns how many were uncached.
+        """
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid, [])
+        first = from_token // self.block_size
+        n = self.pool.uncache_blocks(blocks[first:])
+        if rid in self.num_cached_blocks:
+            self.num_cached_blocks[rid] = min(self.num_cached_blocks[rid], first)
+        return n
+
     def free(self, request: KVRequest | str) -> None:
         """Return every block the request holds; the tail of its chain becomes the first to evict.
 

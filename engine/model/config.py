@@ -171,6 +171,14 @@ class ModelConfig:
         with path.open("r", encoding="utf-8") as f:
             return cls.from_dict(json.load(f))
 
+    @property
+    def max_context_len(self) -> int:
+        """Longest sequence served exactly: attention is always full, so a model trained with a
+        sliding window (Mistral) is limited to that window (beyond it HF's output differs)."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
     # ---------------------------------------------------------------- identity
     @property
     def fingerprint(self) -> str:
