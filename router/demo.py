@@ -1,6 +1,7 @@
 """``pdserve demo``: the whole system on an embedded default and a shared-system-prompt workload.
 
-Local Ray, an embedded redis-server, a tiny model, 1 prefill + 1 decode worker. Three
+Local Ray, an embedded redis-server, a tiny model (random weights: its text is noise; the point
+is the serving path), 1 prefill + 1 decode worker. Three
 tenants (each its own ``cache_salt``) share one system prompt among three users each;
 each user sends two turns. The demo prints every request's TTFT, output and usage,
 then the prefix hit rates read back from Redis, and exits 0.
@@ -16,7 +17,7 @@ import time
 import grpc
 
 from engine.sampling_params import SamplingParams
-from kvtransfer.redis_index import RedisIndexConfig, read_stats
+from kvtransfer.redis_index import RedisIndexConfig, read_stats, tenant_digest
 from pdserve.v1 import router_pb2_grpc as pb_grpc
 from router.client import GenerateResult, build_request, generate
 from router.launcher import Service
@@ -74,7 +75,7 @@ def run_demo(args: argparse.Namespace) -> int:
         cfg = RedisIndexConfig(redis_url)
         stats = read_stats(cfg.client(), cfg.namespace)
         print("\nprefix hit rates from Redis (prefix_hit_tokens / prompt_tokens):")
-        print(format_stats(stats))
+        print(format_stats(stats, {tenant_digest(t): t for t in TENANTS}))
         print(f"\ncluster hit rate: {stats['hit_rate']:.1%}")
         return 0
     except grpc.RpcError as e:

@@ -11,7 +11,8 @@ from engine import envs
 from kvtransfer.redis_index import RedisIndexConfig, read_stats
 
 
-def format_stats(stats: dict) -> str:
+def format_stats(stats: dict, tenant_names: dict[str, str] | None = None) -> str:
+    """Human-readable lines; ``tenant_names`` maps salt digests to names the caller knows."""
     def line(name: str, c: dict) -> str:
         prompt = c.get("prompt_tokens", 0)
         rate = c.get("prefix_hit_tokens", 0) / prompt if prompt else 0.0
@@ -23,7 +24,8 @@ def format_stats(stats: dict) -> str:
 
     rows = [line("cluster", stats["cluster"])]
     rows += [line(f"worker {w}", c) for w, c in sorted(stats["workers"].items())]
-    rows += [line(f"tenant {t}", c) for t, c in sorted(stats["tenants"].items())]
+    names = tenant_names or {}
+    rows += [line(f"tenant {names.get(t, t)}", c) for t, c in sorted(stats["tenants"].items())]
     return "\n".join(rows)
 
 
