@@ -22,3 +22,8 @@ def redis_url() -> str | None:
 
 def redis_namespace() -> str:
     return os.environ.get("PDSERVE_REDIS_NAMESPACE", "pdserve")
+
+
+def triton_interpret() -> bool:
+    """``TRITON_INTERPRET=1``: Triton runs kernels in its CPU interpreter (tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -16,10 +16,10 @@ caller guarantees that slots, block ids and lengths are in range and that
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from engine import envs
 from engine.kernels.reference import paged_attention_ref, write_kv_ref
 from engine.kernels.torch_paged import TorchAttentionPlan, paged_attention_torch, write_kv_torch
 
@@ -34,7 +34,7 @@ def _resolve_impl(impl: str | None, device: torch.device) -> str:
         return "triton" if device.type == "cuda" else "torch"
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
-    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if impl == "triton" and device.type != "cuda" and not envs.triton_interpret():
         raise ValueError(
             f"impl='triton' on {device.type} tensors needs TRITON_INTERPRET=1 set before triton is imported"
         )
