@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
 
-    p = sub.add_parser("bench", help="run a benchmark (extra options go to the benchmark)")
+    # No -h here: `pdserve bench NAME --help` shows the benchmark's own options.
+    p = sub.add_parser("bench", help="run a benchmark (NAME --help lists its options)", add_help=False)
     p.add_argument("which", choices=["kvcache", "engine", "transfer", "prefix", "serve"])
     p.add_argument("--json", action="store_true")
     return ap
