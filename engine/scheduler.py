@@ -41,6 +41,8 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Handed-over requests (their KV already in their blocks) waiting for a running slot.
+        self.handed_over: deque[Request] = deque()
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -48,7 +50,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.handed_over)
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
@@ -63,6 +65,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        while self.handed_over and len(self.running) < self.config.max_num_seqs:
+            req = self.handed_over.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
         for req in list(self.running):
             if budget == 0:
                 break
@@ -99,15 +105,17 @@ class Scheduler:
         return out
 
     def add_running(self, request: Request) -> None:
-        """Continue a request whose KV is already in its blocks (handed over by a prefill worker)."""
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        """Continue a request whose KV is already in its blocks (handed over by a prefill worker).
+
+        It joins the running set as soon as ``max_num_seqs`` allows, ahead of waiting requests.
+        """
+        self.handed_over.append(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (stopped, length or aborted) and return its blocks, unless it holds
         them for a lease (``hold_kv``, not aborted): then its owner frees them later."""
-        if request in self.running:
-            self.running.remove(request)
+        if request in self.running or request in self.handed_over:
+            (self.running if request in self.running else self.handed_over).remove(request)
             if not (request.hold_kv and status != RequestStatus.FINISHED_ABORTED):
                 self.kv.free(request)
         elif request in self.waiting:

@@ -154,3 +154,36 @@ def test_contention_loses_and_starves_nothing(tmp_path) -> None:
     for rid, i in ids.items():
         assert got[rid] == expected[i]
     assert eng.kv.num_free_blocks() == eng.kv.num_blocks
+
+
+def test_handed_over_requests_respect_max_num_seqs(tmp_path) -> None:
+    """Requests continued from transferred KV (add_running) wait for a running slot like any other."""
+    path = str(make_tiny_model(tmp_path / "m", seed=4))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [[7, 8, 9, 10, 11], [20, 21, 22]]
+    expected = [o.token_ids for o in LLM(path, num_blocks=32, block_size=8).generate(prompts, params)]
+    # A "prefill worker" engine computes the prompts' KV and the first tokens...
+    src = LLM(path, num_blocks=32, block_size=8).engine
+    dst = LLM(path, num_blocks=32, block_size=8, max_num_seqs=1).engine
+    handed = []
+    for p in prompts:
+        req = dst.make_request(p, params)
+        first = src.add_request(p, SamplingParams(max_tokens=1, ignore_eos=True))
+        first.hold_kv = True
+        while src.has_unfinished():
+            src.step()
+        # ...and the "decode worker" gets a copy of those blocks (what a pull does), then continues.
+        dst.kv.allocate_slots(req, 0, num_external_computed_tokens=len(p))
+        for s_id, d_id in zip(src.kv.get_block_ids(first.request_id), dst.kv.get_block_ids(req.request_id)):
+            dst.kv_cache.block(d_id).copy_(src.kv_cache.block(s_id))
+        req.num_computed_tokens = len(p)
+        dst.kv.mark_external_complete(req)
+        src.kv.free(first.request_id)
+        req.append_output_token(first.output_token_ids[0])
+        dst.add_running(req)
+        handed.append(req)
+    while dst.has_unfinished():
+        dst.step()
+        assert len(dst.scheduler.running) <= 1
+    assert [r.output_token_ids for r in handed] == expected
+    assert dst.kv.num_free_blocks() == dst.kv.num_blocks
