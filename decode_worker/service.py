@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 
 from engine.engine import RequestOutput
 from engine.request import Request
-from kvtransfer.errors import BlockNotFoundError, LayoutMismatchError, PeerUnavailableError, TransferError
+from kvtransfer.client import KVTransferClient
+from kvtransfer.errors import LayoutMismatchError, PeerUnavailableError, TransferError
 from kvtransfer.handoff import DecodeEvent, PrefillResult, RequestSpec
 from kvtransfer.pull import KVPullResult, pull_request_kv
 from kvtransfer.worker_runtime import WorkerRuntime
@@ -32,33 +33,44 @@ class DecodeService:
     async def _pull(self, spec: RequestSpec, prefill: PrefillResult, req: Request) -> KVPullResult | None:
         """Pull the prompt's KV into this pool; None when it must be recomputed instead."""
         rt = self.rt
+        used: list[KVTransferClient] = []
 
         def work() -> KVPullResult | None:
             client = rt.client(prefill.address)
+            used.append(client)
             return pull_request_kv(
                 rt.engine.kv, rt.engine.kv_cache, req, client, req.num_prompt_tokens,
                 lease_id=prefill.lease_id, lock=rt.engine.lock,
             )  # fmt: skip
 
-        # The pull thread cannot be interrupted: if this coroutine is cancelled, wait for the
-        # thread to finish (it frees what it allocated on failure) before anyone frees blocks
-        # it may still be writing into.
+        # The pull thread cannot be interrupted, and it frees what it allocated when it fails.
+        # So whatever cancellations arrive, wait until it is done before anyone may free the
+        # request's blocks (they could still be being written), then re-raise the cancel.
         fut = asyncio.ensure_future(asyncio.to_thread(work))
+        cancelled = False
+        while not fut.done():
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                cancelled = True
+            except BaseException:  # noqa: BLE001 - read from the future below
+                break
+        if cancelled:
+            if not fut.cancelled():
+                fut.exception()  # retrieved: the outcome no longer matters
+            raise asyncio.CancelledError
         try:
-            result = await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await asyncio.wait([fut])
-            raise
+            result = fut.result()
         except TransferError as exc:
             logger.warning("pull of %s from %s failed (%s); recomputing", spec.request_id, prefill.address, exc)
             if isinstance(exc, (PeerUnavailableError, LayoutMismatchError)):
-                await asyncio.to_thread(rt.drop_client, prefill.address)
+                rt.drop_client(prefill.address, used[0] if used else None)
             rt.stats.record({"transfer_failures": 1}, spec.cache_salt)
-            if not isinstance(exc, (PeerUnavailableError, BlockNotFoundError)):
-                await self._release(prefill)
             return None
-        if result is None:  # no room to pull now: the scheduler admits and recomputes it later
-            await self._release(prefill)
+        except Exception:  # noqa: BLE001 - a bug in the pull must not fail the request
+            logger.exception("pull of %s from %s failed; recomputing", spec.request_id, prefill.address)
+            rt.stats.record({"transfer_failures": 1}, spec.cache_salt)
+            return None
         return result
 
     async def _release(self, prefill: PrefillResult) -> None:
@@ -66,7 +78,7 @@ class DecodeService:
         if not prefill.lease_id:
             return
         try:
-            await asyncio.to_thread(lambda: self.rt.client(prefill.address).release(prefill.lease_id))
+            await asyncio.to_thread(self.rt.release_lease, prefill.address, prefill.lease_id)
         except Exception as exc:  # noqa: BLE001 - the lease expires by itself
             logger.debug("release of lease %s failed: %s", prefill.lease_id, exc)
 
@@ -76,10 +88,10 @@ class DecodeService:
         with engine.lock:
             if engine.kv.get_blocks(request_id):
                 engine.kv.free(request_id)
+            engine.runner.sampler.forget(request_id)
 
     async def generate(self, spec: RequestSpec, prefill: PrefillResult | None = None) -> AsyncIterator[DecodeEvent]:
         rt = self.rt
-        req = rt.engine.make_request(spec.prompt_token_ids, spec.params, spec.request_id, spec.cache_salt)
         aloop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
@@ -87,24 +99,24 @@ class DecodeService:
             aloop.call_soon_threadsafe(queue.put_nowait, out)
 
         local_hit = transferred = recomputed = 0
-        pulled = False
+        pulled = False  # a successful pull already released the lease
         try:
+            req = rt.engine.make_request(spec.prompt_token_ids, spec.params, spec.request_id, spec.cache_salt)
             if prefill is None:
                 rt.loop.submit(req, on_output)
             else:
                 result = await self._pull(spec, prefill, req)
-                pulled = True
                 # The first token came from the prefill worker; a seeded stream continues after it.
                 req.append_output_token(prefill.first_token)
-                with rt.engine.lock:
-                    rt.engine.runner.sampler.skip_draws(
-                        req.request_id, req.sampling_params, rt.engine.model_config.vocab_size, rt.engine.device, 1
-                    )
+                rt.engine.runner.sampler.skip_draws(
+                    req.request_id, req.sampling_params, rt.engine.model_config.vocab_size, rt.engine.device, 1
+                )
                 if result is None:
                     recomputed = req.num_prompt_tokens
                     rt.stats.record({"recomputed_tokens": recomputed}, spec.cache_salt)
                     rt.loop.submit(req, on_output)
                 else:
+                    pulled = True
                     local_hit, transferred = result.num_local_hit_tokens, result.num_external_tokens
                     rt.loop.submit(req, on_output, running=True)
             while True:

@@ -21,6 +21,8 @@ OutputCallback = Callable[[RequestOutput | BaseException], None]
 
 
 class EngineLoop:
+    MAX_UNATTRIBUTED_FAILURES = 3  # consecutive failed steps before every request is failed
+
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
         self._callbacks: dict[str, OutputCallback] = {}
@@ -61,7 +63,18 @@ class EngineLoop:
         except Exception:  # a consumer's bug (or closed event loop) must not stop the engine
             logger.exception("output callback failed")
 
+    def _fail_all(self, exc: BaseException) -> None:
+        """The engine keeps failing outside any one batch: end every request with the error."""
+        with self.engine.lock:
+            rids = list(self._callbacks)
+            callbacks = [self._callbacks.pop(rid) for rid in rids]
+            for rid in rids:
+                self.engine.abort(rid)
+        for cb in callbacks:
+            self._deliver(cb, exc)
+
     def _run(self) -> None:
+        failures = 0
         while not self._stopped:
             if not self.engine.has_unfinished():
                 self._wake.wait(self._idle_wait_s)
@@ -69,17 +82,26 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # the engine already aborted the failed batch
+            except Exception as exc:  # a failed forward already aborted its batch
                 logger.exception("engine step failed")
                 with self.engine.lock:
                     failed = [rid for rid in self._callbacks if rid not in self.engine.requests]
                     callbacks = [self._callbacks.pop(rid) for rid in failed]
                 for cb in callbacks:
                     self._deliver(cb, exc)
-                if not callbacks:  # nothing to blame: back off instead of failing in a tight loop
-                    self._wake.wait(self._idle_wait_s)
-                    self._wake.clear()
+                if callbacks:
+                    failures = 0
+                    continue
+                # Nothing to blame (the failure was outside a batch): back off, and after a few
+                # in a row fail every request rather than leave clients waiting forever.
+                failures += 1
+                if failures >= self.MAX_UNATTRIBUTED_FAILURES:
+                    self._fail_all(exc)
+                    failures = 0
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
                 continue
+            failures = 0
             if not outputs:
                 # Work is queued but nothing fits now (blocks held by leases or pulls): wait for
                 # a wake-up or a short timeout instead of spinning on the lock.

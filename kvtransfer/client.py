@@ -120,8 +120,9 @@ class KVTransferClient:
             request.lease_id = lease_id
         else:
             request.block_hashes.hashes.extend(hashes or [])
-        call = self._stub.Pull(request, timeout=timeout_s or self.config.pull_timeout_s)
+        call = None
         try:
+            call = self._stub.Pull(request, timeout=timeout_s or self.config.pull_timeout_s)
             for msg in call:
                 receiver.accept(chunk_from_proto(msg))
             return receiver.finish()
@@ -130,8 +131,11 @@ class KVTransferClient:
         except TransferError as exc:
             exc.peer = exc.peer or self.address
             raise
+        except ValueError as exc:  # grpc: "Cannot invoke RPC on closed channel"
+            raise PeerUnavailableError(f"channel to {self.address} is closed: {exc}", peer=self.address) from exc
         finally:
-            call.cancel()  # no-op once the stream completed; frees the holder's pins otherwise
+            if call is not None:
+                call.cancel()  # no-op once the stream completed; frees the holder's pins otherwise
 
     # -- errors ---------------------------------------------------------------------------
     def _error(self, exc: grpc.RpcError) -> TransferError:

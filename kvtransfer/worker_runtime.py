@@ -115,18 +115,6 @@ class WorkerRuntime:
             "free_blocks": kv.num_free_blocks(),
         }
 
-    def load(self) -> dict[str, int]:
-        """Queued work, for routing: requests and prompt tokens not yet computed."""
-        with self.engine.lock:
-            sched = self.engine.scheduler
-            pending = sum(r.num_tokens - r.num_computed_tokens for r in (*sched.waiting, *sched.running))
-            return {
-                "requests": len(sched.waiting) + len(sched.running),
-                "pending_tokens": pending,
-                "free_blocks": self.engine.kv.num_free_blocks(),
-                "num_blocks": self.engine.kv.num_blocks,
-            }
-
     def pool_state(self) -> dict[str, int]:
         """Free blocks, leases and requests holding blocks (idle: free == total, 0, 0)."""
         with self.engine.lock:
@@ -138,25 +126,52 @@ class WorkerRuntime:
             }
 
     def client(self, address: str) -> KVTransferClient:
-        """A cached transfer client for a peer, checked once for a compatible KV layout."""
+        """A cached transfer client for a peer, checked once for a compatible KV layout.
+
+        The check is a network call, made outside the lock so one slow peer does not hold up
+        pulls from the others.
+        """
         with self._clients_lock:
             c = self._clients.get(address)
-            if c is None:
-                c = KVTransferClient(address, self.config.transfer)
-                try:
-                    c.check_compatible(self.engine.layout, self.engine.model_config.fingerprint)
-                except BaseException:
-                    c.close()
-                    raise
-                self._clients[address] = c
-            return c
-
-    def drop_client(self, address: str) -> None:
-        """Forget a peer that is gone (its channel's other calls are failing too)."""
-        with self._clients_lock:
-            c = self._clients.pop(address, None)
         if c is not None:
+            return c
+        c = KVTransferClient(address, self.config.transfer)
+        try:
+            c.check_compatible(self.engine.layout, self.engine.model_config.fingerprint)
+        except BaseException:
             c.close()
+            raise
+        with self._clients_lock:
+            return self._clients.setdefault(address, c)
+
+    def drop_client(self, address: str, client: KVTransferClient | None = None) -> None:
+        """Forget a peer's client (it looked gone). Only the client that failed is forgotten, and
+        it is not closed: other pulls may still stream on its channel (closing it would cancel
+        them); the channel closes when the last user lets go of it."""
+        with self._clients_lock:
+            if client is None or self._clients.get(address) is client:
+                self._clients.pop(address, None)
+
+    def release_lease(self, address: str, lease_id: str) -> bool:
+        """End a lease on a peer without a layout check (it may be the reason no pull happens)."""
+        with self._clients_lock:
+            c = self._clients.get(address)
+        if c is not None:
+            return c.release(lease_id)
+        with KVTransferClient(address, self.config.transfer) as tmp:
+            return tmp.release(lease_id)
+
+    def load(self) -> dict[str, int]:
+        """Queued work, for routing: requests and prompt tokens not yet computed."""
+        with self.engine.lock:
+            sched = self.engine.scheduler
+            live = (*sched.waiting, *sched.running, *sched.handed_over)
+            return {
+                "requests": len(live),
+                "pending_tokens": sum(r.num_tokens - r.num_computed_tokens for r in live),
+                "free_blocks": self.engine.kv.num_free_blocks(),
+                "num_blocks": self.engine.kv.num_blocks,
+            }
 
     def close(self) -> None:
         self.registry.unregister(self.config.worker_id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from kvtransfer.handoff import PrefillResult, RequestSpec
 from kvtransfer.worker_runtime import WorkerConfig, WorkerRuntime
 from prefill_worker.service import PrefillService
@@ -22,7 +24,8 @@ class PrefillWorker:
         return await self.service.prefill(spec)
 
     async def release(self, lease_id: str) -> bool:
-        return self.rt.source.release(lease_id)
+        # Freeing takes the engine lock: not on the event loop that serves the prefills.
+        return await asyncio.to_thread(self.rt.source.release, lease_id)
 
     async def pool_state(self) -> dict[str, int]:
         return self.rt.pool_state()

@@ -8,6 +8,7 @@ messages at the edge and iterates ``RouterCore.generate``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -90,23 +91,27 @@ class RouterCore:
 
     async def generate(self, spec: RequestSpec) -> AsyncIterator[StreamEvent]:
         """Stream one request's tokens. Counters go to Redis exactly once per request, when it
-        ends (finished, failed or cancelled), credited to the worker that did the work."""
+        ends (finished, failed or cancelled), credited to the worker that did the work. A lease
+        that no decode worker pulled is released when the request ends, whatever the reason."""
         cfg = self.config
         t0 = time.perf_counter()
         prompt_len = len(spec.prompt_token_ids)
-        hashes = block_hashes(spec.prompt_token_ids, cfg.block_size, cfg.hash_seed, spec.cache_salt)
-        ids = self.workers.prefill_ids + self.workers.decode_ids
-        overlaps = await asyncio.to_thread(self.lookup.longest_prefix, hashes, ids) if hashes else {}
-        d = pick_worker(self.workers.decode_ids, overlaps, self.decode_load.queued, cfg.block_size, cfg.load_weight)
-        assert d is not None
         usage = {"prompt_tokens": prompt_len, "cached_tokens": 0, "transferred_tokens": 0}
         front = {"requests": 1, "prompt_tokens": prompt_len, "prefix_hit_tokens": 0}  # who computed the prompt
         back: dict[str, int] = {}  # what the decode worker reused or pulled
-        front_worker = d
+        front_worker = self.workers.decode_ids[0]
         prefill: PrefillResult | None = None
-        handed_over = False
+        d = front_worker
         sent = 0
         try:
+            hashes = block_hashes(spec.prompt_token_ids, cfg.block_size, cfg.hash_seed, spec.cache_salt)
+            ids = self.workers.prefill_ids + self.workers.decode_ids
+            overlaps = await asyncio.to_thread(self.lookup.longest_prefix, hashes, ids) if hashes else {}
+            picked = pick_worker(
+                self.workers.decode_ids, overlaps, self.decode_load.queued, cfg.block_size, cfg.load_weight
+            )
+            assert picked is not None
+            d = front_worker = picked
             if not prefill_locally(prompt_len, overlaps.get(d, 0), cfg.block_size, cfg.local_prefill_threshold):
                 p = pick_worker(
                     self.workers.prefill_ids, overlaps, self.prefill_load.queued, cfg.block_size, cfg.load_weight
@@ -128,28 +133,30 @@ class RouterCore:
             while True:
                 cur = d
                 tried.add(cur)
+                if prefill is None:
+                    front_worker = cur
                 self.decode_load.add(cur, footprint)
                 decoded = 0
                 try:
-                    handed_over = True  # from here the decode worker releases the lease
-                    async for ev in self.workers.decode(cur, spec, prefill):
-                        decoded += len(ev.token_ids)
-                        if prefill is None:
-                            usage["cached_tokens"] = front["prefix_hit_tokens"] = ev.num_local_hit_tokens
-                        else:
-                            back = {
-                                "transferred_tokens": ev.num_transferred_tokens,
-                                "decode_local_hit_tokens": ev.num_local_hit_tokens,
-                            }
-                        usage["transferred_tokens"] = ev.num_transferred_tokens
-                        ttft = (time.perf_counter() - t0) * 1000 if sent == 0 and ev.token_ids else None
-                        sent += len(ev.token_ids)
-                        yield StreamEvent(
-                            list(ev.token_ids), ev.finished, ev.finish_reason, ttft,
-                            dict(usage) if ev.finished or ttft else None,
-                        )  # fmt: skip
-                        if ev.finished:
-                            return
+                    async with contextlib.aclosing(self.workers.decode(cur, spec, prefill)) as stream:
+                        async for ev in stream:
+                            decoded += len(ev.token_ids)
+                            if prefill is None:
+                                usage["cached_tokens"] = front["prefix_hit_tokens"] = ev.num_local_hit_tokens
+                            else:
+                                back = {
+                                    "transferred_tokens": ev.num_transferred_tokens,
+                                    "decode_local_hit_tokens": ev.num_local_hit_tokens,
+                                }
+                            usage["transferred_tokens"] = ev.num_transferred_tokens
+                            ttft = (time.perf_counter() - t0) * 1000 if sent == 0 and ev.token_ids else None
+                            sent += len(ev.token_ids)
+                            yield StreamEvent(
+                                list(ev.token_ids), ev.finished, ev.finish_reason, ttft,
+                                dict(usage) if ev.finished or ttft else None,
+                            )  # fmt: skip
+                            if ev.finished:
+                                return
                     raise WorkerUnavailableError(f"decode worker {cur} ended the stream of {spec.request_id} early")
                 except WorkerUnavailableError as exc:
                     nxt = pick_worker(
@@ -165,8 +172,10 @@ class RouterCore:
                 finally:
                     self.decode_load.add(cur, -footprint)
         finally:
-            if prefill is not None and prefill.lease_id and not handed_over:
-                self.workers.release(prefill.worker_id, prefill.lease_id)  # cancelled before decode began
+            if prefill is not None and prefill.lease_id and not back:
+                # No decode worker reported pulling it (cancelled, failed, or never started):
+                # release it now. Idempotent, and deferred while a pull still streams.
+                self.workers.release(prefill.worker_id, prefill.lease_id)
             self.stats.record(front, spec.cache_salt, front_worker)
             if back:
                 self.stats.record(back, spec.cache_salt, d)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import uuid
@@ -94,19 +95,22 @@ class RouterServicer(pb_grpc.RouterServicer):
             return
         detok = IncrementalDetokenizer(self.tokenizer)
         try:
-            async for ev in self.core.generate(spec):
-                resp = pb.GenerateResponse(
-                    request_id=request.request_id or spec.request_id,
-                    token_ids=ev.token_ids,
-                    text=detok.push(ev.token_ids, final=ev.finished),
-                    finished=ev.finished,
-                    finish_reason=ev.finish_reason or "",
-                )
-                if ev.usage:
-                    resp.usage.CopyFrom(pb.Usage(**ev.usage))
-                if ev.ttft_ms is not None:
-                    resp.ttft_ms = ev.ttft_ms
-                yield resp
+            # aclosing: a cancelled call closes the request's generators now (cancelling the
+            # worker tasks, releasing leases, recording stats), not whenever they are collected.
+            async with contextlib.aclosing(self.core.generate(spec)) as events:
+                async for ev in events:
+                    resp = pb.GenerateResponse(
+                        request_id=request.request_id or spec.request_id,
+                        token_ids=ev.token_ids,
+                        text=detok.push(ev.token_ids, final=ev.finished),
+                        finished=ev.finished,
+                        finish_reason=ev.finish_reason or "",
+                    )
+                    if ev.usage:
+                        resp.usage.CopyFrom(pb.Usage(**ev.usage))
+                    if ev.ttft_ms is not None:
+                        resp.ttft_ms = ev.ttft_ms
+                    yield resp
         except WorkerUnavailableError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:  # a worker refused the request (e.g. it needs more KV than a pool has)

@@ -55,3 +55,28 @@ def test_incomplete_tail_flushed_when_final(tmp_path) -> None:
     d = IncrementalDetokenizer(tok)
     assert d.push(ids[:2]) == ""  # held back: not a whole character yet
     assert d.push([], final=True) == tok.decode(ids[:2])
+
+
+def byte_fallback_tokenizer() -> Tokenizer:
+    """Llama-2/Mistral style: ▁-prefixed pieces, <0xNN> byte tokens for anything else."""
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    for ch in "▁abcdefghijklmnopqrstuvwxyz":  # single characters; anything else falls back to bytes
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return tok
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_byte_fallback_multibyte_characters(seed: int) -> None:
+    tok = byte_fallback_tokenizer()
+    rng = random.Random(seed)
+    pieces = ["😀", "😁", "é", "中文", " hello", " world", " a", "€", "🤣"]
+    text = "hello" + "".join(rng.choice(pieces) for _ in range(12))
+    ids = tok.encode(text).ids
+    assert tok.decode(ids) == text  # the tokenizer itself round-trips
+    sizes = [rng.randint(1, 3) for _ in ids]
+    assert stream(tok, ids, sizes) == text
