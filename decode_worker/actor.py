@@ -17,9 +17,6 @@ class DecodeWorker:
     async def ready(self) -> dict[str, object]:
         return self.rt.info()
 
-    async def load(self) -> dict[str, int]:
-        return self.rt.load()
-
     async def generate(self, spec: RequestSpec, prefill: PrefillResult | None = None) -> AsyncIterator[DecodeEvent]:
         """Streaming (call with ``.options(num_returns="streaming")``)."""
         async for event in self.service.generate(spec, prefill):

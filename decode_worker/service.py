@@ -82,14 +82,6 @@ class DecodeService:
         except Exception as exc:  # noqa: BLE001 - the lease expires by itself
             logger.debug("release of lease %s failed: %s", prefill.lease_id, exc)
 
-    def _cleanup(self, request_id: str) -> None:
-        engine = self.rt.engine
-        self.rt.loop.abort(request_id)
-        with engine.lock:
-            if engine.kv.get_blocks(request_id):
-                engine.kv.free(request_id)
-            engine.runner.sampler.forget(request_id)
-
     async def generate(self, spec: RequestSpec, prefill: PrefillResult | None = None) -> AsyncIterator[DecodeEvent]:
         rt = self.rt
         aloop = asyncio.get_running_loop()
@@ -136,6 +128,6 @@ class DecodeService:
                     return
         finally:
             # Cancelled, consumer gone or failed: the engine drops the request and its blocks.
-            await asyncio.to_thread(self._cleanup, spec.request_id)
+            await asyncio.to_thread(rt.drop_request, spec.request_id)
             if prefill is not None and not pulled:
                 await self._release(prefill)

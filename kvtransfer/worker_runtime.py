@@ -125,6 +125,15 @@ class WorkerRuntime:
                 "requests": len(self.engine.kv.req_to_blocks),
             }
 
+    def drop_request(self, request_id: str) -> None:
+        """End a request however far it got: out of the engine, its blocks and sampler state freed."""
+        engine = self.engine
+        self.loop.abort(request_id)
+        with engine.lock:
+            if engine.kv.get_blocks(request_id):
+                engine.kv.free(request_id)
+            engine.runner.sampler.forget(request_id)
+
     def client(self, address: str) -> KVTransferClient:
         """A cached transfer client for a peer, checked once for a compatible KV layout.
 
@@ -160,18 +169,6 @@ class WorkerRuntime:
             return c.release(lease_id)
         with KVTransferClient(address, self.config.transfer) as tmp:
             return tmp.release(lease_id)
-
-    def load(self) -> dict[str, int]:
-        """Queued work, for routing: requests and prompt tokens not yet computed."""
-        with self.engine.lock:
-            sched = self.engine.scheduler
-            live = (*sched.waiting, *sched.running, *sched.handed_over)
-            return {
-                "requests": len(live),
-                "pending_tokens": sum(r.num_tokens - r.num_computed_tokens for r in live),
-                "free_blocks": self.engine.kv.num_free_blocks(),
-                "num_blocks": self.engine.kv.num_blocks,
-            }
 
     def close(self) -> None:
         self.registry.unregister(self.config.worker_id)

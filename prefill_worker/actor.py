@@ -17,9 +17,6 @@ class PrefillWorker:
     async def ready(self) -> dict[str, object]:
         return self.rt.info()
 
-    async def load(self) -> dict[str, int]:
-        return self.rt.load()
-
     async def prefill(self, spec: RequestSpec) -> PrefillResult:
         return await self.service.prefill(spec)
 

@@ -70,7 +70,4 @@ class PrefillService:
             )
         finally:
             if not leased:
-                rt.loop.abort(spec.request_id)
-                with engine.lock:
-                    if engine.kv.get_blocks(spec.request_id):
-                        engine.kv.free(spec.request_id)
+                rt.drop_request(spec.request_id)

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerUnavailableError(RuntimeError):
-    """A worker died or cannot be reached; ``tokens_sent`` says whether the client saw tokens."""
+    """A worker died or cannot be reached."""
 
 
 class WorkerClient(Protocol):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +66,3 @@ class ServiceConfig:
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**data)
 
-    def with_(self, **changes: Any) -> ServiceConfig:
-        return replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)

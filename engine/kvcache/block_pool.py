@@ -60,9 +60,6 @@ class BlockPool:
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 
-    def cached_hashes(self) -> list[bytes]:
-        return list(self.cached)
-
     # -- allocation ---------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the front of the free queue, each with ``ref_cnt == 1``.

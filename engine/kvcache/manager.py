@@ -92,10 +92,6 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
-    def num_held_blocks(self) -> int:
-        """Blocks held by live requests (counting a shared block once per holder)."""
-        return sum(len(b) for b in self.req_to_blocks.values())
-
     # -- prefix cache ---------------------------------------------------------------------
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_blocks: int) -> list[KVCacheBlock]:
         hit: list[KVCacheBlock] = []
