@@ -1,11 +1,14 @@
 """Engine benchmark: offline batch throughput vs transformers, and paged-KV memory utilization.
 
 Part 1 (throughput): a seeded batch of mixed-length prompts, every request generating
-the same number of tokens greedily. Ours is ``LLM.generate`` of the whole batch; the
-reference is transformers' batched ``generate`` (left padding + attention mask,
-``do_sample=False``, float32, SDPA attention) over the same token ids. Runs alternate
-ours / HF; each side's median wall time gives output tokens/s. The fraction of greedy
-outputs identical between the two is reported (informational, not an assertion).
+the same number of tokens greedily. Ours is ``LLM.generate`` of the whole batch, once
+with the default oneDNN projections and once with ``cpu_onednn=False`` (torch's
+``F.linear``, the same GEMMs transformers runs), so the share of the speed-up that comes
+from the GEMM backend is visible. The reference is transformers' batched ``generate``
+(left padding + attention mask, ``do_sample=False``, float32, SDPA attention) over the
+same token ids. Runs alternate ours / ours-torch-linear / HF; each side's median wall
+time gives output tokens/s. The fraction of greedy outputs identical between ours and
+HF is reported (informational, not an assertion).
 
 Part 2 (KV utilization): a mixed-length workload is driven through ``LLMEngine`` step
 by step until every request has finished prefill (produced its first token). Then
@@ -87,7 +90,7 @@ class ThroughputConfig:
 class OursRunner:
     """Our engine on CPU, float32; a fresh cache salt per run so no run hits another's prefix."""
 
-    def __init__(self, model_dir: Path, cfg: ThroughputConfig) -> None:
+    def __init__(self, model_dir: Path, cfg: ThroughputConfig, cpu_onednn: bool = True) -> None:
         self.llm = LLM(
             str(model_dir),
             block_size=16,
@@ -95,6 +98,7 @@ class OursRunner:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             dtype="float32",
             device="cpu",
+            cpu_onednn=cpu_onednn,
         )
         self.params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True)
         self._runs = 0
@@ -159,29 +163,37 @@ def bench_throughput(model_dir: Path, cfg: ThroughputConfig) -> dict[str, Any]:
     log(f"throughput: {cfg.num_prompts} prompts ({sum(map(len, prompts))} prompt tokens), "
         f"{cfg.max_tokens} new tokens each, {torch.get_num_threads()} torch threads")
     ours = OursRunner(model_dir, cfg)
+    ours_torch = OursRunner(model_dir, cfg, cpu_onednn=False)
     hf = HFRunner(model_dir, cfg.max_tokens)
 
-    log("warm-up (ours, HF)")
+    log("warm-up (ours, ours with torch linear, HF)")
     warm = prompts[: min(4, len(prompts))]
     ours.generate(warm)
+    ours_torch.generate(warm)
     hf.generate(warm)
 
     t_ours: list[float] = []
+    t_torch: list[float] = []
     t_hf: list[float] = []
     ours_out: list[list[int]] = []
+    torch_out: list[list[int]] = []
     hf_out: list[list[int]] = []
     for i in range(cfg.repeats):
         t0 = time.perf_counter()
         ours_out = ours.generate(prompts)
         t_ours.append(time.perf_counter() - t0)
-        log(f"repeat {i + 1}/{cfg.repeats}: ours {t_ours[-1]:.2f}s ({out_tokens / t_ours[-1]:.0f} tok/s)")
+        t0 = time.perf_counter()
+        torch_out = ours_torch.generate(prompts)
+        t_torch.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         hf_out = hf.generate(prompts)
         t_hf.append(time.perf_counter() - t0)
-        log(f"repeat {i + 1}/{cfg.repeats}: HF   {t_hf[-1]:.2f}s ({out_tokens / t_hf[-1]:.0f} tok/s)")
+        log(f"repeat {i + 1}/{cfg.repeats}: ours {out_tokens / t_ours[-1]:.0f} tok/s, ours with torch linear "
+            f"{out_tokens / t_torch[-1]:.0f} tok/s, HF {out_tokens / t_hf[-1]:.0f} tok/s")
 
-    if any(len(o) != cfg.max_tokens for o in ours_out):
-        raise RuntimeError(f"ours generated {[len(o) for o in ours_out]} tokens, expected {cfg.max_tokens} each")
+    for name, outs in (("ours", ours_out), ("ours with torch linear", torch_out)):
+        if any(len(o) != cfg.max_tokens for o in outs):
+            raise RuntimeError(f"{name} generated {[len(o) for o in outs]} tokens, expected {cfg.max_tokens} each")
     identical = sum(a == b for a, b in zip(ours_out, hf_out))
     common_prefix = []
     for a, b in zip(ours_out, hf_out):
@@ -189,7 +201,7 @@ def bench_throughput(model_dir: Path, cfg: ThroughputConfig) -> dict[str, Any]:
         while n < len(a) and a[n] == b[n]:
             n += 1
         common_prefix.append(n)
-    med_ours, med_hf = statistics.median(t_ours), statistics.median(t_hf)
+    med_ours, med_torch, med_hf = statistics.median(t_ours), statistics.median(t_torch), statistics.median(t_hf)
     return {
         "load_average_1min_after": os.getloadavg()[0],
         "num_prompts": cfg.num_prompts,
@@ -201,10 +213,14 @@ def bench_throughput(model_dir: Path, cfg: ThroughputConfig) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "ours_times_s": t_ours,
+        "ours_torch_linear_times_s": t_torch,
         "hf_times_s": t_hf,
         "ours_tok_per_s": out_tokens / med_ours,
+        "ours_torch_linear_tok_per_s": out_tokens / med_torch,
         "hf_tok_per_s": out_tokens / med_hf,
         "speedup": med_hf / med_ours,
+        "speedup_torch_linear": med_hf / med_torch,
+        "torch_linear_identical_fraction": sum(a == b for a, b in zip(torch_out, hf_out)) / cfg.num_prompts,
         "greedy_identical_fraction": identical / cfg.num_prompts,
         "greedy_mean_common_prefix_fraction": statistics.mean(common_prefix) / cfg.max_tokens,
     }
@@ -324,11 +340,14 @@ def main(argv: list[str] | None = None) -> int:
                           f"({t['prompt_tokens']} total), {t['max_tokens']} new tokens each, "
                           f"{t['torch_threads']} threads, median of {t['repeats']}"),
                 ("ours (LLM.generate)", f"{t['ours_tok_per_s']:,.0f} output tok/s"),
+                ("ours, cpu_onednn=False", f"{t['ours_torch_linear_tok_per_s']:,.0f} output tok/s"),
                 ("HF generate (sdpa, fp32)", f"{t['hf_tok_per_s']:,.0f} output tok/s"),
                 ("speedup ours / HF", f"{t['speedup']:.2f}x (target >= 1.5x; "
                                       f"1-min load avg {t['load_average_1min_after']:.1f})"),
+                ("speedup ours torch linear / HF", f"{t['speedup_torch_linear']:.2f}x"),
                 ("greedy outputs identical", f"{t['greedy_identical_fraction']:.0%} of sequences "
-                                             f"(mean common prefix {t['greedy_mean_common_prefix_fraction']:.0%})"),
+                                             f"(mean common prefix {t['greedy_mean_common_prefix_fraction']:.0%}); "
+                                             f"torch linear {t['torch_linear_identical_fraction']:.0%}"),
             ]
         if not args.skip_utilization:
             u = bench_utilization(model_dir, util_n, util_min, util_max, util_max_tokens, args.max_model_len,

@@ -54,8 +54,13 @@ class EngineConfig:
     device: str | None = field(default_factory=envs.device)  # None: CUDA if available, else CPU
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # CPU float32 only: projections on 8+ rows run through oneDNN (engine/model/linear.py).
+    # Costs a second copy of the linear weights; False keeps torch's F.linear everywhere.
+    cpu_onednn: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cpu_onednn, bool):
+            raise ValueError(f"cpu_onednn must be a bool, got {self.cpu_onednn!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):

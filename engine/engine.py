@@ -55,6 +55,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model_dir)
         self.model = load_model(config.model_dir, dtype=dtype, device=self.device)
         self.dtype = next(self.model.parameters()).dtype
+        self.onednn = config.cpu_onednn and self.model.pack_onednn()
         mc = self.model_config
         self.max_model_len = min(config.scheduler.max_model_len or mc.max_context_len, mc.max_context_len)
         cc = config.cache

@@ -28,7 +28,7 @@ def build_engine_config(model_dir: str, **options: Any) -> EngineConfig:
     """Split flat keyword options into the component configs; unknown names are an error."""
     cache = {k: options.pop(k) for k in list(options) if k in _CACHE_KEYS}
     sched = {k: options.pop(k) for k in list(options) if k in _SCHED_KEYS}
-    engine_keys = {"dtype", "device"}
+    engine_keys = {"dtype", "device", "cpu_onednn"}
     unknown = set(options) - engine_keys
     if unknown:
         raise TypeError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
@@ -40,7 +40,7 @@ class LLM:
 
     Options are the fields of ``CacheConfig`` (block_size, num_blocks, ...),
     ``SchedulerConfig`` (max_num_batched_tokens, max_num_seqs, max_model_len) and
-    ``EngineConfig`` (dtype, device).
+    ``EngineConfig`` (dtype, device, cpu_onednn).
     """
 
     def __init__(self, model_dir: str, **options: Any) -> None:

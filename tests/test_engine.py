@@ -50,10 +50,16 @@ def assert_idle(llm: LLM) -> None:
     assert not llm.engine.has_unfinished()
 
 
-def test_batch_matches_transformers(checkpoint) -> None:
+# Ten prompts: decode steps run 10 rows, enough for the oneDNN projections (>= 8 rows).
+BATCH_LENGTHS = [*LENGTHS, 3, 24, 33]
+
+
+@pytest.mark.parametrize("cpu_onednn", [True, False], ids=["onednn", "torch-linear"])
+def test_batch_matches_transformers(checkpoint, cpu_onednn: bool) -> None:
     path, hf = checkpoint
-    llm = LLM(str(path), num_blocks=128, block_size=16)
-    ps = prompts(0, LENGTHS)
+    llm = LLM(str(path), num_blocks=128, block_size=16, cpu_onednn=cpu_onednn)
+    assert llm.engine.onednn == (cpu_onednn and torch.backends.mkldnn.is_available())
+    ps = prompts(0, BATCH_LENGTHS)
     outs = llm.generate(ps, GREEDY)
     for p, o in zip(ps, outs):
         assert o.token_ids == hf_greedy(hf, p)

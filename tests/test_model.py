@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from engine.model import LlamaForCausalLM, ModelConfig, load_model, load_tokenizer, make_tiny_model
+from engine.model.linear import Linear
 from tests.model_utils import (
     HF_VARIANTS,
     PagedRunner,
@@ -80,6 +82,29 @@ def test_mixed_batch_matches_hf_per_sequence(models: dict) -> None:
     torch.testing.assert_close(third[0], ec[30], **TOL)
     torch.testing.assert_close(third[1], eb[11], **TOL)
     torch.testing.assert_close(third[2:], ea[21:], **TOL)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias", "tied"])
+def test_onednn_packed_model_matches_hf(variant: str, checkpoints: dict[str, Path], models: dict) -> None:
+    """Projections and the (tied) head through oneDNN: prefill and a 9-row decode step match HF."""
+    _, ref = models[variant]
+    ours = load_model(checkpoints[variant])
+    assert ours.pack_onednn()
+    prompts = [_prompt(12 + 3 * i, seed=20 + i) for i in range(9)]
+    runner = PagedRunner(ours, block_size=4, seed=9)
+    first = runner.step([(i, p[:-1]) for i, p in enumerate(prompts)])
+    last = runner.step([(i, p[-1:]) for i, p in enumerate(prompts)])  # 9 decode rows: the oneDNN path
+    start = 0
+    for i, p in enumerate(prompts):
+        expected = hf_logits(ref, p)
+        torch.testing.assert_close(first[start : start + len(p) - 1], expected[:-1], **TOL)
+        torch.testing.assert_close(last[i], expected[-1], **TOL)
+        start += len(p) - 1
+    # Reloading weights drops the copies (they would be stale); bfloat16 is not packed.
+    ours.load_weights(load_file(checkpoints[variant] / "model.safetensors").items())
+    assert not any(m.packed for m in ours.modules() if isinstance(m, Linear))
+    assert not load_model(checkpoints[variant], dtype=torch.bfloat16).pack_onednn()
 
 
 def test_tied_model_has_no_separate_head(models: dict) -> None:

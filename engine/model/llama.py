@@ -18,6 +18,7 @@ from torch import nn
 from engine.kernels import paged_attention, write_kv
 from engine.kernels.metadata import AttentionMetadata
 from engine.model.config import Llama3RopeScaling, ModelConfig
+from engine.model.linear import ONEDNN_MIN_ROWS, Linear, OneDNNWeights, onednn_supported
 
 
 # ----------------------------------------------------------------------------- rope
@@ -118,10 +119,10 @@ class Attention(nn.Module):
         self.qk_size = config.q_size + config.kv_size
         self.qk_heads = config.num_attention_heads + config.num_key_value_heads
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
 
     def forward(
         self,
@@ -153,8 +154,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -218,12 +219,13 @@ class LlamaForCausalLM(nn.Module):
         # Tied models reuse the embedding matrix; no separate lm_head parameter.
         self.lm_head = (
             None if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self._shard_sizes = {
             "qkv_proj": (config.q_size, config.kv_size, config.kv_size),
             "gate_up_proj": (config.intermediate_size, config.intermediate_size),
         }
+        self._head_onednn: OneDNNWeights | None = None
 
     def forward(
         self,
@@ -256,8 +258,27 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[n, vocab_size]`` for the given hidden rows (select first)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self._head_onednn is not None and hidden.shape[0] >= ONEDNN_MIN_ROWS:
+            return self._head_onednn(hidden).float()
+        return F.linear(hidden, self._head_weight()).float()
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_onednn(self) -> bool:
+        """Give every projection and the LM head a oneDNN copy (see :mod:`engine.model.linear`).
+
+        Call once the weights are loaded. Returns False (and changes nothing) where the
+        path is unsupported: not float32, not on the CPU, or torch without oneDNN.
+        """
+        weight = self._head_weight()
+        if not onednn_supported(weight.dtype, weight.device):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self._head_onednn = OneDNNWeights(weight, None)
+        return True
 
     # ------------------------------------------------------------------ weights
     def checkpoint_weight_names(self) -> set[str]:
@@ -273,10 +294,16 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters (casting to their dtype/device).
 
+        Drops any oneDNN copies (:meth:`pack_onednn` must be called again after loading).
+
         Strict: raises ValueError listing every missing and unexpected name, or on a
         shape mismatch. Ignored: ``*.rotary_emb.inv_freq`` (old checkpoints) and
         ``lm_head.weight`` when embeddings are tied (it duplicates the embedding).
         """
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.unpack()
+        self._head_onednn = None
         params = dict(self.named_parameters())
         seen: set[str] = set()
         unexpected: list[str] = []
