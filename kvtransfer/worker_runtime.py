@@ -37,6 +37,7 @@ class WorkerConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     dtype: str | None = None
     device: str | None = None
+    cpu_onednn: bool = True
     bind_host: str = "0.0.0.0"
     advertise_host: str | None = None  # None: this node's IP as Ray or the OS reports it
     transfer: TransferConfig = field(default_factory=TransferConfig)
@@ -82,7 +83,8 @@ class WorkerRuntime:
         self.publisher = KVEventPublisher(index, config.worker_id)
         self.stats = StatsRecorder(index, config.worker_id)
         self.engine = LLMEngine(
-            EngineConfig(config.model_dir, config.dtype, config.device, config.cache, config.scheduler),
+            EngineConfig(config.model_dir, config.dtype, config.device, config.cache, config.scheduler,
+                         cpu_onednn=config.cpu_onednn),
             event_sink=self.publisher,
         )
         self.loop = EngineLoop(self.engine)

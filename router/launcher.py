@@ -54,6 +54,7 @@ class Service:
             cache=CacheConfig(c.block_size, c.num_blocks, c.kv_cache_memory_bytes, True, c.hash_seed),
             scheduler=SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs),
             dtype=c.dtype,
+            cpu_onednn=c.cpu_onednn,
             device="cuda" if c.gpus_per_worker > 0 else "cpu",
             bind_host="127.0.0.1" if local else "0.0.0.0",
             transfer=replace(TransferConfig(), lease_ttl_s=c.lease_ttl_s),

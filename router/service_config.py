@@ -29,6 +29,7 @@ class ServiceConfig:
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = 256 * 1024**2
     dtype: str | None = None
+    cpu_onednn: bool = True  # CPU float32 workers: projections of 8+ rows through oneDNN (2 weight copies)
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     local_prefill_threshold: int = 32  # uncached prompt tokens at or below this are prefilled on the decode worker
@@ -42,6 +43,8 @@ class ServiceConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.gpus_per_worker < 0 or self.cpus_per_worker < 0:
             raise ValueError("gpus_per_worker and cpus_per_worker must be >= 0")
+        if not isinstance(self.cpu_onednn, bool):
+            raise ValueError(f"cpu_onednn must be true or false, got {self.cpu_onednn!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.local_prefill_threshold < 0:

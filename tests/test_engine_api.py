@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.model import make_tiny_model
+from engine.model.linear import Linear
+from router.service_config import ServiceConfig
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +190,21 @@ def test_handed_over_requests_respect_max_num_seqs(tmp_path) -> None:
         assert len(dst.scheduler.running) <= 1
     assert [r.output_token_ids for r in handed] == expected
     assert dst.kv.num_free_blocks() == dst.kv.num_blocks
+
+
+def test_cpu_onednn_option(tmp_path) -> None:
+    """``cpu_onednn`` reaches the engine; off, no projection holds a oneDNN copy; not a bool: an error."""
+
+    model_dir = str(make_tiny_model(tmp_path / "m"))
+    off = LLM(model_dir, num_blocks=16, cpu_onednn=False)
+    assert not off.engine.onednn
+    assert not any(m.packed for m in off.engine.model.modules() if isinstance(m, Linear))
+    on = LLM(model_dir, num_blocks=16)
+    assert on.engine.onednn == torch.backends.mkldnn.is_available()
+    prompts = [[7 + i] * (5 + i) for i in range(10)]  # 10 rows: the oneDNN path when on
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    assert [o.token_ids for o in on.generate(prompts, params)] == [o.token_ids for o in off.generate(prompts, params)]
+    with pytest.raises(ValueError, match="cpu_onednn"):
+        LLM(model_dir, cpu_onednn="yes")
+    with pytest.raises(ValueError, match="cpu_onednn"):
+        ServiceConfig(cpu_onednn=1)
