@@ -8,6 +8,7 @@ thread (a KV-transfer server reading the same pool) may share the engine.
 
 from __future__ import annotations
 
+import operator
 import threading
 import uuid
 from collections.abc import Sequence
@@ -35,9 +36,30 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length"; an aborted request gets no further output
     num_prompt_tokens: int
     num_cached_tokens: int
+
+
+def _token_ids(prompt_token_ids: Sequence[int]) -> list[int]:
+    """Plain ints from any integer sequence (numpy and 0-d tensor ids too); bools are refused."""
+    if isinstance(prompt_token_ids, (str, bytes)):
+        raise ValueError("prompt_token_ids: must be a sequence of integer token ids, got a string")
+    try:
+        items = list(prompt_token_ids)
+    except TypeError:
+        raise ValueError(
+            f"prompt_token_ids: must be a sequence of integer token ids, got {type(prompt_token_ids).__name__}"
+        ) from None
+    ids: list[int] = []
+    for t in items:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"prompt_token_ids: {t!r} is not an integer token id") from None
+    return ids
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -78,13 +100,13 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         """Validate a prompt and build its Request (not queued). Errors name the field."""
-        ids = list(prompt_token_ids)
+        ids = _token_ids(prompt_token_ids)
         if not ids:
             raise ValueError("prompt: must not be empty")
         vocab = self.model_config.vocab_size
         for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt_token_ids: {t!r} is outside the vocabulary [0, {vocab})")
+            if not 0 <= t < vocab:
+                raise ValueError(f"prompt_token_ids: {t} is outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
@@ -108,6 +130,7 @@ class LLMEngine:
             hash_seed=self.config.cache.hash_seed,
             cache_salt=cache_salt,
             eos_token_ids=self.model_config.eos_token_ids,
+            max_model_len=self.max_model_len,
         )
 
     def add_request(
@@ -133,6 +156,10 @@ class LLMEngine:
                 raise ValueError(
                     f"request {request.request_id!r}: {request.num_computed_tokens} computed of {request.num_tokens} tokens"
                 )
+            if request.request_id in self.requests:
+                raise ValueError(f"request_id: {request.request_id!r} is already in use")
+            if request.num_tokens >= self.max_model_len or request.check_stop() is not None:
+                raise ValueError(f"request {request.request_id!r} has already finished ({request!r})")
             self.requests[request.request_id] = request
             self.scheduler.add_running(request)
 
@@ -177,8 +204,6 @@ class LLMEngine:
                     req.append_output_token(tok)
                     new.append(tok)
                     status = req.check_stop()
-                    if status is None and req.num_tokens >= self.max_model_len:
-                        status = RequestStatus.FINISHED_LENGTH
                 if status is not None:
                     self.scheduler.finish(req, status)
                     self.requests.pop(req.request_id, None)

@@ -33,9 +33,18 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, request: Request, on_output: OutputCallback, running: bool = False) -> None:
-        """Queue ``request`` (or, with ``running``, continue a handed-over one)."""
+        """Queue ``request`` (or, with ``running``, continue a handed-over one).
+
+        Raises ValueError if its id belongs to a live request of this engine (a request
+        id names one request at a time: outputs and blocks are looked up by it).
+        """
+        rid = request.request_id
         with self.engine.lock:
-            self._callbacks[request.request_id] = on_output
+            engine = self.engine
+            # A handed-over request already holds its pulled blocks under this id.
+            if rid in self._callbacks or rid in engine.requests or (not running and engine.kv.get_blocks(rid)):
+                raise ValueError(f"request_id: {rid!r} is already in use")
+            self._callbacks[rid] = on_output
             try:
                 if running:
                     self.engine.add_running(request)
@@ -81,7 +90,14 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                # Outputs are matched with callbacks under the lock that produced them, so an
+                # abort (and a reuse of the id) right after the step cannot misroute them.
+                with self.engine.lock:
+                    outputs = self.engine.step()
+                    targets = [(self._callbacks.get(o.request_id), o) for o in outputs]
+                    for o in outputs:
+                        if o.finished:
+                            self._callbacks.pop(o.request_id, None)
             except Exception as exc:  # a failed forward already aborted its batch
                 logger.exception("engine step failed")
                 with self.engine.lock:
@@ -108,10 +124,7 @@ class EngineLoop:
                 self._wake.wait(self._idle_wait_s / 5)
                 self._wake.clear()
                 continue
-            for out in outputs:
-                cb = self._callbacks.get(out.request_id)
-                if out.finished:
-                    self._callbacks.pop(out.request_id, None)
+            for cb, out in targets:
                 if cb is not None:
                     self._deliver(cb, out)
 

@@ -20,7 +20,7 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (aborted from another thread)
     num_cached_tokens: int = 0
 
 
@@ -71,7 +71,10 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         engine = self.engine
-        id_lists = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if any(isinstance(p, int) for p in prompts):
+            raise ValueError("prompts: each prompt is a string or a list of token ids "
+                             "(wrap a single tokenized prompt in a list: [[1, 2, 3]])")
+        id_lists = [self.encode(p) if isinstance(p, str) else p for p in prompts]
         reqs = [engine.make_request(ids, p, cache_salt=cache_salt) for ids, p in zip(id_lists, plist)]
         outputs = {r.request_id: CompletionOutput(r.request_id, r.prompt_token_ids) for r in reqs}
         for r in reqs:
@@ -87,6 +90,10 @@ class LLM:
                     o.num_cached_tokens = step_out.num_cached_tokens
                     if step_out.finished:
                         o.finish_reason = step_out.finish_reason
+                # Aborted elsewhere (engine.abort from another thread): no output will come.
+                for rid, o in outputs.items():
+                    if o.finish_reason is None and rid not in engine.requests:
+                        o.finish_reason = "abort"
         except BaseException:
             for rid in outputs:
                 engine.abort(rid)

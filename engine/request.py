@@ -39,6 +39,7 @@ class Request:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         eos_token_ids: Sequence[int] = (),
+        max_model_len: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -48,6 +49,7 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_name = lora_name
         self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = max_model_len  # prompt + output never exceed it
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-hit tokens at first scheduling; -1 = not yet scheduled
@@ -88,6 +90,8 @@ class Request:
         if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if len(self.output_token_ids) >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -8,10 +8,13 @@ from engine.sampling_params import SamplingParams
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) everything outside the top-k and the top-p nucleus of one row."""
+    """Mask (to -inf) everything outside the top-k and the top-p nucleus of one row.
+
+    Exactly ``top_k`` tokens survive the top-k filter, even when logits tie at the cut.
+    """
     if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        kept = torch.topk(logits, top_k)
+        logits = torch.full_like(logits, float("-inf")).scatter(0, kept.indices, kept.values)
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.model import make_tiny_model
+from engine.request import RequestStatus
 from engine.model.linear import Linear
 from router.service_config import ServiceConfig
 
@@ -208,3 +212,74 @@ def test_cpu_onednn_option(tmp_path) -> None:
         LLM(model_dir, cpu_onednn="yes")
     with pytest.raises(ValueError, match="cpu_onednn"):
         ServiceConfig(cpu_onednn=1)
+
+
+def test_token_ids_of_any_integer_type(llm: LLM) -> None:
+    import numpy as np
+
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    expected = llm.generate([[5, 6, 7]], params)[0].token_ids
+    for prompt in ([np.int64(5), np.int32(6), 7], torch.tensor([5, 6, 7])):
+        assert llm.generate([prompt], params)[0].token_ids == expected
+    with pytest.raises(ValueError, match="wrap a single tokenized prompt"):
+        llm.generate([5, 6, 7], params)
+    with pytest.raises(ValueError, match="not an integer token id"):
+        llm.generate([[5, 6.5]], params)
+    with pytest.raises(ValueError, match="not an integer token id"):
+        llm.generate([[True, 5]], params)
+    assert idle(llm)
+
+
+def test_generate_returns_when_a_request_is_aborted_elsewhere(llm: LLM) -> None:
+    engine = llm.engine
+    result: list = []
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    worker = threading.Thread(target=lambda: result.extend(llm.generate([[1, 2, 3], [4, 5]], params)), daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while not all(r.output_token_ids for r in list(engine.requests.values())) or len(engine.requests) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    first = next(iter(engine.requests))
+    assert engine.abort(first)  # the other one runs on to max_model_len
+    worker.join(30)
+    assert not worker.is_alive()
+    assert [o.finish_reason for o in result] == ["abort", "length"]
+    assert all(o.token_ids for o in result)
+    assert idle(llm)
+
+
+def test_request_at_max_model_len_is_finished_not_handed_over(tmp_path) -> None:
+    """A prefill worker judges its first token with check_stop; at max_model_len the request is
+    finished there, and a decode engine refuses to continue it (one token too many)."""
+    model_dir = str(make_tiny_model(tmp_path / "m"))
+    prefill = LLM(model_dir, num_blocks=16, block_size=8, max_model_len=24).engine
+    decode = LLM(model_dir, num_blocks=16, block_size=8, max_model_len=24).engine
+    prompt = list(range(30, 53))  # 23 tokens: the longest prompt max_model_len=24 accepts
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    req = prefill.add_request(prompt, params)
+    while prefill.has_unfinished():
+        prefill.step()
+    assert len(req.output_token_ids) == 1 and req.check_stop() is RequestStatus.FINISHED_LENGTH
+    handed = decode.make_request(prompt, params, request_id="h")
+    handed.append_output_token(req.output_token_ids[0])
+    handed.num_computed_tokens = len(prompt)
+    with pytest.raises(ValueError, match="already finished"):
+        decode.add_running(handed)
+    assert not decode.has_unfinished()
+
+
+def test_seeded_sampling_survives_preemption(tmp_path) -> None:
+    """Seeded streams are the same whether or not a tiny pool forces preemption and recompute."""
+    import random
+
+    model_dir = str(make_tiny_model(tmp_path / "m"))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (5, 17, 30, 9, 40, 16)]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, seed=7 + i) for i in range(6)]
+    roomy = LLM(model_dir, num_blocks=256, block_size=4)
+    tight = LLM(model_dir, num_blocks=20, block_size=4, max_num_batched_tokens=13, enable_prefix_caching=False)
+    expected = [o.token_ids for o in roomy.generate(prompts, params)]
+    assert [o.token_ids for o in tight.generate(prompts, params)] == expected
+    assert tight.engine.scheduler.num_preemptions > 0 and roomy.engine.scheduler.num_preemptions == 0
+    assert idle(tight) and idle(roomy)

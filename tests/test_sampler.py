@@ -78,8 +78,37 @@ def test_seed_reproducible_regardless_of_batch() -> None:
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
         ({"temperature": float("nan")}, "temperature"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"seed": 1.5}, "seed"),
     ],
 )
 def test_bad_params_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_tiny_temperature_is_greedy_not_an_overflow() -> None:
+    """logits / 1e-40 would overflow float32 into inf/NaN; below 1e-5 the sampler takes the argmax."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 30
+    params = [SamplingParams(temperature=t, seed=1) for t in (1e-40, 9e-6, 0.0)]
+    assert all(p.greedy for p in params)
+    assert Sampler().sample(logits, ["a", "b", "c"], params) == logits.argmax(dim=-1).tolist()
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_extreme_seeds_are_accepted() -> None:
+    logits = torch.zeros(2, 10)
+    params = [SamplingParams(temperature=1.0, seed=2**64 - 1), SamplingParams(temperature=1.0, seed=-(2**63))]
+    out = Sampler().sample(logits, ["a", "b"], params)
+    assert all(0 <= t < 10 for t in out)
+
+
+def test_top_k_keeps_exactly_k_tokens_on_ties() -> None:
+    """Five tokens tie at the top; top_k=2 must sample from two of them only."""
+    logits = torch.tensor([[3.0, 3.0, 3.0, 3.0, 3.0, 0.0, -1.0]])
+    params = SamplingParams(temperature=1.0, top_k=2, seed=0)
+    sampler = Sampler()
+    seen = {sampler.sample(logits, ["r"], [params])[0] for _ in range(200)}
+    assert len(seen) == 2 and seen <= {0, 1, 2, 3, 4}
