@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 from engine.engine import RequestOutput
 from engine.request import Request
@@ -29,6 +30,13 @@ class DecodeService:
 
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` without awaiting it (a reference is kept until it is done)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _pull(self, spec: RequestSpec, prefill: PrefillResult, req: Request) -> KVPullResult | None:
         """Pull the prompt's KV into this pool; None when it must be recomputed instead."""
@@ -91,7 +99,9 @@ class DecodeService:
             aloop.call_soon_threadsafe(queue.put_nowait, out)
 
         local_hit = transferred = recomputed = 0
-        pulled = False  # a successful pull already released the lease
+        lease_settled = False  # a successful pull released the lease, or this worker gave it back
+        computes_prompt = prefill is None  # prefilled here: locally, or recomputed after a failed pull
+        first = True
         try:
             req = rt.engine.make_request(spec.prompt_token_ids, spec.params, spec.request_id, spec.cache_salt)
             if prefill is None:
@@ -104,11 +114,13 @@ class DecodeService:
                     req.request_id, req.sampling_params, rt.engine.model_config.vocab_size, rt.engine.device, 1
                 )
                 if result is None:
-                    recomputed = req.num_prompt_tokens
-                    rt.stats.record({"recomputed_tokens": recomputed}, spec.cache_salt)
+                    # Recompute here; the prefill worker's blocks are of no use any more. The
+                    # release runs beside the recompute: a hung peer must not delay it.
+                    self._in_background(self._release(prefill))
+                    lease_settled = computes_prompt = True
                     rt.loop.submit(req, on_output)
                 else:
-                    pulled = True
+                    lease_settled = True
                     local_hit, transferred = result.num_local_hit_tokens, result.num_external_tokens
                     rt.loop.submit(req, on_output, running=True)
             while True:
@@ -117,8 +129,16 @@ class DecodeService:
                     raise out
                 if out.finish_reason == "abort":
                     raise RuntimeError(f"request {spec.request_id!r} was aborted")
-                if prefill is None and local_hit == 0:
+                if first and computes_prompt:
+                    # Counted once the engine knows its prefix hit (set at first scheduling).
                     local_hit = out.num_cached_tokens
+                    computed = max(req.num_prompt_tokens - local_hit, 0)
+                    if prefill is None:
+                        rt.stats.record({"prefill_computed_tokens": computed}, spec.cache_salt)
+                    else:
+                        recomputed = computed
+                        rt.stats.record({"recomputed_tokens": recomputed}, spec.cache_salt)
+                first = False
                 if out.new_token_ids or out.finished:
                     yield DecodeEvent(
                         spec.request_id, tuple(out.new_token_ids), out.finished, out.finish_reason,
@@ -129,5 +149,5 @@ class DecodeService:
         finally:
             # Cancelled, consumer gone or failed: the engine drops the request and its blocks.
             await asyncio.to_thread(rt.drop_request, spec.request_id)
-            if prefill is not None and not pulled:
+            if prefill is not None and not lease_settled:
                 await self._release(prefill)

@@ -72,6 +72,9 @@ class TransferConfig:
         return [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", max(self.max_message_bytes, 4 * MiB)),
+            # gRPC binds with SO_REUSEPORT by default: a second server on a taken port would
+            # "succeed" and the kernel would split connections between the two.
+            ("grpc.so_reuseport", 0),
         ]
 
 

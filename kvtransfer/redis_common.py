@@ -60,6 +60,8 @@ class RedisIndexConfig:
     namespace: str = "pdserve"
     events_maxlen: int = 10000
     socket_timeout_s: float = 1.0  # bounds every Redis call, so a hung server costs at most this
+    lookup_timeout_s: float = 0.25  # the router's prefix lookup sits on each request's critical path
+    restart_check_s: float = 2.0  # how often writers ask whether Redis restarted (and lost the index)
     batch_max: int = 256  # events per pipeline round trip
     max_queue: int = 100_000  # queued writes beyond this are dropped (and covered by a republish)
     retry_initial_s: float = 0.05
@@ -74,7 +76,7 @@ class RedisIndexConfig:
         for name in ("events_maxlen", "batch_max", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("socket_timeout_s", "retry_initial_s", "retry_max_s"):
+        for name in ("socket_timeout_s", "lookup_timeout_s", "restart_check_s", "retry_initial_s", "retry_max_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.retry_initial_s > self.retry_max_s:
@@ -91,14 +93,17 @@ class RedisIndexConfig:
     def __repr__(self) -> str:
         return f"RedisIndexConfig(url={self.redacted_url!r}, namespace={self.namespace!r})"
 
-    def client(self) -> redis.Redis:
-        """A new client with str replies and one immediate retry (which re-dials a stale pooled socket)."""
+    def client(self, retries: int = 1, timeout_s: float | None = None) -> redis.Redis:
+        """A new client with str replies, ``timeout_s`` (default ``socket_timeout_s``) on every
+        call, and ``retries`` immediate retries (one re-dials a stale pooled socket; writes that
+        are not idempotent want none: a timed-out command may still have run)."""
+        timeout = timeout_s or self.socket_timeout_s
         return redis.Redis.from_url(
             self.url,
             decode_responses=True,
-            socket_timeout=self.socket_timeout_s,
-            socket_connect_timeout=self.socket_timeout_s,
-            retry=Retry(NoBackoff(), 1),
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), retries),
         )
 
     # -- key names (design.md) ------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -171,9 +172,14 @@ class StatsRecorder(BackgroundWriter):
 
     ``record`` never blocks on I/O and never raises on Redis trouble (unknown counter names do raise:
     that is a bug). A batch's increments are summed and written in one MULTI/EXEC; increments that
-    could not be written are kept and written when Redis returns, so totals survive an outage
-    (a connection lost after EXEC was sent may count a batch twice).
+    could not be written are kept and written when Redis returns, so totals survive an outage.
+    A batch is never retried at once (its client has no retries) and waits up to 5 s for Redis
+    (off the serving path), but one whose EXEC reached Redis and then went unanswered for longer
+    is counted twice: an unanswered EXEC cannot be told from a lost one.
     """
+
+    client_retries = 0
+    client_timeout_s = 5.0
 
     def __init__(self, config: RedisIndexConfig, worker_id: str | None = None) -> None:
         self.worker_id = worker_id
@@ -274,10 +280,12 @@ class PrefixLookup:
 
     def __init__(self, config: RedisIndexConfig) -> None:
         self.config = config
-        self._client = config.client()
+        # A short timeout and no retry: a hung Redis must cost a request little, not 2 x 1 s.
+        self._client = config.client(retries=0, timeout_s=config.lookup_timeout_s)
         self._outage = OutageTracker("prefix-lookup")
         self._retry_at = 0.0
         self._delay = config.retry_initial_s
+        self._probe = threading.Lock()  # during an outage one lookup probes, the others skip Redis
 
     @property
     def outages(self) -> int:
@@ -288,14 +296,19 @@ class PrefixLookup:
 
         Without ``worker_ids`` only workers holding at least block 0 appear; with them, exactly those
         workers appear (0 when they hold nothing). Returns ``{}`` when Redis is unreachable (logged
-        once per outage; during backoff Redis is not even tried), so the caller routes by load.
+        once per outage; during backoff Redis is not even tried, and while one lookup probes whether
+        it is back the others do not wait for it), so the caller routes by load. A lookup costs at
+        most ``lookup_timeout_s`` of waiting on Redis.
         """
         wanted = set(worker_ids) if worker_ids is not None else None
         result = dict.fromkeys(wanted, 0) if wanted is not None else {}
         if not block_hashes:
             return result
-        if self._outage.down and time.monotonic() < self._retry_at:
-            return {}
+        probing = False
+        if self._outage.down:
+            if time.monotonic() < self._retry_at or not self._probe.acquire(blocking=False):
+                return {}
+            probing = True
         try:
             pipe = self._client.pipeline(transaction=False)
             for h in block_hashes:
@@ -306,6 +319,9 @@ class PrefixLookup:
             self._retry_at = time.monotonic() + self._delay
             self._delay = min(self._delay * 2, self.config.retry_max_s)
             return {}
+        finally:
+            if probing:
+                self._probe.release()
         self._outage.ok()
         self._delay = self.config.retry_initial_s
         alive = set(rows[0]) if wanted is None else set(rows[0]) & wanted

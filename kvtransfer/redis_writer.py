@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import TypeVar
 
@@ -20,17 +21,24 @@ class BackgroundWriter:
 
     Subclasses implement ``_write(pipe, batch)`` (queue the commands of a batch on a pipeline)
     and may override ``_dropped(batch)`` (remember what a batch that could not be written would
-    have changed) and ``_resync(client)`` (write that back once Redis answers again). All three
+    have changed) and ``_resync(client)`` (write that back once Redis answers again, or once it
+    answers as a new server: every ``restart_check_s``, idle or not, the thread compares the
+    server's ``run_id``, so a restart that lost the data is followed by a resync). All three
     run on the writer thread; ``_dropped`` and the caller share ``self._cv``, which subclasses
     also use to guard their own state. On failure the whole queue is dropped (it is covered by the
     resync) and retried with exponential backoff; ``outages``, ``dropped_batches`` and
     ``dropped_items`` count what happened.
     """
 
+    client_retries = 1  # immediate retries of a failed batch; 0 where a batch is not idempotent
+    client_timeout_s: float | None = None  # per-call timeout; None: the config's socket_timeout_s
+
     def __init__(self, config: RedisIndexConfig, name: str) -> None:
         self.config = config
         self.name = name
-        self._client = config.client()
+        self._client = config.client(retries=self.client_retries, timeout_s=self.client_timeout_s)
+        self._run_id: str | None = None  # the Redis server's run_id: a new one means a restart
+        self._next_check = 0.0
         self._cv = threading.Condition()
         self._items: deque = deque()
         self._unfinished = 0  # items enqueued and not yet written or dropped
@@ -77,13 +85,18 @@ class BackgroundWriter:
         while True:
             with self._cv:
                 while not self._items and not self._resync_pending and not self._closed:
-                    self._cv.wait()
+                    if not self._cv.wait(max(self._next_check - time.monotonic(), 0.0)):
+                        break  # idle until the next restart check
                 if self._closed and (self._outage.down or not (self._items or self._resync_pending)):
                     return
                 batch = [self._items.popleft() for _ in range(min(len(self._items), self.config.batch_max))]
                 resync = self._resync_pending
                 self._busy = True
             try:
+                if time.monotonic() >= self._next_check:
+                    self._next_check = time.monotonic() + self.config.restart_check_s
+                    if self._server_restarted():
+                        resync = True
                 if resync:
                     with self._cv:
                         self._resync_pending = False  # a drop during the resync sets it again
@@ -111,6 +124,15 @@ class BackgroundWriter:
                 self._finish(len(batch) + len(rest))
                 self._stop.wait(delay)
                 delay = min(delay * 2, self.config.retry_max_s)
+
+    def _server_restarted(self) -> bool:
+        """True when Redis answers with another ``run_id`` than last time (it restarted)."""
+        run_id = self._client.info("server").get("run_id")
+        restarted = self._run_id is not None and run_id != self._run_id
+        if restarted:
+            log.warning("%s: Redis restarted (run_id changed); rewriting this worker's state", self.name)
+        self._run_id = run_id
+        return restarted
 
     def _finish(self, n: int) -> None:
         with self._cv:

@@ -64,22 +64,24 @@ def _node_ip() -> str:
         return "127.0.0.1"
 
 
-def _forget_previous_blocks(index: RedisIndexConfig, worker_id: str) -> None:
-    """A (re)started worker's pool is empty: drop holder fields a previous incarnation left."""
+def _forget_blocks(index: RedisIndexConfig, worker_id: str) -> None:
+    """Drop every block-holder field naming ``worker_id``: at start (a previous incarnation's
+    pool is gone) and at a clean stop (this one's is about to be)."""
     try:
         removed = remove_worker_blocks(index.client(), index.namespace, worker_id)
     except REDIS_ERRORS as exc:  # Redis is an index: start anyway, the publisher resyncs later
-        logger.warning("could not clear stale block holders of %s: %s", worker_id, exc)
+        logger.warning("could not clear the block holders of %s: %s", worker_id, exc)
         return
     if removed:
-        logger.info("cleared %d stale block holder fields of %s", removed, worker_id)
+        logger.info("cleared %d block holder fields of %s", removed, worker_id)
 
 
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         index = RedisIndexConfig(config.redis_url, namespace=config.namespace)
-        _forget_previous_blocks(index, config.worker_id)
+        self._index = index
+        _forget_blocks(index, config.worker_id)
         self.publisher = KVEventPublisher(index, config.worker_id)
         self.stats = StatsRecorder(index, config.worker_id)
         self.engine = LLMEngine(
@@ -173,6 +175,7 @@ class WorkerRuntime:
             return tmp.release(lease_id)
 
     def close(self) -> None:
+        """Stop serving and leave nothing of this worker in Redis (registry entry, holder fields)."""
         self.registry.unregister(self.config.worker_id)
         self.registry.close()
         self.loop.stop()
@@ -181,5 +184,6 @@ class WorkerRuntime:
             clients, self._clients = list(self._clients.values()), {}
         for c in clients:
             c.close()
-        self.publisher.close()
+        self.publisher.close()  # flushes queued writes first, so no holder field lands after the purge
         self.stats.close()
+        _forget_blocks(self._index, self.config.worker_id)

@@ -8,10 +8,10 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.model import ModelConfig, load_tokenizer
 from kvtransfer.redis_index import PrefixLookup, RedisIndexConfig, StatsRecorder
-from pdserve.v1 import router_pb2, router_pb2_grpc
+from pdserve.v1 import router_pb2
 from router.core import RouterConfig, RouterCore
 from router.ray_workers import RayWorkers
-from router.servicer import ModelLimits, RouterServicer
+from router.servicer import ModelLimits, RouterServicer, add_router_to_server
 
 
 class Router:
@@ -24,19 +24,23 @@ class Router:
         prefill: dict,
         decode: dict,
         max_model_len: int | None = None,
+        kv_blocks: int | None = None,
     ) -> None:
         mc = ModelConfig.from_dir(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         limit = min(max_model_len or mc.max_context_len, mc.max_context_len)
         index = RedisIndexConfig(redis_url, namespace=namespace)
         self.core = RouterCore(router_config, RayWorkers(prefill, decode), PrefixLookup(index), StatsRecorder(index))
-        self.servicer = RouterServicer(self.core, self.tokenizer, ModelLimits(mc.vocab_size, limit))
+        self.servicer = RouterServicer(
+            self.core, self.tokenizer, ModelLimits(mc.vocab_size, limit, router_config.block_size, kv_blocks)
+        )
         self.server: grpc.aio.Server | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0 = any free port); returns the bound port."""
-        server = grpc.aio.server()
-        router_pb2_grpc.add_RouterServicer_to_server(self.servicer, server)
+        # No SO_REUSEPORT: a taken port must fail to bind, not be shared with its owner.
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        add_router_to_server(self.servicer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         names = (
@@ -45,7 +49,10 @@ class Router:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, server)
-        bound = server.add_insecure_port(f"{host}:{port}")
+        try:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:  # recent grpcio raises instead of returning 0
+            raise OSError(f"cannot bind the router to {host}:{port}: {exc}") from exc
         if bound == 0:
             raise OSError(f"cannot bind the router to {host}:{port}")
         await server.start()

@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_stats(args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad input, missing files, ports: a message, not a traceback
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
     ap.error(f"unknown command {args.command}")

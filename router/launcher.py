@@ -13,11 +13,20 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.model import ModelConfig, load_tokenizer
+from engine.model.loader import weight_files
 from kvtransfer.config import TransferConfig
 from kvtransfer.redis_server import EmbeddedRedis
 from kvtransfer.worker_runtime import WorkerConfig
 from router.core import RouterConfig
 from router.service_config import ServiceConfig
+
+
+def check_model_dir(model_dir: str) -> None:
+    """FileNotFoundError / ValueError naming what is missing or unsupported in ``model_dir``."""
+    ModelConfig.from_dir(model_dir)
+    weight_files(model_dir)
+    load_tokenizer(model_dir)
 
 
 def _log(msg: str) -> None:
@@ -70,6 +79,8 @@ class Service:
 
     def _start(self) -> tuple[str, str]:
         c = self.config
+        if self.model_dir is not None:
+            check_model_dir(self.model_dir)  # here, not as a worker actor dying during start-up
         if self.model_dir is None:
             from engine.model import make_tiny_model
 
@@ -110,11 +121,13 @@ class Service:
             )
         pending = {h.ready.remote(): wid for wid, h in {**self.prefill, **self.decode}.items()}
         total, t0 = len(pending), time.monotonic()
+        pool_blocks: list[int] = []
         while pending:
             done, _ = ray.wait(list(pending), timeout=5.0)
             for ref in done:
                 info = ray.get(ref)
                 wid = pending.pop(ref)
+                pool_blocks.append(info["num_blocks"])
                 self.progress(
                     f"[{total - len(pending)}/{total}] {wid} loaded the model ({info['num_blocks']} KV blocks, "
                     f"transfer at {info['grpc_address']})"
@@ -130,9 +143,14 @@ class Service:
         self.router = ray.remote(Router).options(
             name="pdserve-router", num_cpus=0, max_restarts=0, scheduling_strategy=here
         ).remote(
-            self.model_dir, rc, self.redis_url, c.namespace, self.prefill, self.decode
+            self.model_dir, rc, self.redis_url, c.namespace, self.prefill, self.decode, kv_blocks=min(pool_blocks)
         )
-        self.port = ray.get(self.router.start.remote(c.host, c.port))
+        try:
+            self.port = ray.get(self.router.start.remote(c.host, c.port))
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, OSError):  # the port is taken: say so without Ray's traceback
+                raise OSError(str(e.cause)) from None
+            raise
         return f"{c.host}:{self.port}", self.redis_url
 
     def stop(self) -> None:
@@ -142,7 +160,12 @@ class Service:
                     ray.get(self.router.stop.remote(), timeout=10)
                 except Exception:  # noqa: BLE001 - it is going away either way
                     pass
-            for h in [*self.prefill.values(), *self.decode.values(), *([self.router] if self.router else [])]:
+            workers = [*self.prefill.values(), *self.decode.values()]
+            try:  # a clean shutdown unregisters each worker and clears its block holders in Redis
+                ray.get([h.shutdown.remote() for h in workers], timeout=20)
+            except Exception:  # noqa: BLE001 - killed below either way
+                _log("not every worker shut down cleanly; Redis may list it until it is replaced")
+            for h in [*workers, *([self.router] if self.router else [])]:
                 try:
                     ray.kill(h, no_restart=True)
                 except Exception:  # noqa: BLE001

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from engine import envs
 
@@ -37,14 +37,14 @@ class ServiceConfig:
     lease_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), _FIELD_TYPES[f.name])
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"need at least 1 prefill and 1 decode worker, got {self.prefill} and {self.decode}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.gpus_per_worker < 0 or self.cpus_per_worker < 0:
             raise ValueError("gpus_per_worker and cpus_per_worker must be >= 0")
-        if not isinstance(self.cpu_onednn, bool):
-            raise ValueError(f"cpu_onednn must be true or false, got {self.cpu_onednn!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.local_prefill_threshold < 0:
@@ -59,8 +59,10 @@ class ServiceConfig:
         if path is not None:
             try:
                 loaded = json.loads(Path(path).read_text())
-            except (OSError, json.JSONDecodeError) as e:
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"cannot read service config {path}: {e}") from e
+            if not isinstance(loaded, dict):
+                raise ValueError(f"service config {path} must be a JSON object, got {type(loaded).__name__}")
             known = {f.name for f in fields(cls)}
             unknown = set(loaded) - known
             if unknown:
@@ -69,3 +71,26 @@ class ServiceConfig:
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**data)
 
+
+
+_FIELD_TYPES = get_type_hints(ServiceConfig)
+_JSON_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    """ValueError unless ``value`` fits ``hint`` (``T`` or ``T | None`` of bool/int/float/str)."""
+    allowed = getattr(hint, "__args__", (hint,))
+    if value is None and type(None) in allowed:
+        return
+    for t in allowed:
+        # bool is an int subclass in Python, but true is not a count and 1 is not a switch.
+        if t is bool and isinstance(value, bool):
+            return
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if t is str and isinstance(value, str):
+            return
+    want = " or ".join(_JSON_NAMES.get(t, "null") for t in allowed)
+    raise ValueError(f"{name} must be {want}, got {value!r}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf import unknown_fields
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from tokenizers import Tokenizer
 
 from engine.sampling_params import SamplingParams
@@ -30,8 +30,12 @@ class InvalidRequest(ValueError):
 
 @dataclass(frozen=True)
 class ModelLimits:
+    """What a request must fit: the vocabulary, the context and (when known) a worker's KV pool."""
+
     vocab_size: int
     max_model_len: int
+    block_size: int = 16
+    kv_blocks: int | None = None  # the smallest worker pool, in blocks; None: not checked here
 
 
 def _check_unknown(msg: Message, where: str) -> None:
@@ -74,9 +78,39 @@ def to_spec(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits) 
         )
     except ValueError as e:
         raise InvalidRequest(f"sampling.{e}") from e
+    if limits.kv_blocks is not None:
+        # The engine's own admission rule, checked before any worker spends a prefill on it.
+        total = min(len(ids) + params.max_tokens, limits.max_model_len)
+        need = -(-total // limits.block_size)
+        if need > limits.kv_blocks:
+            raise InvalidRequest(
+                f"sampling.max_tokens: {len(ids)} prompt tokens + max_tokens={params.max_tokens} need {need} KV "
+                f"blocks, a worker's pool has {limits.kv_blocks}"
+            )
     # Workers always see a fresh id: a client reusing its own id (a retry) must never share
     # blocks or leases with an earlier request that is still held somewhere.
     return RequestSpec(uuid.uuid4().hex, tuple(ids), params, req.cache_salt or None)
+
+
+def _parse_generate_request(data: bytes) -> pb.GenerateRequest | InvalidRequest:
+    """Deserialize without raising: a malformed message (e.g. text that is not UTF-8) becomes
+    an InvalidRequest for the handler to answer with INVALID_ARGUMENT, not an UNKNOWN error."""
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except DecodeError as e:
+        return InvalidRequest(f"request: not a valid GenerateRequest ({e}); text and cache_salt must be UTF-8")
+
+
+def add_router_to_server(servicer: RouterServicer, server: grpc.aio.Server) -> None:
+    """Register ``pdserve.v1.Router`` like the generated helper, with the lenient deserializer."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=_parse_generate_request,
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        )
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.Router", handlers),))
 
 
 class RouterServicer(pb_grpc.RouterServicer):
@@ -89,6 +123,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
+            if isinstance(request, InvalidRequest):
+                raise request
             spec = to_spec(request, self.tokenizer, self.limits)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

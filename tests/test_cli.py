@@ -118,3 +118,24 @@ def test_demo_runs_and_reports_hit_rates() -> None:
     rate = float(r.stdout.split("cluster hit rate:")[1].split("%")[0])
     assert rate > 20.0  # tenants share system prompts: a cold cache would be 0
     assert "tenant " in r.stdout and "ttft_ms" in r.stdout
+
+
+def test_bad_config_and_paths_are_messages_not_tracebacks(tmp_path: Path) -> None:
+    not_object = tmp_path / "list.json"
+    not_object.write_text("[1]")
+    wrong_type = tmp_path / "prefill.json"
+    wrong_type.write_text('{"prefill": "2"}')
+    empty_model = tmp_path / "empty"
+    empty_model.mkdir()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    cases = [
+        (["up", "--config", str(not_object)], "must be a JSON object"),
+        (["up", "--config", str(wrong_type)], "prefill must be an integer, got '2'"),
+        (["up", "--model", str(empty_model)], "config.json not found"),
+        (["make-tiny-model", str(a_file / "tiny")], "Not a directory"),
+    ]
+    for args, needle in cases:
+        r = pdserve(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

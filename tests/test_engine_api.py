@@ -237,11 +237,14 @@ def test_generate_returns_when_a_request_is_aborted_elsewhere(llm: LLM) -> None:
     worker = threading.Thread(target=lambda: result.extend(llm.generate([[1, 2, 3], [4, 5]], params)), daemon=True)
     worker.start()
     deadline = time.monotonic() + 30
-    while not all(r.output_token_ids for r in list(engine.requests.values())) or len(engine.requests) < 2:
+    while True:
+        with engine.lock:  # no step runs meanwhile: the request is still live when aborted
+            live = list(engine.requests.values())
+            if len(live) == 2 and all(r.output_token_ids for r in live):
+                assert engine.abort(live[0].request_id)  # the other one runs on to max_model_len
+                break
         assert time.monotonic() < deadline
         time.sleep(0.001)
-    first = next(iter(engine.requests))
-    assert engine.abort(first)  # the other one runs on to max_model_len
     worker.join(30)
     assert not worker.is_alive()
     assert [o.finish_reason for o in result] == ["abort", "length"]

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -315,6 +316,47 @@ def test_outage_never_blocks_callers_and_index_is_republished(caplog: pytest.Log
         for x in (pub, stats, lookup):
             x.close()
         c.close()
+
+
+def test_quiet_restart_is_noticed_and_index_republished() -> None:
+    """Redis restarts (empty) while the worker writes nothing: no write ever fails, yet the
+    holder fields come back within restart_check_s, and the router's lookup finds them again."""
+    with running_redis() as server:
+        cfg = RedisIndexConfig(server.url, namespace="pdserve", restart_check_s=0.2, **FAST)
+        pool, pub = BlockPool(8), KVEventPublisher(cfg, "p0")
+        pool.add_event_sink(pub)
+        lookup = PrefixLookup(cfg)
+        tokens = list(range(48))
+        kept = store_chain(pool, tokens)
+        assert pub.flush(5)
+        assert lookup.longest_prefix(block_hashes(tokens, BS)) == {"p0": 3}
+        server.restart()  # same port, empty database; the publisher's queue stays empty
+        assert wait_until(lambda: lookup.longest_prefix(block_hashes(tokens, BS)) == {"p0": 3}, timeout=10)
+        assert pub.outages == 0 and pub.resyncs >= 1
+        pool.free_blocks(kept)
+        pub.close()
+        lookup.close()
+
+
+def test_lookup_during_a_hung_redis_costs_little() -> None:
+    """SIGSTOP'd Redis: a lookup waits at most lookup_timeout_s once, then skips Redis in backoff."""
+    with running_redis() as server:
+        cfg = RedisIndexConfig(server.url, namespace="pdserve", lookup_timeout_s=0.2)
+        lookup = PrefixLookup(cfg)
+        hashes = block_hashes(list(range(32)), BS)
+        assert lookup.longest_prefix(hashes) == {}
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            times = []
+            for _ in range(20):
+                t0 = time.monotonic()
+                assert lookup.longest_prefix(hashes) == {}
+                times.append(time.monotonic() - t0)
+            assert max(times) < 0.5 and sum(t > 0.1 for t in times) <= 2
+            assert lookup.outages == 1
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        lookup.close()
 
 
 def test_removals_lost_in_an_outage_are_replayed_when_redis_kept_its_data() -> None:

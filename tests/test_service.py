@@ -14,6 +14,7 @@ from engine import LLM, SamplingParams
 from engine.kvcache.hashing import block_hashes
 from engine.model import make_tiny_model
 from kvtransfer.handoff import RequestSpec
+from kvtransfer.redis_common import tenant_digest
 from kvtransfer.redis_index import RedisIndexConfig, read_stats
 from pdserve.v1 import router_pb2 as pb
 from router.client import build_request, generate
@@ -114,10 +115,18 @@ def test_bad_input_is_invalid_argument(service, build, needle) -> None:
     assert needle in e.value.details()
 
 
-def test_unknown_fields_rejected_and_service_keeps_serving(service) -> None:
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        (pb.GenerateRequest(text="hello").SerializeToString() + b"\xa0\x06\x01", "unknown field"),  # field 100
+        (pb.GenerateRequest(text="ab").SerializeToString().replace(b"ab", b"\xff\xfe"), "UTF-8"),  # text
+        (pb.GenerateRequest(text="hi", cache_salt="ab").SerializeToString().replace(b"ab", b"\xc3("), "UTF-8"),
+    ],
+    ids=["unknown-field", "text-not-utf8", "salt-not-utf8"],
+)
+def test_malformed_messages_rejected_and_service_keeps_serving(service, raw: bytes, needle: str) -> None:
     svc, stub = service
-    raw = pb.GenerateRequest(text="hello").SerializeToString() + b"\xa0\x06\x01"  # field 100 = 1
-    # A raw-bytes call of the same method, so the unknown field reaches the server as-is.
+    # A raw-bytes call of the same method, so the bytes reach the server as they are.
     with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
         call = channel.unary_stream(
             "/pdserve.v1.Router/Generate",
@@ -126,7 +135,7 @@ def test_unknown_fields_rejected_and_service_keeps_serving(service) -> None:
         )
         with pytest.raises(grpc.RpcError) as e:
             list(call(raw, timeout=30))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown field" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details()
     assert generate(stub, build_request("still serving", SamplingParams(max_tokens=3))).finish_reason
 
 
@@ -169,6 +178,27 @@ def test_prefill_worker_killed_before_pull_decode_recomputes(service, model_dir)
     assert tokens == LLM(model_dir, num_blocks=64).generate([p], GREEDY)[0].token_ids
     assert wait_until(lambda: stats(svc)["cluster"]["recomputed_tokens"] >= 45, timeout=30)
     assert wait_until(lambda: all_idle(svc), timeout=60)
+
+
+def test_local_prefill_and_recompute_are_counted(service) -> None:
+    """A short prompt prefilled on the decode worker counts as prefill_computed_tokens there; a
+    recompute after a failed pull (here the lease was released first) counts only what it computed."""
+    svc, stub = service
+    tenant = "local-prefill-tenant"
+    r = generate(stub, build_request(prompt_ids(31, 6), GREEDY, cache_salt=tenant))  # 6 < threshold 8
+    assert r.finish_reason == "length" and r.usage["transferred_tokens"] == 0
+    digest = tenant_digest(tenant)
+    assert wait_until(lambda: stats(svc)["tenants"].get(digest, {}).get("prefill_computed_tokens") == 6, timeout=30)
+    t = stats(svc)["tenants"][digest]
+    assert t["prompt_tokens"] == t["prefix_hit_tokens"] + t["prefill_computed_tokens"] == 6
+
+    p = prompt_ids(32, 40)
+    spec = RequestSpec("released-then-recomputed", tuple(p), GREEDY)
+    prefill = ray.get(svc.prefill["prefill-0"].prefill.remote(spec), timeout=60)
+    ray.get(svc.prefill["prefill-0"].release.remote(prefill.lease_id), timeout=30)  # the pull will fail
+    events = [ray.get(x) for x in svc.decode["decode-0"].generate.options(num_returns="streaming").remote(spec, prefill)]
+    assert events[-1].finished and events[-1].num_recomputed_tokens == 40 - events[-1].num_local_hit_tokens
+    assert wait_until(lambda: all_idle(svc), timeout=30)
 
 
 def test_redis_outage_keeps_serving_and_counters_resume(service) -> None:

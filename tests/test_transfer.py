@@ -489,3 +489,13 @@ def test_hand_encoder_matches_protobuf() -> None:
         assert encoded == chunk_to_proto(chunk).SerializeToString()
         decoded = chunk_from_proto(pb.PullChunk.FromString(encoded))
         assert [bytes(p.data) for p in decoded.pieces] == [bytes(p.data) for p in pieces]
+
+
+def test_taken_port_is_an_error_not_shared() -> None:
+    """gRPC binds with SO_REUSEPORT by default; a transfer server must not share a taken port."""
+    source, server, _ = holder()
+    try:
+        with pytest.raises(OSError, match=f"cannot bind the KV transfer server to 127.0.0.1:{server.port}"):
+            start_transfer_server(source, source.config, port=server.port)
+    finally:
+        server.stop()
