@@ -155,7 +155,10 @@ class WorkerRuntime:
             c.close()
             raise
         with self._clients_lock:
-            return self._clients.setdefault(address, c)
+            kept = self._clients.setdefault(address, c)
+        if kept is not c:
+            c.close()  # another thread connected first; this client has no users
+        return kept
 
     def drop_client(self, address: str, client: KVTransferClient | None = None) -> None:
         """Forget a peer's client (it looked gone). Only the client that failed is forgotten, and
