@@ -6,6 +6,10 @@ and the block pool allow. A waiting request first reuses its cached prefix. When
 running request cannot get a block, the newest running request is preempted (its
 blocks freed, its progress reset) and put at the front of the waiting queue, so it is
 the next admitted: nothing is lost and the oldest work always progresses.
+
+At most ``min(max_num_seqs, max_num_batched_tokens)`` requests run at once, so a budget
+smaller than ``max_num_seqs`` cannot leave admitted requests holding blocks without a
+token of progress while others decode.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class Scheduler:
         # Handed-over requests (their KV already in their blocks) waiting for a running slot.
         self.handed_over: deque[Request] = deque()
         self.num_preemptions = 0
+        self.max_running = min(config.max_num_seqs, config.max_num_batched_tokens)
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -65,7 +70,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        while self.handed_over and len(self.running) < self.config.max_num_seqs:
+        while self.handed_over and len(self.running) < self.max_running:
             req = self.handed_over.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -88,7 +93,7 @@ class Scheduler:
 
         # Admitting while preempting would only thrash: wait for blocks to come back.
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.waiting and budget > 0 and len(self.running) < self.max_running:
                 req = self.waiting[0]
                 hit, num_hit = self.kv.get_computed_blocks(req)
                 num_new = min(req.num_tokens - num_hit, budget)
@@ -107,7 +112,7 @@ class Scheduler:
     def add_running(self, request: Request) -> None:
         """Continue a request whose KV is already in its blocks (handed over by a prefill worker).
 
-        It joins the running set as soon as ``max_num_seqs`` allows, ahead of waiting requests.
+        It joins the running set as soon as there is room (``max_running``), ahead of waiting requests.
         """
         self.handed_over.append(request)
 

@@ -286,3 +286,19 @@ def test_seeded_sampling_survives_preemption(tmp_path) -> None:
     assert [o.token_ids for o in tight.generate(prompts, params)] == expected
     assert tight.engine.scheduler.num_preemptions > 0 and roomy.engine.scheduler.num_preemptions == 0
     assert idle(tight) and idle(roomy)
+
+
+def test_small_token_budget_caps_the_running_set(tmp_path) -> None:
+    """max_num_batched_tokens=4 < max_num_seqs: at most 4 requests run, every running decode
+    progresses each step, and all requests finish with every block back."""
+    engine = LLM(str(make_tiny_model(tmp_path / "m")), num_blocks=64, block_size=8, max_num_batched_tokens=4).engine
+    reqs = [engine.add_request([10 + i, 20 + i], SamplingParams(max_tokens=5, ignore_eos=True)) for i in range(10)]
+    while engine.has_unfinished():
+        decoding = [r for r in engine.scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        before = {r.request_id: len(r.output_token_ids) for r in decoding}
+        engine.step()
+        assert len(engine.scheduler.running) <= 4
+        assert all(len(r.output_token_ids) == before[r.request_id] + 1 for r in decoding)
+    assert all(len(r.output_token_ids) == 5 for r in reqs)
+    engine.kv.check_invariants()
+    assert engine.kv.num_free_blocks() == engine.kv.num_blocks
