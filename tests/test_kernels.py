@@ -220,6 +220,7 @@ TRITON_CASES = [
     ("chunked", (4, 2), 32, 16),
     ("chunked", (6, 2), 64, 8),  # GQA 3: BLOCK_M is not a multiple of the group
     ("decode", (4, 2), 8, 16),  # head_dim below 16 is zero-padded inside the kernel
+    ("mixed", (7, 1), 64, 16),  # GQA 7 (Qwen2-7B's 28 / 4 heads): BLOCK_Q = BLOCK_M // 7
 ]
 
 

@@ -39,7 +39,7 @@ from triton.runtime.interpreter import InterpretedFunction
 _LOG2E = 1.4426950408889634
 # Finite "minus infinity" for the running max: a row whose first visited tile is
 # fully masked then yields exp2(-inf - m) = 0 instead of NaN from (-inf) - (-inf).
-_NEG_BIG = -1.0e30
+_NEG_BIG = tl.constexpr(-1.0e30)  # constexpr: compiled kernels may read no other globals
 
 
 # --------------------------------------------------------------------------- KV write
@@ -396,6 +396,18 @@ def _choose_num_segments(
     return 1 << (segments.bit_length() - 1)
 
 
+def attention_tile_sizes(group: int, head_dim: int, element_size: int, max_query_len: int) -> tuple[int, int]:
+    """Default ``(block_m, block_n)`` of the attention kernel for these shapes.
+
+    Decode tiles hold only ``group`` useful rows; prefill tiles want many tokens. K and V
+    tiles sit in shared memory: 64-token tiles of 128 x 2-byte heads need ~49 KB, of 128 x
+    4-byte (float32) heads ~113 KB, over the ~99 KB an sm_86/sm_89 block may use.
+    """
+    block_m = max(16 if max_query_len <= 1 else 64, triton.next_power_of_2(group))
+    block_n = 64 if head_dim * element_size <= 256 else 32
+    return block_m, block_n
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -428,11 +440,9 @@ def paged_attention_triton(
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    if block_m is None:
-        # Decode tiles hold only GROUP useful rows; prefill tiles want many tokens.
-        block_m = max(16 if max_query_len <= 1 else 64, triton.next_power_of_2(group))
-    if block_n is None:
-        block_n = 64 if head_dim <= 128 else 32
+    default_m, default_n = attention_tile_sizes(group, head_dim, q.element_size(), max_query_len)
+    block_m = block_m or default_m
+    block_n = block_n or default_n
     if block_m < group or block_m < 16 or block_n < 16:
         raise ValueError(f"block_m={block_m}/block_n={block_n} too small for group {group}")
     block_q = block_m // group

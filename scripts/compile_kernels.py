@@ -1,0 +1,119 @@
+"""Compile the Triton kernels ahead of time for NVIDIA GPUs, without a GPU.
+
+The CPU tests run the kernels in Triton's interpreter, which accepts things the real
+compiler refuses (globals that are not ``tl.constexpr``, some ``tl.dot`` shapes). This
+compiles every kernel for each target architecture with the tile sizes the host wrappers
+pick for common model shapes, and checks the shared memory each launch needs against
+what one thread block may use on that architecture.
+
+Usage: ``python scripts/compile_kernels.py [--arch 80,86,89,90] [--quick]``; exits 1 when
+a kernel fails to compile or needs more shared memory than the architecture allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from engine.kernels import triton_kernels as tk  # noqa: E402
+
+# Shared memory one thread block may use (opt-in maximum), by compute capability.
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# (query heads per KV head, head_dim): MHA, Llama-3-8B, Llama-3-70B, Qwen2-7B (28/4), Phi-3.
+SHAPES = [(1, 64), (4, 128), (8, 128), (7, 128), (1, 96)]
+QUICK_SHAPES = [(4, 128), (7, 128)]
+
+
+def _signature(fn: triton.JITFunction, pointers: dict[str, str], wide: tuple[str, ...], floats: tuple[str, ...],
+               consts: dict[str, object]) -> dict[str, str]:
+    """Argument types: named pointers, int64 block strides, float scalars, int32 for the rest."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+        elif name in wide:
+            sig[name] = "i64"
+        elif name in floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def configs(quick: bool) -> list[tuple[str, triton.JITFunction, dict[str, str], dict[str, object]]]:
+    out = []
+    shapes = QUICK_SHAPES if quick else SHAPES
+    dtypes = ["bf16", "fp32"] if quick else list(DTYPES)
+    for dt, (group, head_dim) in itertools.product(dtypes, shapes):
+        pad = max(16, triton.next_power_of_2(head_dim))
+        kv_heads = 8
+        consts = dict(BLOCK_SIZE=16, HEAD_DIM=head_dim, HEADS_PAD=kv_heads, HEAD_DIM_PAD=pad)
+        ptrs = {n: f"*{dt}" for n in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")}
+        ptrs["slot_mapping_ptr"] = "*i64"
+        sig = _signature(tk._write_kv_kernel, ptrs, ("stride_kc_b", "stride_vc_b"), (), consts)
+        out.append((f"write_kv {dt} hd{head_dim}", tk._write_kv_kernel, sig, consts))
+        for max_query_len, segments in ((1, 1), (1, 4), (512, 1)):
+            block_m, block_n = tk.attention_tile_sizes(group, head_dim, DTYPES[dt], max_query_len)
+            consts = dict(GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=block_n, BLOCK_SIZE=16,
+                          HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, NUM_SEGMENTS=segments, DOT_F32=False)
+            ptrs = {n: f"*{dt}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+            ptrs.update(acc_part_ptr="*fp32", ml_part_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
+                        query_start_loc_ptr="*i32")
+            sig = _signature(tk._paged_attention_kernel, ptrs, ("stride_kc_b", "stride_vc_b"), ("qk_scale",), consts)
+            kind = "decode" if max_query_len == 1 else "prefill"
+            label = f"attention {dt} group{group} hd{head_dim} {kind} m{block_m} n{block_n} seg{segments}"
+            out.append((label, tk._paged_attention_kernel, sig, consts))
+        consts = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, NUM_SEGMENTS=4)
+        ptrs = dict(out_ptr=f"*{dt}", acc_part_ptr="*fp32", ml_part_ptr="*fp32", query_start_loc_ptr="*i32")
+        sig = _signature(tk._merge_segments_kernel, ptrs, (), (), consts)
+        out.append((f"merge {dt} hd{head_dim}", tk._merge_segments_kernel, sig, consts))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="80,86,89,90", help="compute capabilities, comma-separated")
+    ap.add_argument("--quick", action="store_true", help="two model shapes, bf16 and fp32 only")
+    args = ap.parse_args(argv)
+    archs = [int(a) for a in args.arch.split(",")]
+    unknown = [a for a in archs if a not in SHARED_LIMIT]
+    if unknown:
+        ap.error(f"unknown arch {unknown}; known: {sorted(SHARED_LIMIT)}")
+    todo = configs(args.quick)
+    bad = 0
+    t0 = time.monotonic()
+    for arch in archs:
+        target = GPUTarget("cuda", arch, 32)
+        for i, (label, fn, sig, consts) in enumerate(todo, 1):
+            try:
+                kernel = triton.compile(ASTSource(fn, sig, constexprs=consts), target=target)
+            except Exception as exc:  # noqa: BLE001 - report every failing config, then exit 1
+                bad += 1
+                print(f"sm_{arch} FAIL {label}: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            shared = kernel.metadata.shared
+            over = shared > SHARED_LIMIT[arch]
+            bad += over
+            status = "OVER" if over else "ok  "
+            print(f"sm_{arch} {status} [{i}/{len(todo)}] {label}: {shared / 1024:.1f} KiB shared "
+                  f"(limit {SHARED_LIMIT[arch] // 1024} KiB)", flush=True)
+    print(f"{len(todo) * len(archs)} compiles in {time.monotonic() - t0:.0f}s, {bad} failed or over the limit")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
