@@ -60,7 +60,9 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
         )
         if dev.type == "cpu":
-            meta.torch_plan = plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs)
+            meta.torch_plan = plan_attention(
+                meta.block_tables, meta.seq_lens, meta.query_start_loc, bs, self.model.config.sliding_window
+            )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         return ids, pos_t, meta, sample_rows

@@ -66,16 +66,19 @@ def configs(quick: bool) -> list[tuple[str, triton.JITFunction, dict[str, str], 
         ptrs["slot_mapping_ptr"] = "*i64"
         sig = _signature(tk._write_kv_kernel, ptrs, ("stride_kc_b", "stride_vc_b"), (), consts)
         out.append((f"write_kv {dt} hd{head_dim}", tk._write_kv_kernel, sig, consts))
-        for max_query_len, segments in ((1, 1), (1, 4), (512, 1)):
+        for max_query_len, segments, window in ((1, 1, False), (1, 4, False), (512, 1, False), (1, 4, True),
+                                                (512, 1, True)):
             block_m, block_n = tk.attention_tile_sizes(group, head_dim, DTYPES[dt], max_query_len)
             consts = dict(GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=block_n, BLOCK_SIZE=16,
-                          HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, NUM_SEGMENTS=segments, DOT_F32=False)
+                          HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, NUM_SEGMENTS=segments, HAS_WINDOW=window,
+                          DOT_F32=False)
             ptrs = {n: f"*{dt}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
             ptrs.update(acc_part_ptr="*fp32", ml_part_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
                         query_start_loc_ptr="*i32")
             sig = _signature(tk._paged_attention_kernel, ptrs, ("stride_kc_b", "stride_vc_b"), ("qk_scale",), consts)
             kind = "decode" if max_query_len == 1 else "prefill"
-            label = f"attention {dt} group{group} hd{head_dim} {kind} m{block_m} n{block_n} seg{segments}"
+            label = (f"attention {dt} group{group} hd{head_dim} {kind} m{block_m} n{block_n} seg{segments}"
+                     + (" sliding-window" if window else ""))
             out.append((label, tk._paged_attention_kernel, sig, consts))
         consts = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, NUM_SEGMENTS=4)
         ptrs = dict(out_ptr=f"*{dt}", acc_part_ptr="*fp32", ml_part_ptr="*fp32", query_start_loc_ptr="*i32")

@@ -22,7 +22,7 @@ from engine.model import LlamaForCausalLM, make_tiny_model
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-HF_VARIANTS: tuple[str, ...] = ("llama_gqa", "qwen2_bias", "mqa", "llama3_rope", "sharded", "tied")
+HF_VARIANTS: tuple[str, ...] = ("llama_gqa", "qwen2_bias", "mqa", "llama3_rope", "sharded", "tied", "mistral_window")
 
 _BASE = dict(
     vocab_size=300,
@@ -39,7 +39,7 @@ _BASE = dict(
 
 
 def _hf_config(variant: str) -> PretrainedConfig:
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     kw: dict[str, object] = dict(_BASE)
     if variant in ("llama_gqa", "sharded"):
@@ -66,6 +66,10 @@ def _hf_config(variant: str) -> PretrainedConfig:
     if variant == "tied":
         kw.update(tie_word_embeddings=True)
         return LlamaConfig(**kw)
+    if variant == "mistral_window":
+        # A window shorter than the test prompts, not a multiple of any block size used.
+        kw.update(sliding_window=11)
+        return MistralConfig(**kw)
     raise ValueError(f"unknown variant {variant!r}; known: {HF_VARIANTS}")
 
 
@@ -93,13 +97,14 @@ def copy_tiny_tokenizer(dst: Path) -> None:
 def make_hf_checkpoint(out_dir: str | Path, variant: str, seed: int = 0) -> Path:
     """Save a seeded random transformers model of ``variant`` (see HF_VARIANTS) to ``out_dir``."""
     from transformers import LlamaForCausalLM as HFLlama
+    from transformers import MistralForCausalLM as HFMistral
     from transformers import Qwen2ForCausalLM as HFQwen2
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = _hf_config(variant)
     torch.manual_seed(seed)
-    cls = HFQwen2 if variant == "qwen2_bias" else HFLlama
+    cls = {"qwen2_bias": HFQwen2, "mistral_window": HFMistral}.get(variant, HFLlama)
     model = cls(config).float()
     _randomise(model, seed)
     if config.tie_word_embeddings:

@@ -14,7 +14,7 @@ from tests.model_utils import load_hf_reference, make_hf_checkpoint
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module", params=["llama_gqa", "qwen2_bias"])
+@pytest.fixture(scope="module", params=["llama_gqa", "qwen2_bias", "mistral_window"])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     path = make_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=3)
     return path, load_hf_reference(path)

@@ -114,14 +114,16 @@ def test_failed_forward_uncaches_and_returns_blocks(llm: LLM, monkeypatch: pytes
     assert again.num_cached_tokens == 0 and again.token_ids == expected
 
 
-def test_sliding_window_caps_context() -> None:
+def test_sliding_window_does_not_cap_context() -> None:
     from engine.model import ModelConfig
 
     base = {"architectures": ["MistralForCausalLM"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}  # fmt: skip
-    assert ModelConfig.from_dict({**base, "sliding_window": 1024}).max_context_len == 1024
-    assert ModelConfig.from_dict({**base, "sliding_window": None}).max_context_len == 4096
+    windowed = ModelConfig.from_dict({**base, "sliding_window": 1024})
+    full = ModelConfig.from_dict({**base, "sliding_window": None})
+    assert windowed.sliding_window == 1024 and windowed.max_context_len == full.max_context_len == 4096
+    assert windowed.fingerprint != full.fingerprint  # a different forward pass: no KV exchange between them
 
 
 def test_contention_loses_and_starves_nothing(tmp_path) -> None:

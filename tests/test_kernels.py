@@ -53,8 +53,8 @@ class Batch:
             self.max_seq_len,
         )
 
-    def ref(self) -> torch.Tensor:
-        return paged_attention_ref(*self.args()[:7])
+    def ref(self, sliding_window: int | None = None) -> torch.Tensor:
+        return paged_attention_ref(*self.args()[:7], sliding_window=sliding_window)
 
 
 def make_batch(
@@ -221,6 +221,7 @@ TRITON_CASES = [
     ("chunked", (6, 2), 64, 8),  # GQA 3: BLOCK_M is not a multiple of the group
     ("decode", (4, 2), 8, 16),  # head_dim below 16 is zero-padded inside the kernel
     ("mixed", (7, 1), 64, 16),  # GQA 7 (Qwen2-7B's 28 / 4 heads): BLOCK_Q = BLOCK_M // 7
+    ("chunked", (4, 2), 96, 16),  # head_dim 96 (Phi-3): padded to 128 inside the kernel
 ]
 
 
@@ -269,6 +270,58 @@ def test_triton_attention_random_batches(seed: int) -> None:
     b = make_batch(seqs, num_heads=heads[0], num_kv_heads=heads[1], head_dim=32, block_size=(16, 8, 32)[seed], seed=seed)
     out = paged_attention_triton(*b.args(), block_m=16, block_n=16)
     assert rel_err(out, b.ref()) < 1e-3
+
+
+# ------------------------------------------------------------------ sliding window
+
+# Windows below, at and above block/tile sizes, and one wider than every sequence.
+WINDOWS = [1, 5, 16, 33, 1000]
+
+
+def test_sliding_window_reference_is_the_plain_definition() -> None:
+    """Window 1 sees only itself (output = its own V); a window past every length is full attention."""
+    b = make_batch(SCENARIOS["mixed"], num_heads=4, num_kv_heads=2, head_dim=32, seed=21)
+    assert torch.equal(b.ref(sliding_window=1000), b.ref())
+    own = b.ref(sliding_window=1)
+    starts = b.query_start_loc.tolist()
+    for s, seq_len in enumerate(b.seq_lens.tolist()):
+        for j, row in enumerate(range(starts[s], starts[s + 1])):
+            pos = seq_len - (starts[s + 1] - starts[s]) + j
+            table = b.block_tables[s].long()
+            v = b.v_cache[table[pos // 16], pos % 16]  # [Hkv, D]
+            torch.testing.assert_close(own[row], v.repeat_interleave(2, dim=0))
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_torch_sliding_window_matches_reference(scenario: str, window: int) -> None:
+    b = make_batch(SCENARIOS[scenario], num_heads=8, num_kv_heads=2, head_dim=32, block_size=8, seed=window)
+    assert rel_err(paged_attention(*b.args(), impl="torch", sliding_window=window), b.ref(window)) < 1e-3
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_triton_sliding_window_matches_reference(window: int) -> None:
+    """Small tiles so windows start mid-tile, inside fully visible tiles and across segments."""
+    from engine.kernels.triton_kernels import paged_attention_triton
+
+    seqs = SCENARIOS["mixed"] + SCENARIOS["chunked"]
+    b = make_batch(seqs, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=100 + window)
+    assert rel_err(paged_attention(*b.args(), impl="triton", sliding_window=window), b.ref(window)) < 1e-3
+    out = paged_attention_triton(*b.args(), block_m=16, block_n=16, sliding_window=window)
+    assert rel_err(out, b.ref(window)) < 1e-3
+    decode = make_batch(SCENARIOS["decode"], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=window)
+    out = paged_attention_triton(*decode.args(), block_m=16, block_n=16, num_segments=4, sliding_window=window)
+    assert rel_err(out, decode.ref(window)) < 1e-3
+
+
+def test_torch_plan_must_match_the_window() -> None:
+    from engine.kernels.torch_paged import plan_attention
+
+    b = make_batch(SCENARIOS["decode"], num_heads=4, num_kv_heads=2, head_dim=32, seed=3)
+    plan = plan_attention(b.block_tables, b.seq_lens, b.query_start_loc, 16, sliding_window=8)
+    assert rel_err(paged_attention(*b.args(), impl="torch", plan=plan, sliding_window=8), b.ref(8)) < 1e-3
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention(*b.args(), impl="torch", plan=plan)
 
 
 def test_triton_attention_bfloat16() -> None:
@@ -386,10 +439,12 @@ def test_paged_attention_rejects_bad_impl_and_head_dim() -> None:
     args = _good_attention_args()
     with pytest.raises(ValueError, match="impl"):
         paged_attention(**args, impl="cuda")
-    b = make_batch([(4, 2)], num_heads=2, num_kv_heads=1, head_dim=48)
+    b = make_batch([(4, 2)], num_heads=2, num_kv_heads=1, head_dim=288)
     paged_attention(*b.args(), impl="torch")  # torch handles any head_dim
-    with pytest.raises(ValueError, match="head_dim"):
+    with pytest.raises(ValueError, match="head_dim <= 256"):
         paged_attention(*b.args(), impl="triton")
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention(**args, sliding_window=0)
 
 
 def _good_write_args() -> dict:

@@ -26,7 +26,8 @@ pytest.importorskip("transformers")
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 # Block sizes vary per variant so odd sizes, size 1 and multi-block prompts all run.
-BLOCK_SIZES = {"llama_gqa": 16, "qwen2_bias": 4, "mqa": 1, "llama3_rope": 8, "sharded": 5, "tied": 3}
+BLOCK_SIZES = {"llama_gqa": 16, "qwen2_bias": 4, "mqa": 1, "llama3_rope": 8, "sharded": 5, "tied": 3,
+               "mistral_window": 4}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_prefill_logits_match_hf(variant: str, models: dict) -> None:
     assert got.dtype == torch.float32 and got.shape == (70, 300)
 
 
-@pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias", "llama3_rope"])
+@pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias", "llama3_rope", "mistral_window"])
 def test_chunked_prefill_then_decode_matches_hf(variant: str, models: dict) -> None:
     ours, ref = models[variant]
     ids = _prompt(45, seed=2)

@@ -148,6 +148,7 @@ def paged_attention(
     *,
     impl: str | None = None,
     plan: TorchAttentionPlan | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a flattened mixed batch (prefill, chunked prefill, decode).
 
@@ -166,10 +167,12 @@ def paged_attention(
         scale: softmax scale.
         max_query_len, max_seq_len: upper bounds of ``q_len`` and ``seq_lens``; used
             only as tuning hints (results stay correct if they are loose).
-        impl: backend, see the module docstring. Triton needs a power-of-two
-            ``head_dim <= 256``.
+        impl: backend, see the module docstring. Triton needs ``head_dim <= 256``
+            (padded to a power of two inside the kernel).
         plan: optional per-step index plan for the torch backend (``plan_attention`` over
-            the same metadata); lets every layer of a forward share that work.
+            the same metadata and window); lets every layer of a forward share that work.
+        sliding_window: if set (>= 1), a query at position ``p`` attends only to
+            ``(p - sliding_window, p]`` (Mistral); None is full causal attention.
 
     Returns:
         A new contiguous ``[num_tokens, num_heads, head_dim]`` tensor in ``q.dtype``;
@@ -208,6 +211,10 @@ def paged_attention(
 
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale!r}")
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
     for name, hint in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
         if isinstance(hint, bool) or not isinstance(hint, int) or hint < 0:
             raise ValueError(f"{name} must be a non-negative int, got {hint!r}")
@@ -225,15 +232,18 @@ def paged_attention(
 
     backend = _resolve_impl(impl, device)
     if backend == "triton":
-        if head_dim & (head_dim - 1) or head_dim > _MAX_TRITON_HEAD_DIM:
-            raise ValueError(f"triton paged attention needs a power-of-two head_dim <= 256, got {head_dim}")
+        if head_dim > _MAX_TRITON_HEAD_DIM:
+            raise ValueError(f"triton paged attention needs head_dim <= 256, got {head_dim}")
         from engine.kernels.triton_kernels import paged_attention_triton  # lazy: triton is optional
 
         return paged_attention_triton(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), max_query_len, max_seq_len
-        )
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), max_query_len, max_seq_len,
+            sliding_window=sliding_window,
+        )  # fmt: skip
     if backend == "torch":
         return paged_attention_torch(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), plan
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), plan, sliding_window
         )
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale))
+    return paged_attention_ref(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), sliding_window
+    )

@@ -56,6 +56,7 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a flattened mixed batch, computed in float32.
 
@@ -69,6 +70,8 @@ def paged_attention_ref(
         seq_lens: int ``[num_seqs]``: KV length of each sequence including this step.
         query_start_loc: int ``[num_seqs + 1]``.
         scale: softmax scale applied to ``q @ k^T``.
+        sliding_window: if set, a query at position ``p`` sees only the last
+            ``sliding_window`` positions ``(p - sliding_window, p]`` (Mistral).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``. Query row ``j`` of
@@ -99,6 +102,8 @@ def paged_attention_ref(
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
         visible = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = (probs @ v).transpose(0, 1)

@@ -68,6 +68,7 @@ class TorchAttentionPlan:
     decode_groups: list[DecodeGroup]
     prefills: list[tuple[int, int, int]]  # (seq, start row, seq_len) of sequences with q_len > 1
     starts: list[int]
+    sliding_window: int | None = None
 
 
 def _length_buckets(seqs: list[int], lens: list[int], min_fill: float = 0.75) -> list[list[int]]:
@@ -87,9 +88,17 @@ def _length_buckets(seqs: list[int], lens: list[int], min_fill: float = 0.75) ->
 
 
 def plan_attention(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
 ) -> TorchAttentionPlan:
-    """Group the decodes, precompute gather indices, padding rows and masks for one step."""
+    """Group the decodes, precompute gather indices, padding rows and masks for one step.
+
+    With a ``sliding_window`` a decode reads only the blocks that hold its last
+    ``sliding_window`` positions; the mask hides the rest of those blocks.
+    """
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     num_seqs = len(lens)
@@ -97,17 +106,25 @@ def plan_attention(
     device = block_tables.device
     groups: list[DecodeGroup] = []
     decode = [s for s in range(num_seqs) if q_lens[s] == 1]
-    for group in _length_buckets(decode, lens):
+    # First block each decode reads: past the window, whole blocks are skipped.
+    first = [0 if sliding_window is None else max(lens[s] - sliding_window, 0) // block_size for s in range(num_seqs)]
+    spans = [lens[s] - first[s] * block_size for s in range(num_seqs)]  # positions gathered
+    for group in _length_buckets(decode, spans):
         group.sort()  # batch order = row order, so a single all-decode group needs no row shuffle
-        padded_blocks = -(-max(lens[s] for s in group) // block_size)
+        padded_blocks = -(-max(spans[s] for s in group) // block_size)
         padded = padded_blocks * block_size
-        table = [
-            block_tables[s, : -(-lens[s] // block_size)].tolist() + [0] * (padded_blocks - -(-lens[s] // block_size))
-            for s in group
-        ]
-        pad = [b * padded + p for b, s in enumerate(group) for p in range(lens[s], padded)]
-        glens = torch.tensor([lens[s] for s in group], device=device)
-        mask = (torch.arange(padded, device=device)[None, :] < glens[:, None]).view(len(group), 1, 1, padded)
+        table = []
+        for s in group:
+            ids = block_tables[s, first[s] : -(-lens[s] // block_size)].tolist()
+            table.append(ids + [0] * (padded_blocks - len(ids)))
+        pad = [b * padded + p for b, s in enumerate(group) for p in range(spans[s], padded)]
+        gspans = torch.tensor([spans[s] for s in group], device=device)
+        pos = torch.arange(padded, device=device)[None, :]
+        visible = pos < gspans[:, None]
+        if sliding_window is not None:
+            # Gathered position p is logical position first*block_size + p; the query sits at len-1.
+            visible &= pos >= (gspans - sliding_window)[:, None]
+        mask = visible.view(len(group), 1, 1, padded)
         rows = [starts[s] for s in group]
         groups.append(
             DecodeGroup(
@@ -120,7 +137,7 @@ def plan_attention(
             )
         )
     prefills = [(s, starts[s], lens[s]) for s in range(num_seqs) if q_lens[s] > 1]
-    return TorchAttentionPlan(block_size, starts[-1], groups, prefills, starts)
+    return TorchAttentionPlan(block_size, starts[-1], groups, prefills, starts, sliding_window)
 
 
 def _gather(cache: torch.Tensor, group: DecodeGroup, which: int) -> torch.Tensor:
@@ -157,11 +174,13 @@ def _decode_group(
     return out.reshape(batch, num_heads, head_dim)
 
 
-def _gather_seq(cache: torch.Tensor, table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """``[seq_len, H, D]`` K or V of one sequence (a fresh copy)."""
+def _gather_seq(cache: torch.Tensor, table_row: torch.Tensor, start: int, seq_len: int) -> torch.Tensor:
+    """``[seq_len - start, H, D]``: K or V of positions ``[start, seq_len)`` (a fresh copy)."""
     block_size = cache.shape[1]
-    blocks = table_row[: -(-seq_len // block_size)].long()
-    return cache.index_select(0, blocks).view(-1, *cache.shape[2:])[:seq_len]
+    first = start // block_size
+    blocks = table_row[first : -(-seq_len // block_size)].long()
+    skip = start - first * block_size
+    return cache.index_select(0, blocks).view(-1, *cache.shape[2:])[skip : seq_len - first * block_size]
 
 
 def _prefill_one(
@@ -171,21 +190,26 @@ def _prefill_one(
     block_table_row: torch.Tensor,
     seq_len: int,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for one sequence's ``q [q_len, Hq, D]`` (its last ``q_len`` positions)."""
     q_len = q.shape[0]
-    k = _gather_seq(k_cache, block_table_row, seq_len).transpose(0, 1)
-    v = _gather_seq(v_cache, block_table_row, seq_len).transpose(0, 1)
-    qh = q.transpose(0, 1)  # [Hq, q_len, D]
     context_len = seq_len - q_len
-    if context_len == 0:
+    # Keys no query of this chunk can see (before the first query's window) are not read.
+    start = 0 if sliding_window is None else max(context_len - sliding_window + 1, 0)
+    k = _gather_seq(k_cache, block_table_row, start, seq_len).transpose(0, 1)
+    v = _gather_seq(v_cache, block_table_row, start, seq_len).transpose(0, 1)
+    qh = q.transpose(0, 1)  # [Hq, q_len, D]
+    if context_len == 0 and (sliding_window is None or sliding_window >= seq_len):
         # Square causal mask: SDPA's built-in causal path skips masked blocks.
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         # is_causal aligns the diagonal top-left; cached context needs it bottom-right.
         q_pos = torch.arange(context_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
+        k_pos = torch.arange(start, seq_len, device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
 
@@ -199,17 +223,21 @@ def paged_attention_torch(
     query_start_loc: torch.Tensor,
     scale: float,
     plan: TorchAttentionPlan | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed batch; see ``reference.paged_attention_ref``.
 
-    ``plan`` must come from :func:`plan_attention` over these same metadata tensors.
+    ``plan`` must come from :func:`plan_attention` over these same metadata tensors and
+    this ``sliding_window``.
     Returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``; rows owned by no
     sequence are zero.
     """
     if plan is None:
-        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1], sliding_window)
     elif plan.block_size != k_cache.shape[1]:
         raise ValueError(f"plan was built for block_size {plan.block_size}, cache has {k_cache.shape[1]}")
+    elif plan.sliding_window != sliding_window:
+        raise ValueError(f"plan was built for sliding_window {plan.sliding_window}, not {sliding_window}")
     if q.shape[0] == 0 or not plan.starts[-1]:
         return torch.zeros_like(q, memory_format=torch.contiguous_format)
     groups = plan.decode_groups
@@ -221,5 +249,5 @@ def paged_attention_torch(
         out.index_copy_(0, group.rows, _decode_group(q[group.rows], k_cache, v_cache, group, scale))
     for s, start, seq_len in plan.prefills:
         end = plan.starts[s + 1]
-        out[start:end] = _prefill_one(q[start:end], k_cache, v_cache, block_tables[s], seq_len, scale)
+        out[start:end] = _prefill_one(q[start:end], k_cache, v_cache, block_tables[s], seq_len, scale, sliding_window)
     return out

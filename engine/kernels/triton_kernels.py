@@ -157,17 +157,20 @@ def _attend_kv_tile(
     stride_vc_b,
     stride_vc_o,
     qk_scale,
+    window,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     """Fold KV positions ``[tile_idx*BLOCK_N, +BLOCK_N)`` into the online softmax.
 
-    ``MASKED`` tiles may cross the causal diagonal or ``kv_end``; unmasked tiles are
-    known to be fully visible to every row, so they skip all position masks.
+    ``MASKED`` tiles may cross the causal diagonal, ``kv_end`` or (``HAS_WINDOW``) the
+    lower edge of a row's sliding window; unmasked tiles are known to be fully visible
+    to every row, so they skip all position masks.
     """
     offs_n = tile_idx * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -201,6 +204,8 @@ def _attend_kv_tile(
     s = tl.dot(q, k, input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -237,6 +242,7 @@ def _paged_attention_kernel(
     stride_vc_o,
     stride_vc_h,
     stride_bt_s,
+    window,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -245,6 +251,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     """Grid ``(num_tokens // BLOCK_Q + num_seqs, num_kv_heads, NUM_SEGMENTS)``."""
@@ -281,14 +288,26 @@ def _paged_attention_kernel(
     last_tok = tl.minimum((q_tile + 1) * BLOCK_Q, q_len) - 1
     kv_end = context_len + last_tok + 1
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    # Tiles wholly at or before the tile's first row position need no mask.
-    num_full = (context_len + q_tile * BLOCK_Q + 1) // BLOCK_N
+    # Tiles wholly at or before the tile's first row position need no causal mask.
+    first_pos = context_len + q_tile * BLOCK_Q
+    num_full = (first_pos + 1) // BLOCK_N
+    if HAS_WINDOW:
+        # Row p sees (p - window, p]: tiles before the first row's window are skipped, and a
+        # tile needs no window mask only when it starts inside the last row's window.
+        start_tile = tl.maximum(first_pos - window + 1, 0) // BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(context_len + last_tok - window + 1, 0), BLOCK_N)
+    else:
+        start_tile = 0
+        full_lo = 0
+    # Tiles [start_tile, num_tiles) split into: masked below full_lo, unmasked, masked from num_full.
+    unmasked_lo = tl.maximum(start_tile, tl.minimum(full_lo, num_full))
+    unmasked_hi = tl.maximum(unmasked_lo, num_full)
 
     if NUM_SEGMENTS == 1:
-        lo = 0
+        lo = start_tile
         hi = num_tiles
     else:
-        lo = segment * tiles_per_segment
+        lo = start_tile + segment * tiles_per_segment
         # The last segment takes any remainder, so a stale max_seq_len hint stays correct.
         hi = tl.where(segment == NUM_SEGMENTS - 1, num_tiles, tl.minimum(lo + tiles_per_segment, num_tiles))
 
@@ -300,22 +319,29 @@ def _paged_attention_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.zeros((BLOCK_M,), dtype=tl.float32) + _NEG_BIG
 
-    for j in range(lo, tl.minimum(hi, num_full)):
+    if HAS_WINDOW:
+        for j in range(lo, tl.minimum(hi, unmasked_lo)):
+            acc, l_i, m_i = _attend_kv_tile(
+                acc, l_i, m_i, q, q_pos, j, kv_end, k_base, v_base, block_table_row,
+                stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, qk_scale, window,
+                BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_WINDOW, DOT_F32,
+            )  # fmt: skip
+    for j in range(tl.maximum(lo, unmasked_lo), tl.minimum(hi, unmasked_hi)):
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, q_pos, j, kv_end, k_base, v_base, block_table_row,
-            stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, qk_scale,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, DOT_F32,
+            stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, qk_scale, window,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_WINDOW, DOT_F32,
         )  # fmt: skip
-    for j in range(tl.maximum(lo, num_full), hi):
+    for j in range(tl.maximum(lo, unmasked_hi), hi):
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, q_pos, j, kv_end, k_base, v_base, block_table_row,
-            stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, qk_scale,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, DOT_F32,
+            stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, qk_scale, window,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_WINDOW, DOT_F32,
         )  # fmt: skip
 
     out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SEGMENTS == 1:
-        # Every valid row saw KV position 0, so l_i > 0; the guard covers padding rows.
+        # Every valid row saw its own position, so l_i > 0; the guard covers padding rows.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + q_row[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -422,6 +448,7 @@ def paged_attention_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     num_segments: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Launch the unified paged attention (inputs validated by ``ops.paged_attention``).
 
@@ -449,11 +476,13 @@ def paged_attention_triton(
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
 
     grid_tiles = num_tokens // block_q + num_seqs
+    # KV positions one query tile reads: the whole context, or at most window + tile rows.
+    span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + max_query_len + block_n)
     if num_segments is None:
-        num_segments = _choose_num_segments(grid_tiles * num_kv_heads, max_query_len, max_seq_len, block_n, q.device)
+        num_segments = _choose_num_segments(grid_tiles * num_kv_heads, max_query_len, span, block_n, q.device)
     if num_segments < 1 or num_segments & (num_segments - 1):
         raise ValueError(f"num_segments must be a power of two, got {num_segments}")
-    tiles_per_segment = triton.cdiv(triton.cdiv(max(max_seq_len, 1), block_n), num_segments)
+    tiles_per_segment = triton.cdiv(triton.cdiv(max(span, 1), block_n), num_segments)
 
     if num_segments > 1:
         acc_part = torch.empty(
@@ -488,6 +517,7 @@ def paged_attention_triton(
         v_cache.stride(1),
         v_cache.stride(2),
         block_tables.stride(0),
+        sliding_window or 0,
         GROUP=group,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
@@ -496,6 +526,7 @@ def paged_attention_triton(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         NUM_SEGMENTS=num_segments,
+        HAS_WINDOW=sliding_window is not None,
         DOT_F32=_INTERPRETED and q.dtype == torch.bfloat16,
     )
     if num_segments > 1:

@@ -173,10 +173,8 @@ class ModelConfig:
 
     @property
     def max_context_len(self) -> int:
-        """Longest sequence served exactly: attention is always full, so a model trained with a
-        sliding window (Mistral) is limited to that window (beyond it HF's output differs)."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence served: ``max_position_embeddings`` (a sliding window, as in
+        Mistral, is applied by the attention kernels and does not shorten it)."""
         return self.max_position_embeddings
 
     # ---------------------------------------------------------------- identity

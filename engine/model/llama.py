@@ -119,6 +119,7 @@ class Attention(nn.Module):
         self.qk_size = config.q_size + config.kv_size
         self.qk_heads = config.num_attention_heads + config.num_key_value_heads
         self.scale = config.head_dim**-0.5
+        self.sliding_window = config.sliding_window
         self.qkv_proj = Linear(
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
         )
@@ -144,6 +145,7 @@ class Attention(nn.Module):
         out = paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.scale, meta.max_query_len, meta.max_seq_len, plan=meta.torch_plan,
+            sliding_window=self.sliding_window,
         )
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
