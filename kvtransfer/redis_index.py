@@ -174,8 +174,9 @@ class StatsRecorder(BackgroundWriter):
     that is a bug). A batch's increments are summed and written in one MULTI/EXEC; increments that
     could not be written are kept and written when Redis returns, so totals survive an outage.
     A batch is never retried at once (its client has no retries) and waits up to 5 s for Redis
-    (off the serving path), but one whose EXEC reached Redis and then went unanswered for longer
-    is counted twice: an unanswered EXEC cannot be told from a lost one.
+    (off the serving path), but a batch whose EXEC ran and whose reply was then lost (the
+    connection dropped, or no answer within 5 s) is written again by the resync and counted
+    twice: a lost reply cannot be told from a lost command.
     """
 
     client_retries = 0

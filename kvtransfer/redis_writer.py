@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -85,7 +86,8 @@ class BackgroundWriter:
         while True:
             with self._cv:
                 while not self._items and not self._resync_pending and not self._closed:
-                    if not self._cv.wait(max(self._next_check - time.monotonic(), 0.0)):
+                    wait_s = self._next_check - time.monotonic()  # inf: restart checks are off
+                    if not self._cv.wait(None if math.isinf(wait_s) else max(wait_s, 0.0)):
                         break  # idle until the next restart check
                 if self._closed and (self._outage.down or not (self._items or self._resync_pending)):
                     return
@@ -126,8 +128,18 @@ class BackgroundWriter:
                 delay = min(delay * 2, self.config.retry_max_s)
 
     def _server_restarted(self) -> bool:
-        """True when Redis answers with another ``run_id`` than last time (it restarted)."""
-        run_id = self._client.info("server").get("run_id")
+        """True when Redis answers with another ``run_id`` than last time (it restarted).
+
+        A Redis user not allowed ``INFO`` (ACL ``-@dangerous``) turns the check off, with one
+        warning: that is a permission, not an outage.
+        """
+        try:
+            run_id = self._client.info("server").get("run_id")
+        except redis.ResponseError as exc:  # NoPermissionError and other refusals; not a dead server
+            log.warning("%s: cannot read Redis INFO (%s); a Redis restart will be noticed only when a "
+                        "write fails", self.name, exc)
+            self._next_check = float("inf")
+            return False
         restarted = self._run_id is not None and run_id != self._run_id
         if restarted:
             log.warning("%s: Redis restarted (run_id changed); rewriting this worker's state", self.name)
@@ -156,7 +168,8 @@ class BackgroundWriter:
             self._closed = True
             self._cv.notify_all()
         self._stop.set()
-        self._thread.join(timeout)
+        # A call in flight may take up to the client's own timeout: do not close under it.
+        self._thread.join(timeout + (self.client_timeout_s or self.config.socket_timeout_s))
         self._client.close()
 
     def __enter__(self: _W) -> _W:

@@ -28,6 +28,12 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from engine.kernels import triton_kernels as tk  # noqa: E402
 
+# Integer arguments real launches pass as multiples of 16 (strides of 16-element-aligned tensors):
+# Triton specializes on that at launch, and so does this check (it changes tiling and shared memory).
+DIVISIBLE_BY_16 = {"stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h", "stride_kc_b", "stride_kc_o",
+                   "stride_kc_h", "stride_vc_b", "stride_vc_o", "stride_vc_h", "stride_bt_s", "stride_key_t",
+                   "stride_key_h", "stride_value_t", "stride_value_h"}
+
 # Shared memory one thread block may use (opt-in maximum), by compute capability.
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -102,8 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     for arch in archs:
         target = GPUTarget("cuda", arch, 32)
         for i, (label, fn, sig, consts) in enumerate(todo, 1):
+            # As at launch: pointers 16-byte aligned, stride arguments divisible by 16.
+            attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                     if sig[name].startswith("*") or name in DIVISIBLE_BY_16}
             try:
-                kernel = triton.compile(ASTSource(fn, sig, constexprs=consts), target=target)
+                kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=target)
             except Exception as exc:  # noqa: BLE001 - report every failing config, then exit 1
                 bad += 1
                 print(f"sm_{arch} FAIL {label}: {type(exc).__name__}: {exc}", flush=True)
