@@ -3,8 +3,8 @@
 Usage: ``python benchmarks/attention_gpu.py [--json] [--reps N] [--no-torch]``
 
 1. Checks Triton against the float32 reference on a few mixed/decode shapes (fp32
-   and bf16, including one long decode that takes the split-KV path); exits 1 on
-   a mismatch.
+   and bf16, one long decode that takes the split-KV path, head_dim 96, a sliding
+   window); exits 1 on a mismatch.
 2. Times decode attention for batch {1, 8, 32, 128} x context {512, 2048, 8192},
    head_dim 128, 32 query / 8 KV heads, bf16, block size 16, blocks shuffled in a
    2-layer block-major cache (so the layer views are strided as in the engine).
@@ -130,12 +130,16 @@ def check_correctness() -> list[dict]:
         ("chunked bf16 gqa2 d64 bs32", [(300, 64), (31, 33), (0, 1)], 8, 4, 64, 32, torch.bfloat16, 2e-2),
         ("decode bf16 mqa d128 bs16", [(c, 1) for c in (1, 15, 16, 17, 500)], 16, 1, 128, 16, torch.bfloat16, 2e-2),
         ("long decode bf16 gqa4 split-kv", [(6000, 1)], 32, 8, 128, 16, torch.bfloat16, 2e-2),
+        ("mixed bf16 gqa4 d96 bs16", [(0, 37), (100, 1), (60, 17)], 32, 8, 96, 16, torch.bfloat16, 2e-2),
+        ("mixed bf16 gqa4 window 100", [(0, 300), (500, 1), (260, 40), (3000, 1)], 32, 8, 128, 16, torch.bfloat16,
+         2e-2),
     ]
     rows = []
     for name, seqs, nh, nkv, d, bs, dtype, tol in cases:
         p = make_problem(seqs, nh, nkv, d, bs, dtype, seed=len(rows))
-        out = paged_attention(*p.args(), impl="triton")
-        err = rel_err(out, paged_attention_ref(*p.args()[:7]))
+        window = 100 if "window" in name else None
+        out = paged_attention(*p.args(), impl="triton", sliding_window=window)
+        err = rel_err(out, paged_attention_ref(*p.args()[:7], sliding_window=window))
         rows.append({"case": name, "rel_err": err, "tol": tol, "ok": err < tol})
     return rows
 
