@@ -1,17 +1,22 @@
-"""Tests for engine.kernels: Triton (interpreted on CPU) and torch paths vs the reference."""
+"""Tests for engine.kernels: Triton and torch paths vs the reference.
+
+The Triton cases run compiled on CUDA when a GPU is present, else in Triton's CPU
+interpreter; the torch path and the reference always run on the CPU.
+"""
 
 from __future__ import annotations
 
 import os
 import zlib
-
-# Must precede any triton import (engine.kernels imports triton lazily, but be explicit).
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import pytest
 import torch
+
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if TRITON_DEVICE == "cpu":
+    # Must precede the import of engine.kernels.triton_kernels (decorators read it).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine.kernels import paged_attention, paged_attention_ref, write_kv, write_kv_ref
 
@@ -55,6 +60,18 @@ class Batch:
 
     def ref(self, sliding_window: int | None = None) -> torch.Tensor:
         return paged_attention_ref(*self.args()[:7], sliding_window=sliding_window)
+
+    def to(self, device: str) -> Batch:
+        """The same problem on ``device`` (the KV views keep their strides)."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device)
+        return Batch(**moved)
+
+
+def device_for(impl: str) -> str:
+    return TRITON_DEVICE if impl == "triton" else "cpu"
 
 
 def make_batch(
@@ -232,7 +249,7 @@ def test_triton_attention_matches_reference(
     seed = _seed(scenario, heads, head_dim, block_size, "triton")
     b = make_batch(
         SCENARIOS[scenario], num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim, block_size=block_size, seed=seed
-    )
+    ).to(TRITON_DEVICE)
     out = paged_attention(*b.args(), impl="triton")
     assert out.shape == b.q.shape and out.dtype == b.q.dtype
     assert rel_err(out, b.ref()) < 1e-3
@@ -251,6 +268,7 @@ def test_triton_attention_tilings(tiles: dict[str, int]) -> None:
     from engine.kernels.triton_kernels import paged_attention_triton
 
     b = make_batch(SCENARIOS["mixed"], num_heads=8, num_kv_heads=2, head_dim=32, seed=11, q_strided=True)
+    b = b.to(TRITON_DEVICE)
     out = paged_attention_triton(*b.args(), **tiles)
     assert rel_err(out, b.ref()) < 1e-3
 
@@ -268,6 +286,7 @@ def test_triton_attention_random_batches(seed: int) -> None:
         seqs.append((context, q_len))
     heads = HEADS[seed % len(HEADS)]
     b = make_batch(seqs, num_heads=heads[0], num_kv_heads=heads[1], head_dim=32, block_size=(16, 8, 32)[seed], seed=seed)
+    b = b.to(TRITON_DEVICE)
     out = paged_attention_triton(*b.args(), block_m=16, block_n=16)
     assert rel_err(out, b.ref()) < 1e-3
 
@@ -305,11 +324,12 @@ def test_triton_sliding_window_matches_reference(window: int) -> None:
     from engine.kernels.triton_kernels import paged_attention_triton
 
     seqs = SCENARIOS["mixed"] + SCENARIOS["chunked"]
-    b = make_batch(seqs, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=100 + window)
+    b = make_batch(seqs, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=100 + window).to(TRITON_DEVICE)
     assert rel_err(paged_attention(*b.args(), impl="triton", sliding_window=window), b.ref(window)) < 1e-3
     out = paged_attention_triton(*b.args(), block_m=16, block_n=16, sliding_window=window)
     assert rel_err(out, b.ref(window)) < 1e-3
     decode = make_batch(SCENARIOS["decode"], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=window)
+    decode = decode.to(TRITON_DEVICE)
     out = paged_attention_triton(*decode.args(), block_m=16, block_n=16, num_segments=4, sliding_window=window)
     assert rel_err(out, decode.ref(window)) < 1e-3
 
@@ -326,6 +346,7 @@ def test_torch_plan_must_match_the_window() -> None:
 
 def test_triton_attention_bfloat16() -> None:
     b = make_batch(SCENARIOS["mixed"], num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16, seed=13)
+    b = b.to(TRITON_DEVICE)
     out = paged_attention(*b.args(), impl="triton")
     assert out.dtype == torch.bfloat16
     assert rel_err(out, b.ref()) < 2e-2
@@ -334,16 +355,16 @@ def test_triton_attention_bfloat16() -> None:
 @pytest.mark.parametrize("impl", ["torch", "triton", "reference"])
 def test_padding_rows_are_zero(impl: str) -> None:
     """Query rows past query_start_loc[-1] (e.g. CUDA-graph padding) come back as zeros."""
-    b = make_batch(SCENARIOS["decode"], num_heads=4, num_kv_heads=2, head_dim=32, seed=17)
-    b.q = torch.cat([b.q, torch.randn(3, *b.q.shape[1:])])
+    b = make_batch(SCENARIOS["decode"], num_heads=4, num_kv_heads=2, head_dim=32, seed=17).to(device_for(impl))
+    b.q = torch.cat([b.q, torch.randn(3, *b.q.shape[1:], device=b.q.device)])
     out = paged_attention(*b.args(), impl=impl)
     assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
     assert rel_err(out[:-3], b.ref()[:-3]) < 1e-3
 
 
 def test_empty_batch() -> None:
-    b = make_batch([(3, 1)], num_heads=4, num_kv_heads=2, head_dim=32)
     for impl in ("torch", "triton", "reference"):
+        b = make_batch([(3, 1)], num_heads=4, num_kv_heads=2, head_dim=32).to(device_for(impl))
         out = paged_attention(
             b.q[:0], b.k_cache, b.v_cache, b.block_tables[:0], b.seq_lens[:0], b.query_start_loc[:1], 1.0, 0, 0, impl=impl
         )
@@ -367,6 +388,9 @@ def test_write_kv_matches_reference(impl: str, num_kv_heads: int, head_dim: int,
     kv_proj = torch.randn(num_tokens, 2 * num_kv_heads + 1, head_dim, generator=gen)
     key, value = kv_proj[:, :num_kv_heads], kv_proj[:, num_kv_heads : 2 * num_kv_heads]
 
+    device = device_for(impl)
+    kv, kv_ref, slots = kv.to(device), kv_ref.to(device), slots.to(device)
+    key, value = kv_proj.to(device)[:, :num_kv_heads], kv_proj.to(device)[:, num_kv_heads : 2 * num_kv_heads]
     write_kv(key, value, kv[:, LAYER, 0], kv[:, LAYER, 1], slots, impl=impl)
     write_kv_ref(key, value, kv_ref[:, LAYER, 0], kv_ref[:, LAYER, 1], slots)
     # Whole-tensor equality: the right slots changed and nothing else (other layers included).
@@ -378,16 +402,16 @@ def test_write_kv_matches_reference(impl: str, num_kv_heads: int, head_dim: int,
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_write_then_attend(impl: str) -> None:
     """End to end: write a chunk's K/V through write_kv, then attend over it."""
-    b = make_batch([(20, 12), (9, 1)], num_heads=4, num_kv_heads=2, head_dim=32, seed=19)
+    b = make_batch([(20, 12), (9, 1)], num_heads=4, num_kv_heads=2, head_dim=32, seed=19).to(device_for(impl))
     num_tokens = b.q.shape[0]
-    key = torch.randn(num_tokens, 2, 32)
-    value = torch.randn(num_tokens, 2, 32)
+    key = torch.randn(num_tokens, 2, 32, device=b.q.device)
+    value = torch.randn(num_tokens, 2, 32, device=b.q.device)
     slots = []
     for s, (start, end) in enumerate(zip(b.query_start_loc[:-1].tolist(), b.query_start_loc[1:].tolist())):
         seq_len = int(b.seq_lens[s])
         for pos in range(seq_len - (end - start), seq_len):
             slots.append(int(b.block_tables[s, pos // 16]) * 16 + pos % 16)
-    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=b.q.device)
     write_kv(key, value, b.k_cache, b.v_cache, slot_mapping, impl=impl)
     assert rel_err(paged_attention(*b.args(), impl=impl), b.ref()) < 1e-3
 
@@ -442,7 +466,7 @@ def test_paged_attention_rejects_bad_impl_and_head_dim() -> None:
     b = make_batch([(4, 2)], num_heads=2, num_kv_heads=1, head_dim=288)
     paged_attention(*b.args(), impl="torch")  # torch handles any head_dim
     with pytest.raises(ValueError, match="head_dim <= 256"):
-        paged_attention(*b.args(), impl="triton")
+        paged_attention(*b.to(TRITON_DEVICE).args(), impl="triton")
     with pytest.raises(ValueError, match="sliding_window"):
         paged_attention(**args, sliding_window=0)
 

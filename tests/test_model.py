@@ -283,7 +283,7 @@ def test_empty_batch(checkpoints: dict[str, Path]) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias", "llama3_rope"])
+@pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias", "llama3_rope", "mistral_window"])
 def test_cuda_matches_hf(variant: str, checkpoints: dict[str, Path], models: dict) -> None:
     _, ref = models[variant]
     ids = _prompt(70, seed=9)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The checks that need an NVIDIA GPU, in one run (a few minutes): the Triton kernel tests compiled on
+# CUDA, the CUDA model and engine checks against transformers, then the decode-attention timing table.
+# Results go to $OUT (default ./gpu-check): pytest logs and attention_gpu.{json,md}.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-check}
+mkdir -p "$OUT"
+unset TRITON_INTERPRET
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
+  | tee -a "$OUT/gpu.txt"
+status=0
+python -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -3 || status=1
+python -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_engine.py -k cuda 2>&1 \
+  | tee "$OUT/cuda_model.log" | tail -3 || status=1
+python benchmarks/attention_gpu.py --json > "$OUT/attention_gpu.json" 2> "$OUT/attention_gpu.err" || status=1
+python - "$OUT" <<'PY' || status=1
+import json, sys
+sys.path.insert(0, "benchmarks")
+from attention_gpu import markdown
+out = sys.argv[1]
+data = json.load(open(f"{out}/attention_gpu.json"))
+text = markdown(data["correctness"]) + ("\n\n" + markdown(data["decode"]) if data.get("decode") else "")
+open(f"{out}/attention_gpu.md", "w").write(text)
+print(text)
+PY
+exit $status
