@@ -100,8 +100,8 @@ class DecodeService:
 
         local_hit = transferred = recomputed = 0
         lease_settled = False  # a successful pull released the lease, or this worker gave it back
-        computes_prompt = prefill is None  # prefilled here: locally, or recomputed after a failed pull
-        first = True
+        # The prompt is computed here (locally, or again after a failed pull) and not yet counted.
+        computes_prompt = prefill is None
         try:
             req = rt.engine.make_request(spec.prompt_token_ids, spec.params, spec.request_id, spec.cache_salt)
             if prefill is None:
@@ -127,9 +127,7 @@ class DecodeService:
                 out = await queue.get()
                 if isinstance(out, BaseException):
                     raise out
-                if out.finish_reason == "abort":
-                    raise RuntimeError(f"request {spec.request_id!r} was aborted")
-                if first and computes_prompt:
+                if computes_prompt:
                     # Counted once the engine knows its prefix hit (set at first scheduling).
                     local_hit = out.num_cached_tokens
                     computed = max(req.num_prompt_tokens - local_hit, 0)
@@ -138,7 +136,7 @@ class DecodeService:
                     else:
                         recomputed = computed
                         rt.stats.record({"recomputed_tokens": recomputed}, spec.cache_salt)
-                first = False
+                    computes_prompt = False
                 if out.new_token_ids or out.finished:
                     yield DecodeEvent(
                         spec.request_id, tuple(out.new_token_ids), out.finished, out.finish_reason,

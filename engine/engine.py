@@ -19,7 +19,7 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheTensor, KVLayout
 from engine.kvcache.events import EventSink
-from engine.kvcache.manager import KVCacheManager, cdiv
+from engine.kvcache.manager import KVCacheManager, blocks_for_request
 from engine.model import ModelConfig, load_model, load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
@@ -113,11 +113,11 @@ class LLMEngine:
             )
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
-        total = min(len(ids) + params.max_tokens, self.max_model_len)
-        if cdiv(total, self.layout.block_size) > self.kv.num_blocks:
+        need = blocks_for_request(len(ids), params.max_tokens, self.max_model_len, self.layout.block_size)
+        if need > self.kv.num_blocks:
             raise ValueError(
                 f"prompt: {len(ids)} tokens + max_tokens={params.max_tokens} need "
-                f"{cdiv(total, self.layout.block_size)} KV blocks but the pool has {self.kv.num_blocks}"
+                f"{need} KV blocks but the pool has {self.kv.num_blocks}"
             )
         rid = request_id or uuid.uuid4().hex
         if rid in self.requests or self.kv.get_blocks(rid):
@@ -142,9 +142,17 @@ class LLMEngine:
     ) -> Request:
         with self.lock:
             req = self.make_request(prompt_token_ids, params, request_id, cache_salt)
-            self.requests[req.request_id] = req
-            self.scheduler.add(req)
+            self.enqueue(req)
             return req
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request built by :meth:`make_request` (ValueError if its id became live since)."""
+        with self.lock:
+            rid = request.request_id
+            if rid in self.requests or self.kv.get_blocks(rid):
+                raise ValueError(f"request_id: {rid!r} is already in use")
+            self.requests[rid] = request
+            self.scheduler.add(request)
 
     def add_running(self, request: Request) -> None:
         """Continue ``request`` whose KV already sits in the blocks it holds (a decode handover).

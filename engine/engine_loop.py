@@ -40,20 +40,11 @@ class EngineLoop:
         """
         rid = request.request_id
         with self.engine.lock:
-            engine = self.engine
-            # A handed-over request already holds its pulled blocks under this id.
-            if rid in self._callbacks or rid in engine.requests or (not running and engine.kv.get_blocks(rid)):
+            if rid in self._callbacks:
                 raise ValueError(f"request_id: {rid!r} is already in use")
+            # The engine refuses ids it already serves (add_running / enqueue check them).
+            (self.engine.add_running if running else self.engine.enqueue)(request)
             self._callbacks[rid] = on_output
-            try:
-                if running:
-                    self.engine.add_running(request)
-                else:
-                    self.engine.requests[request.request_id] = request
-                    self.engine.scheduler.add(request)
-            except BaseException:
-                self._callbacks.pop(request.request_id, None)
-                raise
         self._wake.set()
 
     def abort(self, request_id: str) -> bool:

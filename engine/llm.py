@@ -78,8 +78,7 @@ class LLM:
         reqs = [engine.make_request(ids, p, cache_salt=cache_salt) for ids, p in zip(id_lists, plist)]
         outputs = {r.request_id: CompletionOutput(r.request_id, r.prompt_token_ids) for r in reqs}
         for r in reqs:
-            engine.requests[r.request_id] = r
-            engine.scheduler.add(r)
+            engine.enqueue(r)
         try:
             while any(o.finish_reason is None for o in outputs.values()):
                 for step_out in engine.step():

@@ -119,8 +119,9 @@ class Scheduler:
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (stopped, length or aborted) and return its blocks, unless it holds
         them for a lease (``hold_kv``, not aborted): then its owner frees them later."""
-        if request in self.running or request in self.handed_over:
-            (self.running if request in self.running else self.handed_over).remove(request)
+        holder = self.running if request in self.running else self.handed_over
+        if request in holder:
+            holder.remove(request)
             if not (request.hold_kv and status != RequestStatus.FINISHED_ABORTED):
                 self.kv.free(request)
         elif request in self.waiting:

@@ -43,7 +43,7 @@ class PrefillService:
         leased = False
         try:
             out = await done
-            if out.finish_reason == "abort" or not out.new_token_ids:
+            if not out.new_token_ids:
                 raise RuntimeError(f"prefill of {spec.request_id!r} was aborted")
             first = out.new_token_ids[0]
             # Judge the first token with the request's own limits.

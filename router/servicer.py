@@ -14,6 +14,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
 from tokenizers import Tokenizer
 
+from engine.kvcache.manager import blocks_for_request
 from engine.sampling_params import SamplingParams
 from kvtransfer.handoff import RequestSpec
 from pdserve.v1 import router_pb2 as pb
@@ -80,8 +81,7 @@ def to_spec(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits) 
         raise InvalidRequest(f"sampling.{e}") from e
     if limits.kv_blocks is not None:
         # The engine's own admission rule, checked before any worker spends a prefill on it.
-        total = min(len(ids) + params.max_tokens, limits.max_model_len)
-        need = -(-total // limits.block_size)
+        need = blocks_for_request(len(ids), params.max_tokens, limits.max_model_len, limits.block_size)
         if need > limits.kv_blocks:
             raise InvalidRequest(
                 f"sampling.max_tokens: {len(ids)} prompt tokens + max_tokens={params.max_tokens} need {need} KV "

@@ -64,10 +64,9 @@ class TorchAttentionPlan:
     """
 
     block_size: int
-    num_tokens: int
     decode_groups: list[DecodeGroup]
     prefills: list[tuple[int, int, int]]  # (seq, start row, seq_len) of sequences with q_len > 1
-    starts: list[int]
+    starts: list[int]  # query_start_loc as a list; starts[-1] is the number of query rows
     sliding_window: int | None = None
 
 
@@ -137,7 +136,7 @@ def plan_attention(
             )
         )
     prefills = [(s, starts[s], lens[s]) for s in range(num_seqs) if q_lens[s] > 1]
-    return TorchAttentionPlan(block_size, starts[-1], groups, prefills, starts, sliding_window)
+    return TorchAttentionPlan(block_size, groups, prefills, starts, sliding_window)
 
 
 def _gather(cache: torch.Tensor, group: DecodeGroup, which: int) -> torch.Tensor:
@@ -241,7 +240,7 @@ def paged_attention_torch(
     if q.shape[0] == 0 or not plan.starts[-1]:
         return torch.zeros_like(q, memory_format=torch.contiguous_format)
     groups = plan.decode_groups
-    if len(groups) == 1 and groups[0].all_rows and q.shape[0] == plan.num_tokens:
+    if len(groups) == 1 and groups[0].all_rows and q.shape[0] == plan.starts[-1]:
         # Hot path: one decode group covering every row.
         return _decode_group(q, k_cache, v_cache, groups[0], scale)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)

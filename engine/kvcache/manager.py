@@ -53,6 +53,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def blocks_for_request(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int) -> int:
+    """KV blocks a request needs at its longest: prompt + max_tokens, capped at max_model_len."""
+    return cdiv(min(num_prompt_tokens + max_tokens, max_model_len), block_size)
+
+
 class KVCacheManager:
     def __init__(
         self,

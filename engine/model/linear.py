@@ -41,6 +41,15 @@ class OneDNNWeights:
         return torch.ops.aten.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight, self.bias).to_dense()
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            onednn: OneDNNWeights | None) -> torch.Tensor:
+    """``x @ weight.T + bias``: through ``onednn`` for 2-D inputs of ``ONEDNN_MIN_ROWS``+ rows
+    when a copy is given, else ``F.linear``."""
+    if onednn is not None and x.dim() == 2 and x.shape[0] >= ONEDNN_MIN_ROWS:
+        return onednn(x)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) that may run large inputs through oneDNN.
 
@@ -73,7 +82,5 @@ class Linear(nn.Linear):
         return self._onednn is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._onednn is not None and x.dim() == 2 and x.shape[0] >= ONEDNN_MIN_ROWS:
-            return self._onednn(x)
-        return F.linear(x, self.weight, self.bias)
+        return project(x, self.weight, self.bias, self._onednn)
 

@@ -18,7 +18,7 @@ from torch import nn
 from engine.kernels import paged_attention, write_kv
 from engine.kernels.metadata import AttentionMetadata
 from engine.model.config import Llama3RopeScaling, ModelConfig
-from engine.model.linear import ONEDNN_MIN_ROWS, Linear, OneDNNWeights, onednn_supported
+from engine.model.linear import Linear, OneDNNWeights, onednn_supported, project
 
 
 # ----------------------------------------------------------------------------- rope
@@ -260,9 +260,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[n, vocab_size]`` for the given hidden rows (select first)."""
-        if self._head_onednn is not None and hidden.shape[0] >= ONEDNN_MIN_ROWS:
-            return self._head_onednn(hidden).float()
-        return F.linear(hidden, self._head_weight()).float()
+        return project(hidden, self._head_weight(), None, self._head_onednn).float()
 
     def _head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
