@@ -1,6 +1,6 @@
 """GPU benchmark of the Triton paged attention (decode) with correctness checks first.
 
-Usage: ``python benchmarks/attention_gpu.py [--json] [--reps N] [--no-torch]``
+Usage: ``python -m pdserve.benchmarks.attention_gpu [--json] [--reps N] [--no-torch]``
 
 1. Checks Triton against the float32 reference on a few mixed/decode shapes (fp32
    and bf16, one long decode that takes the split-KV path, head_dim 96, a sliding
@@ -26,11 +26,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from engine.kernels import paged_attention, paged_attention_ref  # noqa: E402
+from pdserve.engine.kernels import paged_attention, paged_attention_ref
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 BATCHES = (1, 8, 32, 128)

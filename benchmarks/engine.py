@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import emit
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine
-from engine.kvcache.manager import cdiv
-from engine.llm import LLM
-from engine.model.tiny import NUM_BYTES, make_tiny_model
-from engine.sampling_params import SamplingParams
+from pdserve.benchmarks.common import emit
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.kvcache.manager import cdiv
+from pdserve.engine.llm import LLM
+from pdserve.engine.model.tiny import NUM_BYTES, make_tiny_model
+from pdserve.engine.sampling_params import SamplingParams
 
 # The benchmark model: small enough for CPU, large enough that matmuls (not Python) dominate.
 MODEL_KWARGS: dict[str, int] = {
@@ -255,7 +255,7 @@ def kv_utilization(
         if steps > 10 * len(reqs):
             raise RuntimeError("prefill did not complete")
     valid = sum(r.num_computed_tokens for r in reqs)
-    held_ids = {b for r in reqs for b in engine.kv.get_block_ids(r.request_id)}
+    held_ids = {b for r in reqs for b in engine.kv_manager.get_block_ids(r.request_id)}
     held = len(held_ids)
     # The fewest blocks that can hold each request's computed tokens: any excess is over-allocation.
     ideal = sum(cdiv(r.num_computed_tokens, block_size) for r in reqs)

@@ -11,11 +11,11 @@ import random
 import cbor2
 import xxhash
 
-from benchmarks.common import emit, median_time
-from engine.kvcache import KVCacheManager
-from engine.kvcache.hashing import BlockHasher
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdserve.benchmarks.common import emit, median_time
+from pdserve.engine.kvcache import KVCacheManager
+from pdserve.engine.kvcache.hashing import BlockHasher
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def bench_hashing(num_blocks: int, block_size: int, repeats: int) -> dict[str, float]:

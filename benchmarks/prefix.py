@@ -21,13 +21,13 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks.common import emit
-from benchmarks.engine import MODEL_KWARGS, build_model
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine
-from engine.kvcache.manager import cdiv
-from engine.model.tiny import NUM_BYTES
-from engine.sampling_params import SamplingParams
+from pdserve.benchmarks.common import emit
+from pdserve.benchmarks.engine import MODEL_KWARGS, build_model
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.kvcache.manager import cdiv
+from pdserve.engine.model.tiny import NUM_BYTES
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def log(msg: str) -> None:

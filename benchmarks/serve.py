@@ -50,7 +50,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.serve_load import (
+from pdserve.benchmarks.serve_load import (
     BenchRequest,
     WorkloadConfig,
     log,
@@ -59,7 +59,7 @@ from benchmarks.serve_load import (
     summarize,
     warm_up,
 )
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 # The served model: small enough that a 2-core CPU box serves a few requests/s, real enough
 # (4 Llama layers, GQA, fp32) that compute, not Python, is most of a step.
@@ -82,12 +82,13 @@ DISAGG, MONO = "1P+1D", "monolithic"
 # Redis counters
 # ---------------------------------------------------------------------------------------
 def _read_stats(redis_url: str, namespace: str) -> dict | None:
-    from kvtransfer.redis_index import RedisIndexConfig, read_stats
+    from pdserve.kvindex.config import IndexConfig
+    from pdserve.kvindex.stats import read_stats
 
-    cfg = RedisIndexConfig(redis_url, namespace=namespace)
+    cfg = IndexConfig(redis_url, namespace=namespace)
     client = cfg.client()
     try:
-        return read_stats(client, cfg.namespace)
+        return read_stats(client, cfg)
     finally:
         client.close()
 
@@ -227,12 +228,16 @@ def run_service(
     params: SamplingParams, timeout_s: float, warmup: int,
 ) -> dict[str, Any]:
     """Start a 1 prefill + 1 decode service, measure it, check its workers, stop it."""
-    from router.launcher import Service
-    from router.service_config import ServiceConfig
+    from pdserve.cluster.config import ServiceConfig
+    from pdserve.cluster.launcher import Service
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.kvindex.config import IndexConfig
+    from pdserve.router.config import RouterConfig
 
     config = ServiceConfig(
-        model=model_dir, prefill=1, decode=1, cpus_per_worker=cpus_per_worker, port=0,
-        kv_cache_memory_bytes=KV_CACHE_BYTES, local_prefill_threshold=threshold, redis_url=None,
+        prefill=1, decode=1, cpus_per_worker=cpus_per_worker, port=0,
+        engine=EngineConfig(model=model_dir, cache=CacheConfig(kv_cache_memory_bytes=KV_CACHE_BYTES)),
+        index=IndexConfig(url=None), router=RouterConfig(local_prefill_threshold=threshold),
     )
     before_children = set(_child_processes())
     service = Service(config, progress=lambda m: log(f"{label}: {m}"))
@@ -241,7 +246,7 @@ def run_service(
         address, redis_url = service.start()
         log(f"{label}: router at {address} ({time.perf_counter() - t_start:.1f}s to start)")
         checks = _worker_checks(service)
-        result = measure(label, address, redis_url, config.namespace, workload, params, timeout_s, warmup)
+        result = measure(label, address, redis_url, config.index.namespace, workload, params, timeout_s, warmup)
         pools = _pool_states(service)
         for wid, pool in pools.items():
             checks[wid]["pool_after"] = pool
@@ -390,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[args.router] = measure(args.router, args.router, args.redis_url, args.namespace, workload,
                                         params, args.timeout, args.warmup)
         else:
-            from engine.model import make_tiny_model
+            from pdserve.engine.model import make_tiny_model
 
             result["model"] = dict(MODEL_KWARGS)
             with tempfile.TemporaryDirectory(prefix="pdserve-bench-serve-") as tmp:

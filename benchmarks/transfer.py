@@ -26,15 +26,16 @@ from pathlib import Path
 import torch
 import xxhash
 
-from benchmarks.common import emit
-from engine.kv_cache import KVCacheTensor, KVLayout
-from engine.kvcache.manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from kvtransfer.client import KVTransferClient
-from kvtransfer.config import MiB, TransferConfig
-from kvtransfer.server import start_transfer_server
-from kvtransfer.source import BlockSource
+from pdserve.benchmarks.common import emit
+from pdserve.engine.kv_handover import KVHandover
+from pdserve.engine.kv_tensor import KVLayout, KVTensor
+from pdserve.engine.kvcache.manager import KVCacheManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.client import KVTransferClient
+from pdserve.kvtransfer.config import MiB, TransferConfig
+from pdserve.kvtransfer.server import start_transfer_server
+from pdserve.kvtransfer.source import BlockSource
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 16, 8, 128  # float16: 64 KiB per layer per block
@@ -44,7 +45,7 @@ def layout_for(num_layers: int) -> KVLayout:
     return KVLayout(num_layers, KV_HEADS, HEAD_DIM, BLOCK_TOKENS, torch.float16)
 
 
-def tensor_digest(kv: KVCacheTensor) -> str:
+def tensor_digest(kv: KVTensor) -> str:
     return xxhash.xxh3_64_hexdigest(kv.tensor.reshape(-1).view(torch.uint8).numpy())
 
 
@@ -52,15 +53,16 @@ def tensor_digest(kv: KVCacheTensor) -> str:
 def serve(num_layers: int, total_bytes: int, chunk_cap: int) -> int:
     layout = layout_for(num_layers)
     num_blocks = -(-total_bytes // layout.block_nbytes)
-    kv = KVCacheTensor(layout, num_blocks)
+    kv = KVTensor(layout, num_blocks)
     kv.tensor.reshape(-1).view(torch.int16).random_(generator=torch.Generator().manual_seed(0))
     manager = KVCacheManager(num_blocks, layout.block_size, enable_caching=False)
     req = Request("bench", [i % 32000 for i in range(num_blocks * layout.block_size)], SamplingParams(), layout.block_size)
     manager.allocate_slots(req, req.num_tokens)
     req.num_computed_tokens = req.num_tokens
     config = TransferConfig(chunk_bytes=chunk_cap, lease_ttl_s=3600.0)
-    source = BlockSource(kv, manager, threading.Lock(), model_fingerprint="bench", worker_id="holder", config=config)
-    lease_id = source.lease_request(req)
+    handover = KVHandover(manager, kv)
+    source = BlockSource(handover, model_fingerprint="bench", worker_id="holder", config=config)
+    lease_id = source.lease(handover.hold(req, req.num_tokens))
     server = start_transfer_server(source, config)
 
     raw = socket.create_server(("127.0.0.1", 0))
@@ -83,7 +85,7 @@ def serve(num_layers: int, total_bytes: int, chunk_cap: int) -> int:
 
 
 # -- puller -------------------------------------------------------------------------------
-def raw_pull(port: int, dest: KVCacheTensor) -> float:
+def raw_pull(port: int, dest: KVTensor) -> float:
     view = memoryview(dest.tensor.reshape(-1).view(torch.uint8).numpy())
     t0 = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -99,7 +101,7 @@ def raw_pull(port: int, dest: KVCacheTensor) -> float:
 
 def bench_layout(num_layers: int, chunks: list[int], total_bytes: int, repeats: int) -> list[dict]:
     layout = layout_for(num_layers)
-    cmd = [sys.executable, "-m", "benchmarks.transfer", "--serve", "--num-layers", str(num_layers),
+    cmd = [sys.executable, "-m", "pdserve.benchmarks.transfer", "--serve", "--num-layers", str(num_layers),
            "--total-mb", str(total_bytes // MiB), "--chunk-cap", str(max(chunks))]  # fmt: skip
     holder = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -109,7 +111,7 @@ def bench_layout(num_layers: int, chunks: list[int], total_bytes: int, repeats: 
             raise RuntimeError(f"holder failed to start: {line!r}")
         info = json.loads(line[len("READY ") :])
         n = info["num_blocks"]
-        dest = KVCacheTensor(layout, n)
+        dest = KVTensor(layout, n)
         nbytes = n * layout.block_nbytes
 
         raw_times = []

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from decode_worker.service import DecodeService
-from kvtransfer.handoff import DecodeEvent, PrefillResult, RequestSpec
-from kvtransfer.worker_runtime import WorkerConfig, WorkerRuntime
+from pdserve.decode_worker.service import DecodeService
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
+from pdserve.worker.runtime import WorkerRuntime
 
 
 class DecodeWorker:

@@ -7,13 +7,13 @@ import logging
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
-from engine.engine import RequestOutput
-from engine.request import Request
-from kvtransfer.client import KVTransferClient
-from kvtransfer.errors import LayoutMismatchError, PeerUnavailableError, TransferError
-from kvtransfer.handoff import DecodeEvent, PrefillResult, RequestSpec
-from kvtransfer.pull import KVPullResult, pull_request_kv
-from kvtransfer.worker_runtime import WorkerRuntime
+from pdserve.engine.engine import RequestOutput
+from pdserve.engine.kv_handover import KVLoad, RemotePrefill
+from pdserve.kvtransfer.client import KVTransferClient
+from pdserve.kvtransfer.errors import LayoutMismatchError, PeerUnavailableError, TransferError
+from pdserve.kvtransfer.pull import pull_kv, release_quietly
+from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
+from pdserve.worker.runtime import WorkerRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -38,48 +38,39 @@ class DecodeService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _pull(self, spec: RequestSpec, prefill: PrefillResult, req: Request) -> KVPullResult | None:
-        """Pull the prompt's KV into this pool; None when it must be recomputed instead."""
+    async def _pull(self, spec: RequestSpec, prefill: PrefillResult, load: KVLoad) -> bool:
+        """Fill ``load`` from the prefill worker's lease and end it (``finish_load``): True when
+        the KV landed, False when the request recomputes its prompt here instead."""
         rt = self.rt
         used: list[KVTransferClient] = []
 
-        def work() -> KVPullResult | None:
-            client = rt.client(prefill.address)
-            used.append(client)
-            return pull_request_kv(
-                rt.engine.kv, rt.engine.kv_cache, req, client, req.num_prompt_tokens,
-                lease_id=prefill.lease_id, lock=rt.engine.lock,
-            )  # fmt: skip
-
-        # The pull thread cannot be interrupted, and it frees what it allocated when it fails.
-        # So whatever cancellations arrive, wait until it is done before anyone may free the
-        # request's blocks (they could still be being written), then re-raise the cancel.
-        fut = asyncio.ensure_future(asyncio.to_thread(work))
-        cancelled = False
-        while not fut.done():
+        def work() -> None:
+            # Runs to its end even if the request is cancelled meanwhile: finish_load is what
+            # lets the engine free the blocks, and they may be being written until then.
+            ok = False
             try:
-                await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                cancelled = True
-            except BaseException:  # noqa: BLE001 - read from the future below
-                break
-        if cancelled:
-            if not fut.cancelled():
-                fut.exception()  # retrieved: the outcome no longer matters
-            raise asyncio.CancelledError
+                client = rt.client(prefill.address)
+                used.append(client)
+                pull_kv(client, rt.engine.handover.kv_tensor, load, lease_id=prefill.lease_id)
+                ok = True
+            finally:
+                rt.loop.finish_load(spec.request_id, ok)
+            assert prefill.lease_id is not None
+            release_quietly(client, prefill.lease_id)
+
         try:
-            result = fut.result()
+            await asyncio.to_thread(work)
         except TransferError as exc:
             logger.warning("pull of %s from %s failed (%s); recomputing", spec.request_id, prefill.address, exc)
             if isinstance(exc, (PeerUnavailableError, LayoutMismatchError)):
                 rt.drop_client(prefill.address, used[0] if used else None)
             rt.stats.record({"transfer_failures": 1}, spec.cache_salt)
-            return None
+            return False
         except Exception:  # noqa: BLE001 - a bug in the pull must not fail the request
             logger.exception("pull of %s from %s failed; recomputing", spec.request_id, prefill.address)
             rt.stats.record({"transfer_failures": 1}, spec.cache_salt)
-            return None
-        return result
+            return False
+        return True
 
     async def _release(self, prefill: PrefillResult) -> None:
         """Best effort: a lease this worker will not pull goes back now, not after its TTL."""
@@ -107,22 +98,19 @@ class DecodeService:
             if prefill is None:
                 rt.loop.submit(req, on_output)
             else:
-                result = await self._pull(spec, prefill, req)
-                # The first token came from the prefill worker; a seeded stream continues after it.
-                req.append_output_token(prefill.first_token)
-                rt.engine.runner.sampler.skip_draws(
-                    req.request_id, req.sampling_params, rt.engine.model_config.vocab_size, rt.engine.device, 1
-                )
-                if result is None:
-                    # Recompute here; the prefill worker's blocks are of no use any more. The
+                # The first token came from the prefill worker; the engine continues after it.
+                remote = RemotePrefill(len(spec.prompt_token_ids), (prefill.first_token,))
+                load = rt.loop.submit_remote(req, on_output, remote)
+                pulled = load is not None and await self._pull(spec, prefill, load)
+                lease_settled = True
+                if pulled:
+                    assert load is not None
+                    local_hit, transferred = load.num_local_hit_tokens, load.num_external_tokens
+                else:
+                    # Recomputed here; the prefill worker's blocks are of no use any more. The
                     # release runs beside the recompute: a hung peer must not delay it.
                     self._in_background(self._release(prefill))
-                    lease_settled = computes_prompt = True
-                    rt.loop.submit(req, on_output)
-                else:
-                    lease_settled = True
-                    local_hit, transferred = result.num_local_hit_tokens, result.num_external_tokens
-                    rt.loop.submit(req, on_output, running=True)
+                    computes_prompt = True
             while True:
                 out = await queue.get()
                 if isinstance(out, BaseException):
@@ -130,7 +118,7 @@ class DecodeService:
                 if computes_prompt:
                     # Counted once the engine knows its prefix hit (set at first scheduling).
                     local_hit = out.num_cached_tokens
-                    computed = max(req.num_prompt_tokens - local_hit, 0)
+                    computed = max(out.num_prompt_tokens - local_hit, 0)
                     if prefill is None:
                         rt.stats.record({"prefill_computed_tokens": computed}, spec.cache_salt)
                     else:
@@ -145,7 +133,8 @@ class DecodeService:
                 if out.finished:
                     return
         finally:
-            # Cancelled, consumer gone or failed: the engine drops the request and its blocks.
-            await asyncio.to_thread(rt.drop_request, spec.request_id)
+            # Cancelled, consumer gone or failed: the engine drops the request and its blocks
+            # (a load still being written keeps them until its finish_load).
+            await asyncio.to_thread(rt.loop.abort, spec.request_id)
             if prefill is not None and not lease_settled:
                 await self._release(prefill)

@@ -1,23 +1,5 @@
-"""pdserve's inference engine: paged KV cache, model, kernels, scheduler, sampler, offline API.
+"""pdserve's inference engine: paged KV cache, model, kernels, scheduler, sampler, the offline
+``LLM`` API and the KV-handover API that prefill/decode disaggregation goes through.
 
-``LLM`` and ``SamplingParams`` are imported lazily so that the pure-Python parts
-(``engine.kvcache``) load without torch.
+``pdserve.engine.kvcache`` is pure Python (no torch); nothing here imports torch on import.
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-__all__ = ["LLM", "SamplingParams"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "LLM":
-        from engine.llm import LLM
-
-        return LLM
-    if name == "SamplingParams":
-        from engine.sampling_params import SamplingParams
-
-        return SamplingParams
-    raise AttributeError(name)

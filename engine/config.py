@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine import envs
+from pdserve import envs
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,7 @@ class CacheConfig:
     num_blocks: int | None = None  # None: derive from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 256 * 1024**2
     enable_prefix_caching: bool = True
+    # Root of every block-hash chain (docs/block-hashes.md); the same on every process of a cluster.
     hash_seed: str = field(default_factory=envs.hash_seed)
 
     def __post_init__(self) -> None:
@@ -47,9 +48,13 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What one engine instance loads and how it runs."""
+    """What one engine instance loads and how it runs.
 
-    model_dir: str
+    ``model``: a checkpoint directory (None only in a template that is completed later, e.g.
+    a service config whose model is chosen at start; an engine refuses it).
+    """
+
+    model: str | None = None
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: float32 on CPU, bfloat16 on CUDA
     device: str | None = field(default_factory=envs.device)  # None: CUDA if available, else CPU
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -59,6 +64,8 @@ class EngineConfig:
     cpu_onednn: bool = True
 
     def __post_init__(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"model must be a non-empty path, got {self.model!r}")
         if not isinstance(self.cpu_onednn, bool):
             raise ValueError(f"cpu_onednn must be a bool, got {self.cpu_onednn!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):

@@ -1,9 +1,11 @@
 """LLMEngine: one model, one paged KV cache, a continuous batch.
 
-``add_request`` validates and queues; each ``step`` schedules a batch, runs it and
-returns what every request produced. Every block a request takes is returned when it
-finishes, is aborted or fails. All public methods hold ``self.lock``, so another
-thread (a KV-transfer server reading the same pool) may share the engine.
+``add_request`` validates and queues; each ``step`` schedules a batch, runs it and returns what
+every request produced. Every block a request takes is returned when it finishes, is aborted or
+fails. The KV-handover API (``pdserve.engine.kv_handover``) is how prefill/decode disaggregation
+reaches the engine: ``make_request(handoff=True)`` on the producer, ``add_remote`` /
+``finish_load`` on the consumer, and ``handover`` for blocks. All public methods hold
+``self.lock``, so other threads (a KV-transfer server) may share the engine.
 """
 
 from __future__ import annotations
@@ -16,29 +18,47 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
-from engine.kv_cache import KVCacheTensor, KVLayout
-from engine.kvcache.events import EventSink
-from engine.kvcache.manager import KVCacheManager, blocks_for_request
-from engine.model import ModelConfig, load_model, load_tokenizer
-from engine.model_runner import ModelRunner
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_handover import HeldKV, KVHandover, KVLoad, RemotePrefill
+from pdserve.engine.kv_tensor import KVLayout, KVTensor
+from pdserve.engine.kvcache.events import EventSink
+from pdserve.engine.kvcache.manager import KVCacheManager
+from pdserve.engine.limits import RequestLimits
+from pdserve.engine.model import ModelConfig, load_model, load_tokenizer
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class RequestOutput:
-    """What one request produced in one step (``new_token_ids`` is empty mid-prefill)."""
+    """What one request produced in one step (``new_token_ids`` is empty mid-prefill).
+
+    ``finish_reason`` is "stop" or "length", or "handoff" for a request handed off with its KV
+    (``kv_handoff`` then says which blocks are held). An aborted request gets no further output.
+    ``num_cached_tokens``: prompt tokens found in this engine's prefix cache.
+    """
 
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop" | "length"; an aborted request gets no further output
+    finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    kv_handoff: HeldKV | None = None
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """The pool at a glance: idle means ``free_blocks == num_blocks`` and nothing else."""
+
+    num_blocks: int
+    free_blocks: int
+    requests: int  # requests holding blocks (running, loading or held)
+    held: int  # handed-off requests whose blocks await release
 
 
 def _token_ids(prompt_token_ids: Sequence[int]) -> list[int]:
@@ -70,26 +90,38 @@ def resolve_device(device: str | None) -> torch.device:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, event_sink: EventSink | None = None) -> None:
+        if config.model is None:
+            raise ValueError("EngineConfig.model: no model given")
         self.config = config
         self.device = resolve_device(config.device)
         dtype = _DTYPES[config.dtype] if config.dtype else None
-        self.model_config = ModelConfig.from_dir(config.model_dir)
-        self.tokenizer = load_tokenizer(config.model_dir)
-        self.model = load_model(config.model_dir, dtype=dtype, device=self.device)
+        self.model_config = mc = ModelConfig.from_dir(config.model)
+        self.tokenizer = load_tokenizer(config.model)
+        self.model = load_model(config.model, dtype=dtype, device=self.device)
         self.dtype = next(self.model.parameters()).dtype
         self.onednn = config.cpu_onednn and self.model.pack_onednn()
-        mc = self.model_config
-        self.max_model_len = min(config.scheduler.max_model_len or mc.max_context_len, mc.max_context_len)
         cc = config.cache
-        self.layout = KVLayout(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cc.block_size, self.dtype)
-        num_blocks = cc.num_blocks or max(1, self.layout.num_blocks_for_budget(cc.kv_cache_memory_bytes))
-        self.kv_cache = KVCacheTensor(self.layout, num_blocks, self.device)
+        layout = KVLayout(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cc.block_size, self.dtype)
+        num_blocks = cc.num_blocks or max(1, layout.num_blocks_for_budget(cc.kv_cache_memory_bytes))
+        self.limits = RequestLimits.for_engine(mc, config, num_blocks)
+        self.max_model_len = self.limits.max_model_len
+        self.kv_tensor = KVTensor(layout, num_blocks, self.device)
         medium = "GPU" if self.device.type == "cuda" else "CPU"
-        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, medium, event_sink)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(self.model, self.kv_cache, cc.block_size)
-        self.requests: dict[str, Request] = {}
+        self.kv_manager = KVCacheManager(
+            num_blocks, cc.block_size, cc.enable_prefix_caching, medium, event_sink, mc.sliding_window
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.runner = ModelRunner(self.model, self.kv_tensor, cc.block_size)
         self.lock = threading.RLock()
+        self.handover = KVHandover(self.kv_manager, self.kv_tensor, self.lock)
+        self.requests: dict[str, Request] = {}
+        self._loading: dict[str, tuple[Request, KVLoad, RemotePrefill]] = {}
+        self._aborted_loads: set[str] = set()
+        self.driver: object | None = None  # what steps this engine (an EngineLoop), if not its caller
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.kv_tensor.layout
 
     # -- requests ---------------------------------------------------------------------------
     def make_request(
@@ -98,40 +130,27 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        handoff: bool = False,
     ) -> Request:
-        """Validate a prompt and build its Request (not queued). Errors name the field."""
+        """Validate a prompt and build its Request (not queued). Errors name the field.
+
+        ``handoff``: see ``Request``; the request's output then carries its ``HeldKV``.
+        """
         ids = _token_ids(prompt_token_ids)
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.model_config.vocab_size
-        for t in ids:
-            if not 0 <= t < vocab:
-                raise ValueError(f"prompt_token_ids: {t} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
-            )
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
-        need = blocks_for_request(len(ids), params.max_tokens, self.max_model_len, self.layout.block_size)
-        if need > self.kv.num_blocks:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens + max_tokens={params.max_tokens} need "
-                f"{need} KV blocks but the pool has {self.kv.num_blocks}"
-            )
+        self.limits.check(ids, params.max_tokens)
         rid = request_id or uuid.uuid4().hex
-        if rid in self.requests or self.kv.get_blocks(rid):
-            raise ValueError(f"request_id: {rid!r} is already in use")
+        self._check_id_free(rid)
         return Request(
-            rid,
-            ids,
-            params,
-            self.layout.block_size,
-            hash_seed=self.config.cache.hash_seed,
-            cache_salt=cache_salt,
-            eos_token_ids=self.model_config.eos_token_ids,
-            max_model_len=self.max_model_len,
-        )
+            rid, ids, params, self.layout.block_size, hash_seed=self.config.cache.hash_seed, cache_salt=cache_salt,
+            eos_token_ids=self.model_config.eos_token_ids, max_model_len=self.max_model_len, handoff=handoff,
+        )  # fmt: skip
+
+    def _check_id_free(self, request_id: str) -> None:
+        """A request id names one request at a time (outputs and blocks are looked up by it)."""
+        if request_id in self.requests or self.kv_manager.get_blocks(request_id):
+            raise ValueError(f"request_id: {request_id!r} is already in use")
 
     def add_request(
         self,
@@ -148,41 +167,95 @@ class LLMEngine:
     def enqueue(self, request: Request) -> None:
         """Queue a request built by :meth:`make_request` (ValueError if its id became live since)."""
         with self.lock:
-            rid = request.request_id
-            if rid in self.requests or self.kv.get_blocks(rid):
-                raise ValueError(f"request_id: {rid!r} is already in use")
-            self.requests[rid] = request
+            self._check_id_free(request.request_id)
+            self.requests[request.request_id] = request
             self.scheduler.add(request)
 
-    def add_running(self, request: Request) -> None:
-        """Continue ``request`` whose KV already sits in the blocks it holds (a decode handover).
+    def add_remote(self, request: Request, remote: RemotePrefill) -> KVLoad | None:
+        """Continue ``request`` (built by :meth:`make_request`) after another engine prefilled it.
 
-        Its ``num_computed_tokens`` must cover all but its last token (the one to decode next).
+        Returns where its KV must be written; pair with exactly one :meth:`finish_load`. Returns
+        None when this pool has no room for it now: the request is then queued to recompute its
+        prompt here (after the tokens sampled elsewhere), and no ``finish_load`` follows.
         """
         with self.lock:
-            if request.num_computed_tokens != request.num_tokens - 1:
-                raise ValueError(
-                    f"request {request.request_id!r}: {request.num_computed_tokens} computed of {request.num_tokens} tokens"
-                )
-            if request.request_id in self.requests:
-                raise ValueError(f"request_id: {request.request_id!r} is already in use")
-            if request.num_tokens >= self.max_model_len or request.check_stop() is not None:
-                raise ValueError(f"request {request.request_id!r} has already finished ({request!r})")
+            self._check_id_free(request.request_id)
+            if remote.num_tokens != request.num_prompt_tokens:
+                raise ValueError(f"remote prefill of {remote.num_tokens} tokens for a {request.num_prompt_tokens}-token prompt")
+            load = self.handover.reserve(request, remote.num_tokens)
             self.requests[request.request_id] = request
-            self.scheduler.add_running(request)
+            try:
+                self._append_remote_output(request, remote)
+            except BaseException:
+                self.requests.pop(request.request_id)
+                if load is not None:
+                    self.handover.complete(request, load, ok=False)
+                raise
+            if load is None:
+                self.scheduler.add(request)
+                return None
+            request.status = RequestStatus.WAITING_FOR_KV
+            self._loading[request.request_id] = (request, load, remote)
+            return load
+
+    def _append_remote_output(self, request: Request, remote: RemotePrefill) -> None:
+        """The tokens sampled elsewhere become the request's first outputs; a seeded sampler
+        skips the draws they took, so the stream continues as if sampled here."""
+        for tok in remote.output_token_ids:
+            if not 0 <= tok < self.model_config.vocab_size:
+                raise ValueError(f"output token {tok} is outside the vocabulary")
+            request.append_output_token(tok)
+            if request.check_stop() is not None:
+                raise ValueError(f"request {request.request_id!r} already finished with token {tok}")
+        self.runner.sampler.skip_draws(
+            request.request_id, request.sampling_params, self.model_config.vocab_size, self.device,
+            len(remote.output_token_ids),
+        )  # fmt: skip
+
+    def finish_load(self, request_id: str, ok: bool) -> None:
+        """The load of :meth:`add_remote` ended: ``ok`` means every block of it was written. The
+        request then runs from that KV; otherwise it recomputes. If it was aborted meanwhile, its
+        blocks go back to the pool now."""
+        with self.lock:
+            if request_id not in self._loading:
+                raise ValueError(f"request {request_id!r} has no KV load in progress")
+            request, load, _ = self._loading.pop(request_id)
+            aborted = request_id in self._aborted_loads
+            self._aborted_loads.discard(request_id)
+            self.handover.complete(request, load, ok and not aborted)
+            if aborted:
+                return
+            if ok:
+                request.num_cached_tokens = load.num_local_hit_tokens
+                self.scheduler.add_running(request)
+            else:
+                self.scheduler.add(request)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and return its blocks; False if it is unknown or already finished."""
+        """Stop a request and return its blocks; False if it is unknown or already finished.
+
+        A request whose KV is loading keeps its blocks until ``finish_load`` (they may be
+        being written); a handed-off request's blocks are freed by ``handover.release``.
+        """
         with self.lock:
             req = self.requests.pop(request_id, None)
             if req is None:
                 return False
-            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             self.runner.sampler.forget(request_id)
+            if request_id in self._loading:
+                self._aborted_loads.add(request_id)
+                req.status = RequestStatus.FINISHED_ABORTED
+                return True
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def kv_usage(self) -> KVUsage:
+        with self.lock:
+            m = self.kv_manager
+            return KVUsage(m.num_blocks, m.num_free_blocks(), len(m.req_to_blocks), self.handover.num_held)
 
     # -- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -190,14 +263,14 @@ class LLMEngine:
             out = self.scheduler.schedule()
             if not out.scheduled:
                 return []
-            block_ids = [self.kv.get_block_ids(s.request.request_id) for s in out.scheduled]
+            block_ids = [self.kv_manager.get_block_ids(s.request.request_id) for s in out.scheduled]
             try:
                 tokens = self.runner.execute(out.scheduled, block_ids)
             except BaseException:
                 # A failed forward must not strand blocks, nor leave cached hashes on blocks
                 # whose KV it never wrote: uncache this step's blocks, abort the batch.
                 for s in out.scheduled:
-                    self.kv.uncache_blocks(s.request, s.request.num_computed_tokens)
+                    self.kv_manager.uncache_blocks(s.request, s.request.num_computed_tokens)
                     self.abort(s.request.request_id)
                 raise
             outputs: list[RequestOutput] = []
@@ -207,23 +280,23 @@ class LLMEngine:
                 req.num_computed_tokens += s.num_new_tokens
                 new: list[int] = []
                 status = None
+                held = None
                 if s.samples:
                     tok = next(sampled)
                     req.append_output_token(tok)
                     new.append(tok)
                     status = req.check_stop()
+                    if status is None and req.handoff:
+                        status = RequestStatus.FINISHED_HANDED_OFF
                 if status is not None:
                     self.scheduler.finish(req, status)
+                    if status is RequestStatus.FINISHED_HANDED_OFF:
+                        held = self.handover.hold(req, req.num_prompt_tokens)
                     self.requests.pop(req.request_id, None)
                     self.runner.sampler.forget(req.request_id)
-                outputs.append(
-                    RequestOutput(
-                        req.request_id,
-                        new,
-                        status is not None,
-                        status.value if status else None,
-                        req.num_prompt_tokens,
-                        max(req.num_cached_tokens, 0),
-                    )
-                )
+                assert req.num_cached_tokens is not None  # set when it was first scheduled
+                outputs.append(RequestOutput(
+                    req.request_id, new, status is not None, status.value if status else None,
+                    req.num_prompt_tokens, req.num_cached_tokens, held,
+                ))  # fmt: skip
             return outputs

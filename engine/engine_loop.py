@@ -4,6 +4,9 @@ Workers serve many concurrent requests from async code; the loop keeps the engin
 while any request is live and hands every ``RequestOutput`` to the callback registered
 with that request, on the loop thread. Callbacks must be quick and must not block
 (``loop.call_soon_threadsafe`` into an asyncio queue is the intended use).
+
+The loop is the engine's only driver while it runs (``LLM.generate`` on the same engine is
+refused): two drivers would each step away the other's outputs.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ import logging
 import threading
 from collections.abc import Callable
 
-from engine.engine import LLMEngine, RequestOutput
-from engine.request import Request
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.kv_handover import KVLoad, RemotePrefill
+from pdserve.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +28,10 @@ class EngineLoop:
     MAX_UNATTRIBUTED_FAILURES = 3  # consecutive failed steps before every request is failed
 
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+        if engine.driver is not None:
+            raise RuntimeError("the engine is already stepped by another driver")
+        engine.driver = self
+        engine.handover.on_blocks_freed = self.wake  # a released hand-off may let a request in
         self.engine = engine
         self._callbacks: dict[str, OutputCallback] = {}
         self._wake = threading.Event()
@@ -32,20 +40,37 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def submit(self, request: Request, on_output: OutputCallback, running: bool = False) -> None:
-        """Queue ``request`` (or, with ``running``, continue a handed-over one).
+    def submit(self, request: Request, on_output: OutputCallback) -> None:
+        """Queue ``request`` (built by ``engine.make_request``).
 
         Raises ValueError if its id belongs to a live request of this engine (a request
         id names one request at a time: outputs and blocks are looked up by it).
         """
-        rid = request.request_id
         with self.engine.lock:
-            if rid in self._callbacks:
-                raise ValueError(f"request_id: {rid!r} is already in use")
-            # The engine refuses ids it already serves (add_running / enqueue check them).
-            (self.engine.add_running if running else self.engine.enqueue)(request)
-            self._callbacks[rid] = on_output
+            self._check_free(request.request_id)
+            self.engine.enqueue(request)
+            self._callbacks[request.request_id] = on_output
         self._wake.set()
+
+    def submit_remote(self, request: Request, on_output: OutputCallback, remote: RemotePrefill) -> KVLoad | None:
+        """``engine.add_remote`` with its outputs delivered to ``on_output``: a ``KVLoad`` to fill
+        and then ``finish_load``, or None when the request recomputes here instead."""
+        with self.engine.lock:
+            self._check_free(request.request_id)
+            load = self.engine.add_remote(request, remote)
+            self._callbacks[request.request_id] = on_output
+        if load is None:
+            self._wake.set()
+        return load
+
+    def finish_load(self, request_id: str, ok: bool) -> None:
+        """``engine.finish_load``, then step: the request can run now."""
+        self.engine.finish_load(request_id, ok)
+        self._wake.set()
+
+    def _check_free(self, request_id: str) -> None:
+        if request_id in self._callbacks:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
 
     def abort(self, request_id: str) -> bool:
         with self.engine.lock:
@@ -56,6 +81,8 @@ class EngineLoop:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.engine.handover.on_blocks_freed = None
+        self.engine.driver = None
 
     def _deliver(self, cb: OutputCallback, out: RequestOutput | BaseException) -> None:
         try:

@@ -1,4 +1,4 @@
-"""Offline API: ``LLM(model_dir, **options).generate(prompts, params)``."""
+"""Offline API: ``LLM(model, **options).generate(prompts, params)``."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 
 _CACHE_KEYS = {f for f in CacheConfig.__dataclass_fields__}
 _SCHED_KEYS = {f for f in SchedulerConfig.__dataclass_fields__}
@@ -24,7 +24,7 @@ class CompletionOutput:
     num_cached_tokens: int = 0
 
 
-def build_engine_config(model_dir: str, **options: Any) -> EngineConfig:
+def build_engine_config(model: str, **options: Any) -> EngineConfig:
     """Split flat keyword options into the component configs; unknown names are an error."""
     cache = {k: options.pop(k) for k in list(options) if k in _CACHE_KEYS}
     sched = {k: options.pop(k) for k in list(options) if k in _SCHED_KEYS}
@@ -32,7 +32,7 @@ def build_engine_config(model_dir: str, **options: Any) -> EngineConfig:
     unknown = set(options) - engine_keys
     if unknown:
         raise TypeError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
-    return EngineConfig(str(model_dir), cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **options)
+    return EngineConfig(str(model), cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **options)
 
 
 class LLM:
@@ -43,8 +43,8 @@ class LLM:
     ``EngineConfig`` (dtype, device, cpu_onednn).
     """
 
-    def __init__(self, model_dir: str, **options: Any) -> None:
-        self.engine = LLMEngine(build_engine_config(model_dir, **options))
+    def __init__(self, model: str, **options: Any) -> None:
+        self.engine = LLMEngine(build_engine_config(model, **options))
         self.tokenizer = self.engine.tokenizer
 
     def encode(self, text: str) -> list[int]:
@@ -71,6 +71,8 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         engine = self.engine
+        if engine.driver is not None:
+            raise RuntimeError("this engine is stepped by an EngineLoop: submit requests to the loop instead")
         if any(isinstance(p, int) for p in prompts):
             raise ValueError("prompts: each prompt is a string or a list of token ids "
                              "(wrap a single tokenized prompt in a list: [[1, 2, 3]])")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels import plan_attention
-from engine.kernels.metadata import AttentionMetadata
-from engine.kv_cache import KVCacheTensor
-from engine.sampler import Sampler
-from engine.scheduler import ScheduledRequest
+from pdserve.engine.kernels import plan_attention
+from pdserve.engine.kernels.metadata import AttentionMetadata
+from pdserve.engine.kv_tensor import KVTensor
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import ScheduledRequest
 
 
 class ModelRunner:
@@ -19,11 +19,11 @@ class ModelRunner:
     exactly one sampled token back, in scheduling order.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCacheTensor, block_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, kv_tensor: KVTensor, block_size: int) -> None:
         self.model = model
-        self.kv_cache = kv_cache
+        self.kv_tensor = kv_tensor
         self.block_size = block_size
-        self.device = kv_cache.device
+        self.device = kv_tensor.device
         self.sampler = Sampler()
 
     def prepare(
@@ -49,7 +49,8 @@ class ModelRunner:
             if sr.samples:
                 sample_rows.append(qsl[-1] - 1)
         max_blocks = max(len(b) for b in block_ids)
-        table = [b + [0] * (max_blocks - len(b)) for b in block_ids]
+        # Null blocks (-1: slid out of the window) and padding point at block 0: never read.
+        table = [[max(i, 0) for i in b] + [0] * (max_blocks - len(b)) for b in block_ids]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -73,7 +74,7 @@ class ModelRunner:
         if not scheduled:
             return []
         ids, positions, meta, rows = self.prepare(scheduled, block_ids)
-        hidden = self.model(ids, positions, self.kv_cache.tensor, meta)
+        hidden = self.model(ids, positions, self.kv_tensor.tensor, meta)
         if not rows:
             return []
         logits = self.model.compute_logits(hidden[rows])

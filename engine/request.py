@@ -3,30 +3,36 @@
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Sequence
 
-from engine.kvcache.hashing import BlockHasher
-from engine.sampling_params import SamplingParams
+from pdserve.engine.kvcache.hashing import BlockHasher
+from pdserve.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # its prompt's KV is being loaded from outside (KV handover)
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # Prefilled here, first token sampled, KV held for another engine to continue it (KV handover).
+    FINISHED_HANDED_OFF = "handoff"
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self.name.startswith("FINISHED_")
 
 
 class Request:
     """A generation request. ``all_token_ids`` is prompt + output; ``block_hashes`` grows with it.
 
-    ``num_computed_tokens`` counts tokens whose KV is in the request's blocks.
+    ``num_computed_tokens`` counts tokens whose KV is in the request's blocks;
+    ``num_cached_tokens`` the prompt tokens whose KV was found rather than computed here (a
+    prefix-cache hit, or KV handed over), known once the request is first scheduled or loaded.
+    ``handoff``: after its prefill and first sampled token the request ends here with its KV
+    held for another engine (KV-handover API), unless that token already ends it.
     """
 
     def __init__(
@@ -40,25 +46,21 @@ class Request:
         lora_name: str | None = None,
         eos_token_ids: Sequence[int] = (),
         max_model_len: int | None = None,
+        handoff: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self._all_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.cache_salt = cache_salt
+        self.cache_salt = cache_salt or None  # an empty salt is no salt
         self.lora_name = lora_name
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len  # prompt + output never exceed it
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = -1  # prefix-hit tokens at first scheduling; -1 = not yet scheduled
-        self.num_external_tokens = 0  # tokens whose KV arrived from another worker
-        self.num_preemptions = 0
-        # Keep the KV blocks after finishing (a prefill worker leases them to a decode worker).
-        self.hold_kv = False
-        self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
+        self.num_cached_tokens: int | None = None
+        self.handoff = handoff
         self.hasher = BlockHasher(block_size, seed=hash_seed, cache_salt=cache_salt, lora_name=lora_name)
         self.hasher.extend(self.prompt_token_ids)
 

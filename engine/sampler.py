@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

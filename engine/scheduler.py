@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.config import SchedulerConfig
-from engine.kvcache.manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.kvcache.manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
 
 
 @dataclass
@@ -34,15 +34,11 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
-        self.kv = kv
+        self.kv_manager = kv_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Handed-over requests (their KV already in their blocks) waiting for a running slot.
@@ -59,10 +55,9 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
-        self.kv.free(victim)
+        self.kv_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
         out.preempted.append(victim)
@@ -80,7 +75,7 @@ class Scheduler:
             if req not in self.running:  # preempted earlier in this loop
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv.allocate_slots(req, num_new) is None:
+            while self.kv_manager.allocate_slots(req, num_new, trim_window=not req.handoff) is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is req:
@@ -95,13 +90,13 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_running:
                 req = self.waiting[0]
-                hit, num_hit = self.kv.get_computed_blocks(req)
+                hit, num_hit = self.kv_manager.get_computed_blocks(req)
                 num_new = min(req.num_tokens - num_hit, budget)
-                if self.kv.allocate_slots(req, num_new, num_hit, hit) is None:
+                if self.kv_manager.allocate_slots(req, num_new, num_hit, hit, trim_window=not req.handoff) is None:
                     break
                 self.waiting.popleft()
                 req.num_computed_tokens = num_hit
-                if req.num_cached_tokens < 0:
+                if req.num_cached_tokens is None:
                     req.num_cached_tokens = num_hit
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
@@ -117,13 +112,13 @@ class Scheduler:
         self.handed_over.append(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a request (stopped, length or aborted) and return its blocks, unless it holds
-        them for a lease (``hold_kv``, not aborted): then its owner frees them later."""
+        """End a request and return its blocks, unless it was handed off
+        (``FINISHED_HANDED_OFF``): then the KV handover holds them until released."""
         holder = self.running if request in self.running else self.handed_over
         if request in holder:
             holder.remove(request)
-            if not (request.hold_kv and status != RequestStatus.FINISHED_ABORTED):
-                self.kv.free(request)
+            if status != RequestStatus.FINISHED_HANDED_OFF:
+                self.kv_manager.free(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status

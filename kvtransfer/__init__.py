@@ -1,1 +1,1 @@
-"""KV wire: gRPC block server/client, leases, the Redis index and the embedded Redis launcher."""
+"""The KV wire only: gRPC block server and client, leases, chunking, checksums (docs/kv-wire.md)."""

@@ -14,7 +14,7 @@ every failure raises a ``TransferError`` subclass:
 =============================  =======================================================
 
 A failed pull leaves the destination blocks partly written; the caller frees them
-(``kvtransfer.pull.pull_request_kv`` does) and recomputes.
+(the engine does, at ``finish_load(ok=False)``) and recomputes.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from collections.abc import Sequence
 
 import grpc
 
-from engine.kv_cache import KVCacheTensor, KVLayout
-from kvtransfer.config import TransferConfig
-from kvtransfer.errors import (
+from pdserve.engine.kv_tensor import KVTensor, KVLayout
+from pdserve.kvtransfer.config import TransferConfig
+from pdserve.kvtransfer.errors import (
     BlockNotFoundError,
     InvalidPullError,
     LayoutMismatchError,
@@ -33,9 +33,9 @@ from kvtransfer.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from kvtransfer.protoconv import chunk_from_proto, layout_to_proto, metadata_from_proto
-from kvtransfer.receiver import BlockReceiver
-from kvtransfer.wire import MISSING_HASHES_KEY, LayoutSpec, PullStats, TransferMetadata, describe_mismatch
+from pdserve.kvtransfer.protoconv import chunk_from_proto, layout_to_proto, metadata_from_proto
+from pdserve.kvtransfer.receiver import BlockReceiver
+from pdserve.kvtransfer.wire import MISSING_HASHES_KEY, LayoutSpec, PullStats, TransferMetadata, describe_mismatch
 from pdserve.v1 import kvtransfer_pb2 as pb
 from pdserve.v1 import kvtransfer_pb2_grpc as pb_grpc
 
@@ -89,7 +89,7 @@ class KVTransferClient:
     # -- pull -----------------------------------------------------------------------------
     def pull_into(
         self,
-        kv: KVCacheTensor,
+        kv_tensor: KVTensor,
         dest_block_ids: Sequence[int],
         lease_id: str | None = None,
         block_hashes: Sequence[bytes] | None = None,
@@ -97,7 +97,7 @@ class KVTransferClient:
         first_block: int = 0,
         timeout_s: float | None = None,
     ) -> PullStats:
-        """Pull blocks straight into ``kv``: block ``i`` of the pull lands in ``dest_block_ids[i]``.
+        """Pull blocks straight into ``kv_tensor``: block ``i`` of the pull lands in ``dest_block_ids[i]``.
 
         Name the blocks by ``lease_id`` (the lease's blocks from ``first_block`` on; the
         lease must have exactly ``len(dest_block_ids)`` of them left) or by
@@ -109,10 +109,10 @@ class KVTransferClient:
         if first_block and lease_id is None:
             raise InvalidPullError("first_block applies to lease pulls only")
         hashes = [bytes(h) for h in block_hashes] if block_hashes is not None else None
-        receiver = BlockReceiver(kv, dest_block_ids, first_block if lease_id is not None else 0, hashes)
+        receiver = BlockReceiver(kv_tensor, dest_block_ids, first_block if lease_id is not None else 0, hashes)
         request = pb.PullRequest(
             first_block=first_block,
-            expected_layout=layout_to_proto(LayoutSpec.from_layout(kv.layout)),
+            expected_layout=layout_to_proto(LayoutSpec.from_layout(kv_tensor.layout)),
             max_chunk_bytes=self.config.chunk_bytes,
             max_blocks_per_chunk=self.config.max_blocks_per_chunk,
         )

@@ -1,10 +1,10 @@
-"""LeaseTable: the blocks of finished prefills, held for the decode worker that will pull them.
+"""LeaseTable: the KV of handed-off prefills, held for the decode worker that will pull it.
 
 Pure Python and thread-safe (gRPC handler threads, the reaper thread and the engine all
-call in). The table does not touch the blocks: it keeps them referenced by simply not
-releasing them, and hands each lease once to the owner's ``on_release`` callback when it
-ends (released, expired or closed); the callback frees the blocks (in a worker:
-``manager.free(request_id)`` under the pool lock).
+call in). The table does not touch the blocks: the engine holds them (a ``HeldKV``) until
+told otherwise, and the table hands each lease once to the owner's ``on_release`` callback
+when it ends (released, expired or closed); the callback lets the engine free them
+(``KVHandover.release``).
 
 Contract:
 - A lease ends at most once; ``on_release`` runs exactly once per created lease,
@@ -22,12 +22,12 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from engine.kvcache.block import KVCacheBlock
-from kvtransfer.errors import BlockNotFoundError
+from pdserve.engine.kv_handover import HeldKV
+from pdserve.kvtransfer.errors import BlockNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -41,27 +41,15 @@ class LeaseNotFoundError(BlockNotFoundError):
 
 @dataclass(frozen=True)
 class Lease:
-    """The first ``cdiv(num_tokens, block_size)`` blocks of a request, held for a puller.
-
-    ``block_hashes`` are the hashes of its full blocks (may be shorter than ``blocks``:
-    the partial last block has none).
-    """
+    """One handed-off request's KV (``held``), pullable until ``expires_at``."""
 
     lease_id: str
-    request_id: str
-    blocks: tuple[KVCacheBlock, ...]
-    block_hashes: tuple[bytes, ...]
-    num_tokens: int
-    block_size: int
+    held: HeldKV
     expires_at: float
 
-    def num_tokens_of(self, index: int) -> int:
-        """Valid tokens in block ``index`` (only the last block may be partial)."""
-        return min(self.block_size, self.num_tokens - index * self.block_size)
-
-    def hash_of(self, index: int) -> bytes:
-        """Hash of block ``index``; empty for a partial or unhashed block."""
-        return self.block_hashes[index] if index < len(self.block_hashes) else b""
+    @property
+    def request_id(self) -> str:
+        return self.held.request_id
 
 
 @dataclass
@@ -75,16 +63,12 @@ class LeaseTable:
     def __init__(
         self,
         on_release: Callable[[Lease], None],
-        block_size: int,
         default_ttl_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not default_ttl_s > 0:
             raise ValueError(f"default_ttl_s must be > 0, got {default_ttl_s}")
         self._on_release = on_release
-        self._block_size = block_size
         self._default_ttl_s = default_ttl_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -92,36 +76,22 @@ class LeaseTable:
         self._by_request: dict[str, str] = {}  # live request id -> lease id
 
     # -- lifecycle ------------------------------------------------------------------------
-    def create(
-        self,
-        request_id: str,
-        blocks: Sequence[KVCacheBlock],
-        num_tokens: int,
-        ttl_s: float | None = None,
-        block_hashes: Sequence[bytes] = (),
-    ) -> str:
-        """Hold ``blocks`` (the request's first blocks, covering ``num_tokens`` tokens); return the lease id.
+    def create(self, held: HeldKV, ttl_s: float | None = None) -> str:
+        """Put ``held`` under a new lease; return its id.
 
-        Raises ``ValueError`` if the blocks do not cover exactly ``num_tokens`` tokens, if
-        there are more hashes than full blocks, or if the request already has a live lease
-        (two leases would free its blocks twice).
+        Raises ``ValueError`` if the request already has a live lease (two leases would free
+        its blocks twice) or ``ttl_s`` is not positive.
         """
-        bs = self._block_size
-        n = len(blocks)
-        if n == 0 or not (n - 1) * bs < num_tokens <= n * bs:
-            raise ValueError(f"{n} blocks of {bs} tokens cannot hold exactly {num_tokens} tokens")
-        if len(block_hashes) > num_tokens // bs:
-            raise ValueError(f"{len(block_hashes)} hashes for {num_tokens // bs} full blocks")
         ttl = self._default_ttl_s if ttl_s is None else ttl_s
         if not ttl > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl}")
         lease_id = uuid.uuid4().hex
-        lease = Lease(lease_id, request_id, tuple(blocks), tuple(block_hashes), num_tokens, bs, self._clock() + ttl)
+        lease = Lease(lease_id, held, self._clock() + ttl)
         with self._lock:
-            if request_id in self._by_request:
-                raise ValueError(f"request {request_id!r} already has lease {self._by_request[request_id]!r}")
+            if held.request_id in self._by_request:
+                raise ValueError(f"request {held.request_id!r} already has lease {self._by_request[held.request_id]!r}")
             self._entries[lease_id] = _Entry(lease)
-            self._by_request[request_id] = lease_id
+            self._by_request[held.request_id] = lease_id
         return lease_id
 
     def acquire(self, lease_id: str) -> Lease:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pdserve.v1 import kvtransfer_pb2 as pb
 
-from kvtransfer.wire import Chunk, LayoutSpec, Piece, TransferMetadata
+from pdserve.kvtransfer.wire import Chunk, LayoutSpec, Piece, TransferMetadata
 
 
 def layout_to_proto(spec: LayoutSpec) -> pb.KVLayoutSpec:

@@ -1,7 +1,7 @@
 """BlockReceiver: checks each arriving chunk and writes its pieces into the local KV tensor.
 
 Plain Python (the client feeds it chunks converted from protobuf). Every piece is
-copied once, straight into ``kv.block_bytes(dest_id)[offset:...]`` (via a small pinned
+copied once, straight into ``kv_tensor.block_bytes(dest_id)[offset:...]`` (via a small pinned
 staging buffer when the tensor lives on a GPU); no pull is ever assembled in memory.
 A piece is written only after its checksum matched. On any error the destination
 blocks hold partial data: the caller must free them (never cache them).
@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.kv_cache import KVCacheTensor
-from kvtransfer.errors import ChecksumError, InvalidPullError
-from kvtransfer.wire import Chunk, PulledBlock, PullStats, checksum
+from pdserve.engine.kv_tensor import KVTensor
+from pdserve.kvtransfer.errors import ChecksumError, InvalidPullError
+from pdserve.kvtransfer.wire import Chunk, PulledBlock, PullStats, checksum
 
 
 class BlockReceiver:
@@ -28,7 +28,7 @@ class BlockReceiver:
 
     def __init__(
         self,
-        kv: KVCacheTensor,
+        kv_tensor: KVTensor,
         dest_block_ids: Sequence[int],
         first_index: int = 0,
         expected_hashes: Sequence[bytes] | None = None,
@@ -38,17 +38,17 @@ class BlockReceiver:
             raise InvalidPullError("no destination blocks")
         if len(set(ids)) != len(ids):
             raise InvalidPullError(f"duplicate destination block ids: {ids}")
-        bad = [i for i in ids if not 0 <= i < kv.num_blocks]
+        bad = [i for i in ids if not 0 <= i < kv_tensor.num_blocks]
         if bad:
-            raise InvalidPullError(f"destination block ids {bad} out of range [0, {kv.num_blocks})")
+            raise InvalidPullError(f"destination block ids {bad} out of range [0, {kv_tensor.num_blocks})")
         if expected_hashes is not None and len(expected_hashes) != len(ids):
             raise InvalidPullError(f"{len(expected_hashes)} hashes for {len(ids)} destination blocks")
-        self.kv = kv
+        self.kv_tensor = kv_tensor
         self.dest = ids
         self.first_index = first_index
         self.expected_hashes = list(expected_hashes) if expected_hashes is not None else None
-        self.block_nbytes = kv.layout.block_nbytes
-        self.block_size = kv.layout.block_size
+        self.block_nbytes = kv_tensor.layout.block_nbytes
+        self.block_size = kv_tensor.layout.block_size
         self.received = [0] * len(ids)
         self.stats = PullStats()
         self._totals: tuple[int, int] | None = None
@@ -113,7 +113,7 @@ class BlockReceiver:
 
     def _write(self, block_id: int, offset: int, data: bytes) -> None:
         src = np.frombuffer(data, dtype=np.uint8)
-        dest = self.kv.block_bytes(block_id)[offset : offset + len(data)]
+        dest = self.kv_tensor.block_bytes(block_id)[offset : offset + len(data)]
         if dest.device.type == "cpu":
             dest.numpy()[:] = src  # the one copy
             return

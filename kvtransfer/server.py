@@ -20,11 +20,11 @@ from typing import NoReturn
 
 import grpc
 
-from kvtransfer.config import TransferConfig
-from kvtransfer.errors import BlockNotFoundError, InvalidPullError, LayoutMismatchError, TransferError
-from kvtransfer.protoconv import encode_chunk, layout_from_proto, metadata_to_proto
-from kvtransfer.source import BlockSource, PinnedBlocks
-from kvtransfer.wire import MISSING_HASHES_KEY, Chunk
+from pdserve.kvtransfer.config import TransferConfig
+from pdserve.kvtransfer.errors import BlockNotFoundError, InvalidPullError, LayoutMismatchError, TransferError
+from pdserve.kvtransfer.protoconv import encode_chunk, layout_from_proto, metadata_to_proto
+from pdserve.kvtransfer.source import BlockSource, PinnedBlocks
+from pdserve.kvtransfer.wire import MISSING_HASHES_KEY, Chunk
 from pdserve.v1 import kvtransfer_pb2 as pb
 from pdserve.v1 import kvtransfer_pb2_grpc as pb_grpc
 

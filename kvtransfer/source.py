@@ -1,29 +1,23 @@
 """BlockSource: a worker's KV blocks as the KV wire serves them (plain Python, no gRPC).
 
-The servicer (``kvtransfer.server``) is a thin proto shell around this class.
-
-Threading: the worker's engine mutates the BlockPool in another thread, so every pool
-operation here (pinning, unpinning, freeing a lease) runs under the ``lock`` the owner
-passes in. Block *bytes* are read without the lock: a block that is pinned (by a pull
-by hash) or leased is referenced, so the engine will neither reuse nor rewrite it.
+The servicer (``kvtransfer.server``) is a thin proto shell around this class. It reaches the
+engine only through the KV-handover API (``KVHandover``): leases hold handed-off requests'
+KV (``HeldKV``) and free it with ``release``; pulls by hash ``pin_cached`` full blocks for the
+duration of the stream. Block bytes are read without the engine's lock: a held or pinned block
+is referenced, so the engine will neither reuse nor rewrite it.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
-from engine.kv_cache import KVCacheTensor
-from engine.kvcache.block import KVCacheBlock
-from engine.kvcache.manager import KVCacheManager, KVRequest, cdiv
-from kvtransfer.config import MAX_HASH_BYTES, TransferConfig
-from kvtransfer.errors import BlockNotFoundError, InvalidPullError, LayoutMismatchError
-from kvtransfer.leases import Lease, LeaseTable
-from kvtransfer.wire import Chunk, LayoutSpec, Piece, TransferMetadata, checksum, describe_mismatch, plan_chunks
-
-Lock = AbstractContextManager  # threading.Lock / RLock (anything usable in ``with``)
+from pdserve.engine.kv_handover import BlocksNotCachedError, HeldKV, KVHandover
+from pdserve.kvtransfer.config import MAX_HASH_BYTES, TransferConfig
+from pdserve.kvtransfer.errors import BlockNotFoundError, InvalidPullError, LayoutMismatchError
+from pdserve.kvtransfer.leases import Lease, LeaseTable
+from pdserve.kvtransfer.wire import Chunk, LayoutSpec, Piece, TransferMetadata, checksum, describe_mismatch, plan_chunks
 
 
 @dataclass
@@ -60,57 +54,36 @@ class PinnedBlocks:
 class BlockSource:
     def __init__(
         self,
-        kv: KVCacheTensor,
-        manager: KVCacheManager,
-        lock: Lock,
+        handover: KVHandover,
         *,
         model_fingerprint: str,
         worker_id: str,
         config: TransferConfig | None = None,
     ) -> None:
-        if kv.layout.block_size != manager.block_size:
-            raise ValueError(f"KV tensor block_size {kv.layout.block_size} != manager block_size {manager.block_size}")
-        if kv.num_blocks != manager.num_blocks:
-            raise ValueError(f"KV tensor has {kv.num_blocks} blocks, manager {manager.num_blocks}")
-        self.kv = kv
-        self.manager = manager
-        self.lock = lock
+        self.handover = handover
         self.config = config or TransferConfig()
-        self.layout = LayoutSpec.from_layout(kv.layout)
+        self.layout = LayoutSpec.from_layout(handover.layout)
         self.model_fingerprint = model_fingerprint
         self.worker_id = worker_id
-        self.leases = LeaseTable(self._free_lease, manager.block_size, self.config.lease_ttl_s)
-        # Called (outside the lock) after a lease returns its blocks, e.g. to wake the engine.
-        self.on_blocks_freed: Callable[[], None] | None = None
+        self.leases = LeaseTable(self._free_lease, self.config.lease_ttl_s)
 
     def metadata(self) -> TransferMetadata:
         return TransferMetadata(self.model_fingerprint, self.layout, self.worker_id, self.config.chunk_bytes)
 
     # -- leases ---------------------------------------------------------------------------
-    def lease_request(self, request: KVRequest, num_tokens: int | None = None, ttl_s: float | None = None) -> str:
-        """Hand a finished prefill's blocks to a lease; return its id.
+    def lease(self, held: HeldKV, ttl_s: float | None = None) -> str:
+        """Put a handed-off request's KV under a lease; return its id.
 
-        Covers the request's first ``num_tokens`` tokens (default: its computed tokens).
-        From now on the lease owns the request's allocation: the caller must not free the
-        request itself; the lease does (``manager.free``) when released or expired.
+        From now on the lease owns it: it is released (``KVHandover.release``) when the lease
+        is released, expires or the source closes, and not before a pull of it ends.
         """
-        n_tok = request.num_computed_tokens if num_tokens is None else num_tokens
-        bs = self.manager.block_size
-        with self.lock:
-            blocks = list(self.manager.get_blocks(request.request_id))
-        if n_tok < 1 or cdiv(n_tok, bs) > len(blocks):
-            raise ValueError(f"request {request.request_id!r} holds {len(blocks)} blocks, cannot lease {n_tok} tokens")
-        hashes = list(request.block_hashes[: n_tok // bs])
-        return self.leases.create(request.request_id, blocks[: cdiv(n_tok, bs)], n_tok, ttl_s, hashes)
+        return self.leases.create(held, ttl_s)
 
     def release(self, lease_id: str) -> bool:
         return self.leases.release(lease_id)
 
     def _free_lease(self, lease: Lease) -> None:
-        with self.lock:
-            self.manager.free(lease.request_id)
-        if self.on_blocks_freed is not None:
-            self.on_blocks_freed()
+        self.handover.release(lease.request_id)
 
     def close(self) -> None:
         """End every lease (blocks being pulled are freed when those pulls end)."""
@@ -125,22 +98,22 @@ class BlockSource:
 
     def open_lease(self, lease_id: str, first_block: int = 0) -> PinnedBlocks:
         """Pin a lease for one pull, from block ``first_block`` on; raises ``LeaseNotFoundError``."""
-        lease = self.leases.acquire(lease_id)
-        n = len(lease.blocks)
+        held = self.leases.acquire(lease_id).held
+        n = len(held.block_ids)
         if not 0 <= first_block < n:
             self.leases.end_pull(lease_id)
             raise InvalidPullError(f"first_block {first_block} out of range: lease {lease_id!r} has {n} blocks")
         idx = list(range(first_block, n))
         return PinnedBlocks(
-            block_ids=[lease.blocks[i].block_id for i in idx],
+            block_ids=[held.block_ids[i] for i in idx],
             indices=idx,
-            hashes=[lease.hash_of(i) for i in idx],
-            num_tokens=[lease.num_tokens_of(i) for i in idx],
+            hashes=[held.hash_of(i) for i in idx],
+            num_tokens=[held.num_tokens_of(i) for i in idx],
             unpin=lambda: self.leases.end_pull(lease_id),
         )
 
     def open_hashes(self, block_hashes: Sequence[bytes]) -> PinnedBlocks:
-        """Pin the cached blocks with these hashes (``BlockPool.touch``) for one pull.
+        """Pin the cached blocks with these hashes for one pull.
 
         Raises ``BlockNotFoundError`` listing every hash not in the prefix cache; nothing
         is pinned then.
@@ -150,31 +123,16 @@ class BlockSource:
         for h in block_hashes:
             if not 0 < len(h) <= MAX_HASH_BYTES:
                 raise InvalidPullError(f"block hash of {len(h)} bytes (expected 1..{MAX_HASH_BYTES})")
-        pool = self.manager.pool
-        with self.lock:
-            found = [pool.get_cached_block(h) for h in block_hashes]
-            missing = [h for h, b in zip(block_hashes, found) if b is None]
-            if missing:
-                shown = ", ".join(h.hex() for h in missing[:4]) + (", ..." if len(missing) > 4 else "")
-                raise BlockNotFoundError(
-                    f"{len(missing)} of {len(block_hashes)} block hashes not in the prefix cache of "
-                    f"worker {self.worker_id!r}: {shown}",
-                    missing_hashes=missing,
-                )
-            blocks: list[KVCacheBlock] = found  # type: ignore[assignment]
-            pool.touch(blocks)
-
-        def unpin() -> None:
-            with self.lock:
-                pool.free_blocks(reversed(blocks))  # chain tail first: evicted before its parents
-
-        bs = self.manager.block_size
+        try:
+            pinned = self.handover.pin_cached(block_hashes)
+        except BlocksNotCachedError as exc:
+            raise BlockNotFoundError(f"{exc} (worker {self.worker_id!r})", missing_hashes=exc.missing) from None
         return PinnedBlocks(
-            block_ids=[b.block_id for b in blocks],
-            indices=list(range(len(blocks))),
-            hashes=list(block_hashes),
-            num_tokens=[bs] * len(blocks),
-            unpin=unpin,
+            block_ids=list(pinned.block_ids),
+            indices=list(range(len(pinned.block_ids))),
+            hashes=list(pinned.block_hashes),
+            num_tokens=[self.handover.block_size] * len(pinned.block_ids),
+            unpin=lambda: self.handover.unpin(pinned),
         )
 
     def chunks(self, pinned: PinnedBlocks, chunk_bytes: int, max_pieces: int) -> Iterator[Chunk]:
@@ -195,7 +153,7 @@ class BlockSource:
     def read(self, block_id: int, offset: int, length: int) -> memoryview:
         """Bytes ``[offset, offset+length)`` of one block, as a view of the KV tensor (CPU: no
         copy; the encoder copies it once into the message) or of a host copy (GPU)."""
-        view = self.kv.block_bytes(block_id)[offset : offset + length]
+        view = self.handover.kv_tensor.block_bytes(block_id)[offset : offset + length]
         if view.device.type != "cpu":
             view = view.cpu()
         return memoryview(view.numpy())

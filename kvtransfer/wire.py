@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from engine.kv_cache import KVLayout
+from pdserve.engine.kv_tensor import KVLayout
 
 # Trailing-metadata key of a NOT_FOUND pull: the missing block hashes, hex, comma-separated.
 MISSING_HASHES_KEY = "pdserve-missing-hashes"

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from kvtransfer.handoff import PrefillResult, RequestSpec
-from kvtransfer.worker_runtime import WorkerConfig, WorkerRuntime
-from prefill_worker.service import PrefillService
+from pdserve.prefill_worker.service import PrefillService
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.messages import PrefillResult, RequestSpec
+from pdserve.worker.runtime import WorkerRuntime
 
 
 class PrefillWorker:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
-from engine.engine import RequestOutput
-from kvtransfer.handoff import PrefillResult, RequestSpec
-from kvtransfer.worker_runtime import WorkerRuntime
+from pdserve.engine.engine import RequestOutput
+from pdserve.worker.messages import PrefillResult, RequestSpec
+from pdserve.worker.runtime import WorkerRuntime
 
 
 class PrefillService:
@@ -24,12 +23,10 @@ class PrefillService:
 
     async def prefill(self, spec: RequestSpec) -> PrefillResult:
         rt = self.rt
-        engine = rt.engine
-        # Only the first token is sampled here; the decode worker continues with the real params.
-        req = engine.make_request(
-            spec.prompt_token_ids, dataclasses.replace(spec.params, max_tokens=1), spec.request_id, spec.cache_salt
-        )
-        req.hold_kv = True
+        # handoff: the engine samples the first token with the request's own parameters and,
+        # unless that token ends it, hands it off with its KV held (KV-handover API).
+        req = rt.engine.make_request(spec.prompt_token_ids, spec.params, spec.request_id, spec.cache_salt,
+                                     handoff=True)  # fmt: skip
         aloop = asyncio.get_running_loop()
         done: asyncio.Future[RequestOutput] = aloop.create_future()
 
@@ -40,34 +37,27 @@ class PrefillService:
                 aloop.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
 
         rt.loop.submit(req, on_output)
+        out: RequestOutput | None = None
         leased = False
         try:
             out = await done
-            if not out.new_token_ids:
-                raise RuntimeError(f"prefill of {spec.request_id!r} was aborted")
-            first = out.new_token_ids[0]
-            # Judge the first token with the request's own limits.
-            req.sampling_params = spec.params
-            status = req.check_stop()
-            finished = status is not None
-            lease_id = None
-            if not finished:
-                lease_id = rt.source.lease_request(req, num_tokens=req.num_prompt_tokens)
-                leased = True
-            rt.stats.record(
-                {"prefill_computed_tokens": req.num_prompt_tokens - max(req.num_cached_tokens, 0)}, spec.cache_salt
-            )
+            lease_id = rt.source.lease(out.kv_handoff) if out.kv_handoff is not None else None
+            leased = lease_id is not None
+            rt.stats.record({"prefill_computed_tokens": out.num_prompt_tokens - out.num_cached_tokens}, spec.cache_salt)
             return PrefillResult(
                 spec.request_id,
-                first,
-                finished,
-                status.value if status else None,
+                out.new_token_ids[0],
+                lease_id is None,
+                None if lease_id else out.finish_reason,
                 lease_id,
                 rt.address,
                 rt.config.worker_id,
-                req.num_prompt_tokens,
-                max(req.num_cached_tokens, 0),
+                out.num_prompt_tokens,
+                out.num_cached_tokens,
             )
         finally:
             if not leased:
-                rt.drop_request(spec.request_id)
+                # Cancelled or failed before the lease took the KV over: nothing may stay held.
+                rt.loop.abort(spec.request_id)
+                if out is not None and out.kv_handoff is not None:
+                    rt.engine.handover.release(spec.request_id)

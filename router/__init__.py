@@ -1,1 +1,1 @@
-"""Client-facing gRPC router, routing policy and the pdserve command line."""
+"""The client-facing service: request validation, routing policy, the gRPC edge (router core and actor)."""

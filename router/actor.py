@@ -6,34 +6,38 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.model import ModelConfig, load_tokenizer
-from kvtransfer.redis_index import PrefixLookup, RedisIndexConfig, StatsRecorder
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.limits import RequestLimits
+from pdserve.engine.model import ModelConfig, load_tokenizer
+from pdserve.kvindex.config import IndexConfig
+from pdserve.kvindex.lookup import PrefixLookup
+from pdserve.kvindex.stats import StatsRecorder
 from pdserve.v1 import router_pb2
-from router.core import RouterConfig, RouterCore
-from router.ray_workers import RayWorkers
-from router.servicer import ModelLimits, RouterServicer, add_router_to_server
+from pdserve.router.config import RouterConfig
+from pdserve.router.core import RouterCore
+from pdserve.router.ray_workers import RayWorkers
+from pdserve.router.servicer import RouterServicer, add_router_to_server
 
 
 class Router:
+    """``engine`` is the workers' engine config (model, cache, scheduler limits); ``kv_blocks``
+    the smallest worker pool, when known, so oversize requests are refused before any work."""
+
     def __init__(
         self,
-        model_dir: str,
-        router_config: RouterConfig,
-        redis_url: str,
-        namespace: str,
+        config: RouterConfig,
+        engine: EngineConfig,
+        index: IndexConfig,
         prefill: dict,
         decode: dict,
-        max_model_len: int | None = None,
         kv_blocks: int | None = None,
     ) -> None:
-        mc = ModelConfig.from_dir(model_dir)
-        self.tokenizer = load_tokenizer(model_dir)
-        limit = min(max_model_len or mc.max_context_len, mc.max_context_len)
-        index = RedisIndexConfig(redis_url, namespace=namespace)
-        self.core = RouterCore(router_config, RayWorkers(prefill, decode), PrefixLookup(index), StatsRecorder(index))
-        self.servicer = RouterServicer(
-            self.core, self.tokenizer, ModelLimits(mc.vocab_size, limit, router_config.block_size, kv_blocks)
-        )
+        assert engine.model is not None
+        mc = ModelConfig.from_dir(engine.model)
+        self.tokenizer = load_tokenizer(engine.model)
+        self.core = RouterCore(config, engine.cache, RayWorkers(prefill, decode), PrefixLookup(index),
+                               StatsRecorder(index))  # fmt: skip
+        self.servicer = RouterServicer(self.core, self.tokenizer, RequestLimits.for_engine(mc, engine, kv_blocks))
         self.server: grpc.aio.Server | None = None
 
     async def start(self, host: str, port: int) -> int:

@@ -15,10 +15,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.kvcache.hashing import block_hashes
-from kvtransfer.handoff import DecodeEvent, PrefillResult, RequestSpec
-from kvtransfer.redis_index import PrefixLookup, StatsRecorder
-from router.policy import pick_worker, prefill_locally
+from pdserve.engine.config import CacheConfig
+from pdserve.engine.kvcache.hashing import block_hashes
+from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
+from pdserve.kvindex.lookup import PrefixLookup
+from pdserve.kvindex.stats import StatsRecorder
+from pdserve.router.config import RouterConfig
+from pdserve.router.policy import pick_worker, prefill_locally
 
 logger = logging.getLogger(__name__)
 
@@ -39,19 +42,6 @@ class WorkerClient(Protocol):
         """Fire and forget: end a lease that no decode worker will pull."""
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    block_size: int = 16
-    hash_seed: str = "0"
-    local_prefill_threshold: int = 32
-    load_weight: float = 1.0
-    decode_retries: int = 1  # retries on another decode worker while no decode token was sent
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1 or self.local_prefill_threshold < 0 or self.load_weight < 0 or self.decode_retries < 0:
-            raise ValueError(f"invalid RouterConfig: {self}")
-
-
 @dataclass
 class StreamEvent:
     token_ids: list[int]
@@ -70,8 +60,15 @@ class _Load:
 
 
 class RouterCore:
-    def __init__(self, config: RouterConfig, workers: WorkerClient, lookup: PrefixLookup, stats: StatsRecorder) -> None:
+    """``cache`` is the workers' cache config: its block size and hash seed give the block
+    hashes the router looks up in the index."""
+
+    def __init__(
+        self, config: RouterConfig, cache: CacheConfig, workers: WorkerClient, lookup: PrefixLookup,
+        stats: StatsRecorder,
+    ) -> None:  # fmt: skip
         self.config = config
+        self.cache = cache
         self.workers = workers
         self.lookup = lookup
         self.stats = stats
@@ -94,6 +91,7 @@ class RouterCore:
         ends (finished, failed or cancelled), credited to the worker that did the work. A lease
         that no decode worker pulled is released when the request ends, whatever the reason."""
         cfg = self.config
+        bs = self.cache.block_size
         t0 = time.perf_counter()
         prompt_len = len(spec.prompt_token_ids)
         usage = {"prompt_tokens": prompt_len, "cached_tokens": 0, "transferred_tokens": 0}
@@ -104,20 +102,20 @@ class RouterCore:
         d = front_worker
         sent = 0
         try:
-            hashes = block_hashes(spec.prompt_token_ids, cfg.block_size, cfg.hash_seed, spec.cache_salt)
+            hashes = block_hashes(spec.prompt_token_ids, bs, self.cache.hash_seed, spec.cache_salt)
             ids = self.workers.prefill_ids + self.workers.decode_ids
             overlaps = await asyncio.to_thread(self.lookup.longest_prefix, hashes, ids) if hashes else {}
             picked = pick_worker(
-                self.workers.decode_ids, overlaps, self.decode_load.queued, cfg.block_size, cfg.load_weight
+                self.workers.decode_ids, overlaps, self.decode_load.queued, bs, cfg.load_weight
             )
             assert picked is not None
             d = front_worker = picked
-            if not prefill_locally(prompt_len, overlaps.get(d, 0), cfg.block_size, cfg.local_prefill_threshold):
+            if not prefill_locally(prompt_len, overlaps.get(d, 0), bs, cfg.local_prefill_threshold):
                 p = pick_worker(
-                    self.workers.prefill_ids, overlaps, self.prefill_load.queued, cfg.block_size, cfg.load_weight
+                    self.workers.prefill_ids, overlaps, self.prefill_load.queued, bs, cfg.load_weight
                 )
                 assert p is not None
-                prefill = await self._prefill(spec, p, prompt_len - overlaps.get(p, 0) * cfg.block_size)
+                prefill = await self._prefill(spec, p, prompt_len - overlaps.get(p, 0) * bs)
             if prefill is not None:
                 front_worker = prefill.worker_id
                 usage["cached_tokens"] = front["prefix_hit_tokens"] = prefill.num_cached_tokens
@@ -160,7 +158,7 @@ class RouterCore:
                     raise WorkerUnavailableError(f"decode worker {cur} ended the stream of {spec.request_id} early")
                 except WorkerUnavailableError as exc:
                     nxt = pick_worker(
-                        self.workers.decode_ids, overlaps, self.decode_load.queued, cfg.block_size, cfg.load_weight,
+                        self.workers.decode_ids, overlaps, self.decode_load.queued, bs, cfg.load_weight,
                         exclude=frozenset(tried),
                     )  # fmt: skip
                     if decoded or nxt is None or len(tried) > cfg.decode_retries:

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import ray
 from ray.exceptions import RayActorError
 
-from kvtransfer.handoff import DecodeEvent, PrefillResult, RequestSpec
-from router.core import WorkerUnavailableError
+from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
+from pdserve.router.core import WorkerUnavailableError
 
 
 class RayWorkers:

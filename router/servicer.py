@@ -7,20 +7,19 @@ import logging
 import math
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
 from tokenizers import Tokenizer
 
-from engine.kvcache.manager import blocks_for_request
-from engine.sampling_params import SamplingParams
-from kvtransfer.handoff import RequestSpec
+from pdserve.engine.limits import RequestLimits
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker.messages import RequestSpec
 from pdserve.v1 import router_pb2 as pb
 from pdserve.v1 import router_pb2_grpc as pb_grpc
-from router.core import RouterCore, WorkerUnavailableError
-from router.detokenizer import IncrementalDetokenizer
+from pdserve.router.core import RouterCore, WorkerUnavailableError
+from pdserve.router.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -29,22 +28,12 @@ class InvalidRequest(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class ModelLimits:
-    """What a request must fit: the vocabulary, the context and (when known) a worker's KV pool."""
-
-    vocab_size: int
-    max_model_len: int
-    block_size: int = 16
-    kv_blocks: int | None = None  # the smallest worker pool, in blocks; None: not checked here
-
-
 def _check_unknown(msg: Message, where: str) -> None:
     if len(unknown_fields.UnknownFieldSet(msg)):
         raise InvalidRequest(f"{where}: unknown field(s) in the request (client built for a newer API?)")
 
 
-def to_spec(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits) -> RequestSpec:
+def to_spec(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: RequestLimits) -> RequestSpec:
     """Validate a GenerateRequest and convert it; InvalidRequest names the bad field."""
     _check_unknown(req, "GenerateRequest")
     s = req.sampling
@@ -57,13 +46,6 @@ def to_spec(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits) 
     else:
         _check_unknown(req.token_ids, "token_ids")
         ids = list(req.token_ids.ids)
-    if not ids:
-        raise InvalidRequest("prompt: must not be empty")
-    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
-    if bad:
-        raise InvalidRequest(f"token_ids: {bad[0]} is outside the vocabulary [0, {limits.vocab_size})")
-    if len(ids) >= limits.max_model_len:
-        raise InvalidRequest(f"prompt: {len(ids)} tokens, the limit is {limits.max_model_len - 1}")
     for name in ("temperature", "top_p"):
         if s.HasField(name) and not math.isfinite(getattr(s, name)):
             raise InvalidRequest(f"sampling.{name}: must be finite")
@@ -79,14 +61,10 @@ def to_spec(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits) 
         )
     except ValueError as e:
         raise InvalidRequest(f"sampling.{e}") from e
-    if limits.kv_blocks is not None:
-        # The engine's own admission rule, checked before any worker spends a prefill on it.
-        need = blocks_for_request(len(ids), params.max_tokens, limits.max_model_len, limits.block_size)
-        if need > limits.kv_blocks:
-            raise InvalidRequest(
-                f"sampling.max_tokens: {len(ids)} prompt tokens + max_tokens={params.max_tokens} need {need} KV "
-                f"blocks, a worker's pool has {limits.kv_blocks}"
-            )
+    try:
+        limits.check(ids, params.max_tokens)  # the engines' own rule, before any worker spends work
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from e
     # Workers always see a fresh id: a client reusing its own id (a retry) must never share
     # blocks or leases with an earlier request that is still held somewhere.
     return RequestSpec(uuid.uuid4().hex, tuple(ids), params, req.cache_salt or None)
@@ -114,7 +92,7 @@ def add_router_to_server(servicer: RouterServicer, server: grpc.aio.Server) -> N
 
 
 class RouterServicer(pb_grpc.RouterServicer):
-    def __init__(self, core: RouterCore, tokenizer: Tokenizer, limits: ModelLimits) -> None:
+    def __init__(self, core: RouterCore, tokenizer: Tokenizer, limits: RequestLimits) -> None:
         self.core = core
         self.tokenizer = tokenizer
         self.limits = limits

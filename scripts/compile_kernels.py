@@ -17,16 +17,14 @@ import itertools
 import os
 import sys
 import time
-from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from engine.kernels import triton_kernels as tk  # noqa: E402
+from pdserve.engine.kernels import triton_kernels as tk  # noqa: E402
 
 # Integer arguments real launches pass as multiples of 16 (strides of 16-element-aligned tensors):
 # Triton specializes on that at launch, and so does this check (it changes tiling and shared memory).

@@ -9,7 +9,8 @@ For ``proto/pdserve/v1/x.proto`` this runs, once for all protos together::
     python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/pdserve/v1/x.proto ...
 
 which writes ``pdserve/v1/x_pb2.py``, ``x_pb2_grpc.py`` and ``x_pb2.pyi``, and adds an
-``__init__.py`` to every package directory of the output (``pdserve/``, ``pdserve/v1/``).
+``__init__.py`` to each directory of generated code (``pdserve/v1/``; ``pdserve/`` itself is
+the hand-written root package of the project).
 Generated files whose ``.proto`` is gone are deleted (reported as stale by ``--check``).
 The output depends on the grpcio-tools version: CI must use the pinned one.
 """
@@ -49,15 +50,13 @@ def generate(out_dir: Path, proto_dir: Path = PROTO_DIR) -> list[Path]:
     if proc.returncode != 0:
         raise SystemExit(f"protoc failed ({proc.returncode}):\n{proc.stderr}")
     written = {p.relative_to(out_dir) for p in out_dir.rglob("*") if p.is_file()}
-    # Every directory holding generated code (and its parents) must be a regular package.
-    for rel in list(written):
-        parent = rel.parent
-        while parent != Path("."):
-            init = parent / "__init__.py"
-            if init not in written:
-                (out_dir / init).write_text(INIT_TEXT)
-                written.add(init)
-            parent = parent.parent
+    # Each directory holding generated code is a regular package. Its parents (``pdserve/``)
+    # are the project's own hand-written packages and are left alone.
+    for parent in {rel.parent for rel in written}:
+        init = parent / "__init__.py"
+        if init not in written:
+            (out_dir / init).write_text(INIT_TEXT)
+            written.add(init)
     return sorted(written)
 
 

@@ -11,14 +11,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
   | tee -a "$OUT/gpu.txt"
 status=0
-python -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -3 || status=1
-python -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_engine.py -k cuda 2>&1 \
+python -m pytest -q -p no:cacheprovider tests/engine/test_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -3 || status=1
+python -m pytest -q -p no:cacheprovider tests/engine/test_model.py tests/engine/test_engine.py -k cuda 2>&1 \
   | tee "$OUT/cuda_model.log" | tail -3 || status=1
-python benchmarks/attention_gpu.py --json > "$OUT/attention_gpu.json" 2> "$OUT/attention_gpu.err" || status=1
+python -m pdserve.benchmarks.attention_gpu --json > "$OUT/attention_gpu.json" 2> "$OUT/attention_gpu.err" || status=1
 python - "$OUT" <<'PY' || status=1
 import json, sys
-sys.path.insert(0, "benchmarks")
-from attention_gpu import markdown
+from pdserve.benchmarks.attention_gpu import markdown
 out = sys.argv[1]
 data = json.load(open(f"{out}/attention_gpu.json"))
 text = markdown(data["correctness"]) + ("\n\n" + markdown(data["decode"]) if data.get("decode") else "")

@@ -12,10 +12,10 @@ Importing this package never imports triton; only the Triton backend does.
 
 from __future__ import annotations
 
-from engine.kernels.metadata import AttentionMetadata
-from engine.kernels.ops import IMPLS, paged_attention, write_kv
-from engine.kernels.reference import paged_attention_ref, write_kv_ref
-from engine.kernels.torch_paged import TorchAttentionPlan, plan_attention
+from pdserve.engine.kernels.metadata import AttentionMetadata
+from pdserve.engine.kernels.ops import IMPLS, paged_attention, write_kv
+from pdserve.engine.kernels.reference import paged_attention_ref, write_kv_ref
+from pdserve.engine.kernels.torch_paged import TorchAttentionPlan, plan_attention
 
 __all__ = [
     "IMPLS",

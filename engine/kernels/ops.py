@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from engine import envs
-from engine.kernels.reference import paged_attention_ref, write_kv_ref
-from engine.kernels.torch_paged import TorchAttentionPlan, paged_attention_torch, write_kv_torch
+from pdserve import envs
+from pdserve.engine.kernels.reference import paged_attention_ref, write_kv_ref
+from pdserve.engine.kernels.torch_paged import TorchAttentionPlan, paged_attention_torch, write_kv_torch
 
 IMPLS = ("triton", "torch", "reference")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -126,7 +126,7 @@ def write_kv(
 
     backend = _resolve_impl(impl, device)
     if backend == "triton":
-        from engine.kernels.triton_kernels import write_kv_triton  # lazy: triton is optional
+        from pdserve.engine.kernels.triton_kernels import write_kv_triton  # lazy: triton is optional
 
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     elif backend == "torch":
@@ -234,7 +234,7 @@ def paged_attention(
     if backend == "triton":
         if head_dim > _MAX_TRITON_HEAD_DIM:
             raise ValueError(f"triton paged attention needs head_dim <= 256, got {head_dim}")
-        from engine.kernels.triton_kernels import paged_attention_triton  # lazy: triton is optional
+        from pdserve.engine.kernels.triton_kernels import paged_attention_triton  # lazy: triton is optional
 
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), max_query_len, max_seq_len,

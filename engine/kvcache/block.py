@@ -5,12 +5,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 
+# Id of the null block: the placeholder a request's block list holds where a block slid out of
+# every sliding window and went back to the pool (it is never read, never written, never freed).
+NULL_BLOCK_ID = -1
+
+
 class KVCacheBlock:
     """Metadata of one physical KV block.
 
     ``ref_cnt`` counts the live requests holding the block. ``block_hash`` is set
     while the block is registered in the prefix cache. ``prev_free``/``next_free``
-    link it into the free queue while ``ref_cnt == 0``.
+    link it into the free queue while ``ref_cnt == 0``. A block with id
+    ``NULL_BLOCK_ID`` is the pool's null block (``is_null``), outside the pool.
     """
 
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "in_free_queue")
@@ -23,6 +29,10 @@ class KVCacheBlock:
         self.next_free: KVCacheBlock | None = None
         self.in_free_queue = False
 
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == NULL_BLOCK_ID
+
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h})"
@@ -32,7 +42,7 @@ class FreeKVCacheBlockQueue:
     """Free blocks in eviction order: the front is taken first.
 
     Unhashed blocks go to the front (nothing to lose), cached ones to the back
-    (least recently freed is evicted first). ``remove`` takes a block out of the
+    (least recently freed is evicted first); blocks freed together keep their order. ``remove`` takes a block out of the
     middle in O(1), which a prefix-cache hit on a free block needs.
     """
 
@@ -93,9 +103,12 @@ class FreeKVCacheBlockQueue:
         for block in blocks:
             self.append(block)
 
-    def appendleft(self, block: KVCacheBlock) -> None:
-        """Put ``block`` at the front (reused first)."""
-        self._link_after(self._head, block)
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the front, in their order: ``blocks[0]`` is reused first."""
+        anchor = self._head
+        for block in blocks:
+            self._link_after(anchor, block)
+            anchor = block
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         block = self._head.next_free

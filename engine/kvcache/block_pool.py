@@ -2,18 +2,25 @@
 
 Contract:
 - A block is either in the free queue (``ref_cnt == 0``) or held (``ref_cnt > 0``), never both.
-- ``cached`` maps a block hash to the one block registered under it; that block's
-  ``block_hash`` equals the key. A free cached block stays reusable until it is
-  handed out again, at which point it is evicted (lazily) and ``BlockRemoved`` is emitted.
-- The pool does no I/O: events go to the sink its owner registered.
+- The prefix cache maps a block hash to the blocks registered under it. Two live requests that
+  computed the same block each register their copy (as vLLM does: a block table never changes,
+  so a duplicate is not merged away); a lookup returns the oldest copy, and a hash stays cached
+  until its last copy is evicted. A free cached block stays reusable until it is handed out
+  again, at which point it is evicted (lazily).
+- Events describe hashes, not copies: ``BlockStored`` when a hash becomes cached,
+  ``BlockRemoved`` when its last copy leaves. So an index built from them says exactly which
+  hashes this pool can serve.
+- The null block (``null_block``) stands in a request's block list for a block that slid out
+  of every sliding window; it is not part of the pool and every method here skips it.
+- The pool does no I/O: events go to the sinks its owner registered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from engine.kvcache.block import FreeKVCacheBlockQueue, KVCacheBlock
-from engine.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink, KVCacheEvent
+from pdserve.engine.kvcache.block import NULL_BLOCK_ID, FreeKVCacheBlockQueue, KVCacheBlock
+from pdserve.engine.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink, KVCacheEvent
 
 
 class BlockPoolError(RuntimeError):
@@ -34,8 +41,10 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.medium = medium
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = KVCacheBlock(NULL_BLOCK_ID)
         self.free_queue = FreeKVCacheBlockQueue(list(self.blocks))
-        self.cached: dict[bytes, KVCacheBlock] = {}
+        # hash -> {block_id: block}, oldest copy first (dicts keep insertion order).
+        self._cached: dict[bytes, dict[int, KVCacheBlock]] = {}
         self._sinks: list[EventSink] = [event_sink] if event_sink else []
         self.blocks_stored = 0
         self.blocks_evicted = 0
@@ -57,31 +66,62 @@ class BlockPool:
         """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
         return 1.0 - len(self.free_queue) / self.num_blocks
 
+    @property
+    def num_cached_hashes(self) -> int:
+        return len(self._cached)
+
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        return self.cached.get(block_hash)
+        """The oldest block cached under ``block_hash``, or None."""
+        copies = self._cached.get(block_hash)
+        return next(iter(copies.values())) if copies else None
+
+    def is_cached(self, block: KVCacheBlock) -> bool:
+        """``block`` is registered under its own hash in this pool."""
+        h = block.block_hash
+        return h is not None and self._cached.get(h, {}).get(block.block_id) is block
+
+    # -- cache map ----------------------------------------------------------------------
+    def _register(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """Cache ``block`` under ``block_hash``; True if the hash was not cached before."""
+        block.block_hash = block_hash
+        copies = self._cached.setdefault(block_hash, {})
+        copies[block.block_id] = block
+        return len(copies) == 1
+
+    def _unregister(self, block: KVCacheBlock) -> bytes | None:
+        """Forget ``block``'s hash; returns the hash if that was its last copy, else None."""
+        h = block.block_hash
+        assert h is not None
+        copies = self._cached[h]
+        del copies[block.block_id]
+        block.block_hash = None
+        if copies:
+            return None
+        del self._cached[h]
+        return h
 
     # -- allocation ---------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the front of the free queue, each with ``ref_cnt == 1``.
 
-        A taken block that was cached is evicted now (``BlockRemoved``).
-        Raises ``BlockPoolError`` if fewer blocks are free; nothing changes then.
+        A taken block that was cached is evicted now (``BlockRemoved`` once a hash loses its
+        last copy). Raises ``BlockPoolError`` if fewer blocks are free; nothing changes then.
         """
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > len(self.free_queue):
             raise BlockPoolError(f"asked for {num_blocks} blocks but only {len(self.free_queue)} of {self.num_blocks} are free")
         blocks = self.free_queue.popleft_n(num_blocks)
-        evicted: list[bytes] = []
+        gone: list[bytes] = []
         for block in blocks:
             if block.block_hash is not None:
-                evicted.append(block.block_hash)
-                del self.cached[block.block_hash]
-                block.block_hash = None
+                self.blocks_evicted += 1
+                h = self._unregister(block)
+                if h is not None:
+                    gone.append(h)
             block.ref_cnt = 1
-        if evicted:
-            self.blocks_evicted += len(evicted)
-            self._emit(BlockRemoved(evicted, self.medium))
+        if gone:
+            self._emit(BlockRemoved(gone, self.medium))
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -91,7 +131,7 @@ class BlockPool:
         """
         blocks = list(blocks)
         for block in blocks:
-            if block.block_hash is None or self.cached.get(block.block_hash) is not block:
+            if not self.is_cached(block):
                 raise BlockPoolError(f"touch of block {block.block_id} whose hash is not cached in this pool")
         for block in blocks:
             if block.ref_cnt == 0:
@@ -101,20 +141,23 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block, in eviction order (first freed is evicted first).
 
-        A block reaching ``ref_cnt == 0`` goes to the back of the free queue if it is
-        cached, else to the front. Raises ``BlockPoolError`` on a double free.
+        Blocks reaching ``ref_cnt == 0`` go back as two batches, each in the given order:
+        unhashed ones (or all, with caching off) to the front of the free queue, reused first;
+        cached ones to the back, evicted least recently freed first. Null blocks are skipped.
+        Raises ``BlockPoolError`` on a double free (nothing changes then).
         """
-        blocks = list(ordered_blocks)
+        blocks = [b for b in ordered_blocks if not b.is_null]
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise BlockPoolError(f"double free of block {block.block_id}")
+        reuse_first: list[KVCacheBlock] = []
+        evict_last: list[KVCacheBlock] = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    self.free_queue.appendleft(block)
-                else:
-                    self.free_queue.append(block)
+                (evict_last if self.enable_caching and block.block_hash is not None else reuse_first).append(block)
+        self.free_queue.prepend_n(reuse_first)
+        self.free_queue.append_n(evict_last)
 
     # -- prefix cache -------------------------------------------------------------------
     def cache_full_blocks(
@@ -130,9 +173,9 @@ class BlockPool:
         """Register ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
 
         ``blocks`` are one request's blocks in order, ``block_hashes`` its full-block hashes
-        and ``token_ids`` its tokens. A hash already registered to another block is left
-        to that block (the duplicate stays uncached). Emits one ``BlockStored`` for the
-        blocks newly registered. Returns how many were registered.
+        and ``token_ids`` its tokens. A hash already cached under another block gets this block
+        as a second copy. Emits one ``BlockStored`` for the hashes that became cached. Returns
+        how many blocks were registered.
         """
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return 0
@@ -140,54 +183,59 @@ class BlockPool:
             raise BlockPoolError(
                 f"cannot cache {num_full_blocks} blocks: {len(block_hashes)} hashes, {len(blocks)} blocks"
             )
+        registered = 0
         stored: list[bytes] = []
         stored_tokens: list[int] = []
         parent: bytes | None = None
         for i in range(num_cached_blocks, num_full_blocks):
             block, h = blocks[i], block_hashes[i]
+            if block.is_null:
+                continue
             if block.ref_cnt <= 0:
                 raise BlockPoolError(f"cannot cache free block {block.block_id}")
             if block.block_hash is not None:
                 if block.block_hash != h:
                     raise BlockPoolError(f"block {block.block_id} already cached under another hash")
                 continue
-            if h in self.cached:
+            registered += 1
+            if not self._register(block, h):
                 continue
             if not stored:
                 parent = block_hashes[i - 1] if i > 0 else None
-            block.block_hash = h
-            self.cached[h] = block
             stored.append(h)
             stored_tokens.extend(token_ids[i * block_size : (i + 1) * block_size])
+        self.blocks_stored += registered
         if stored:
-            self.blocks_stored += len(stored)
             self._emit(BlockStored(stored, parent, stored_tokens, block_size, lora_name, self.medium))
-        return len(stored)
+        return registered
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> int:
-        """Forget the hashes of ``blocks`` (their KV turned out invalid); emits one ``BlockRemoved``.
+        """Forget the hashes of ``blocks`` (their KV turned out invalid); one ``BlockRemoved``
+        for the hashes that lost their last copy.
 
-        Blocks that are not cached are skipped. Returns how many were uncached.
+        Blocks that are not cached (null ones included) are skipped. Returns how many were uncached.
         """
-        removed: list[bytes] = []
+        uncached = 0
+        gone: list[bytes] = []
         for block in blocks:
-            h = block.block_hash
-            if h is not None and self.cached.get(h) is block:
-                del self.cached[h]
-                block.block_hash = None
-                removed.append(h)
-        if removed:
-            self.blocks_evicted += len(removed)
-            self._emit(BlockRemoved(removed, self.medium))
-        return len(removed)
+            if self.is_cached(block):
+                uncached += 1
+                h = self._unregister(block)
+                if h is not None:
+                    gone.append(h)
+        self.blocks_evicted += uncached
+        if gone:
+            self._emit(BlockRemoved(gone, self.medium))
+        return uncached
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no block is held; returns False otherwise."""
         if len(self.free_queue) != self.num_blocks:
             return False
-        for block in self.cached.values():
-            block.block_hash = None
-        self.cached.clear()
+        for copies in self._cached.values():
+            for block in copies.values():
+                block.block_hash = None
+        self._cached.clear()
         self._emit(AllBlocksCleared(self.medium))
         return True
 
@@ -204,6 +252,10 @@ class BlockPool:
             assert free == (block.ref_cnt == 0), f"block {block.block_id} ref_cnt={block.ref_cnt} free={free}"
             assert block.ref_cnt >= 0
             if block.block_hash is not None:
-                assert self.cached.get(block.block_hash) is block, f"block {block.block_id} hash not mapped"
-        for h, block in self.cached.items():
-            assert block.block_hash == h, "cache map points at a block with another hash"
+                assert self.is_cached(block), f"block {block.block_id} hash not mapped"
+        for h, copies in self._cached.items():
+            assert copies, "a cached hash with no block"
+            for block_id, block in copies.items():
+                assert block.block_id == block_id and block.block_hash == h, "cache map points at a wrong block"
+        null = self.null_block
+        assert null.ref_cnt == 0 and null.block_hash is None and not null.in_free_queue, "null block was used"

@@ -1,4 +1,4 @@
-"""Chained, deterministic block hashes (the wire contract of design.md).
+"""Chained, deterministic block hashes (the wire contract of docs/block-hashes.md).
 
 ``xxhash_cbor(x) = xxh3_128(cbor2.dumps(x, canonical=True))``. The chain root is
 ``xxhash_cbor(seed)`` for the cluster's ``hash_seed`` string, and block ``i`` of a
@@ -44,11 +44,14 @@ def hash_block_tokens(
 
 
 def block_extra_keys(block_index: int, cache_salt: str | None, lora_name: str | None) -> tuple | None:
-    """``extra_keys`` of block ``block_index``: LoRA name, then the salt on block 0 only."""
+    """``extra_keys`` of block ``block_index``: LoRA name, then the salt on block 0 only.
+
+    An empty salt is no salt (as in vLLM, which tests the salt's truthiness).
+    """
     keys: list[str] = []
     if lora_name is not None:
         keys.append(lora_name)
-    if cache_salt is not None and block_index == 0:
+    if cache_salt and block_index == 0:
         keys.append(cache_salt)
     return tuple(keys) if keys else None
 

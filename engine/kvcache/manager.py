@@ -1,7 +1,10 @@
 """KVCacheManager: maps requests to blocks of the BlockPool and runs the prefix cache.
 
 The scheduler sees only what this class returns (lists of blocks or ``None``), never
-the pool's internals. A request handed to it must expose:
+the pool's internals. With a sliding window (Mistral), blocks that slid out of every
+window go back to the pool as the request advances; the null block takes their place
+in the request's block list (``get_block_ids`` shows it as ``NULL_BLOCK_ID``, -1), so
+block indices never shift. A request handed to it must expose:
 
 - ``request_id: str``
 - ``all_token_ids: Sequence[int]`` (prompt + output so far) and ``num_tokens``
@@ -16,9 +19,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.kvcache.block import KVCacheBlock
-from engine.kvcache.block_pool import BlockPool, BlockPoolError
-from engine.kvcache.events import EventSink
+from pdserve.engine.kvcache.block import KVCacheBlock
+from pdserve.engine.kvcache.block_pool import BlockPool, BlockPoolError
+from pdserve.engine.kvcache.events import EventSink
+
+
+class BlocksNotCachedError(LookupError):
+    """Some of the asked-for block hashes are not in the prefix cache (``missing``, in order)."""
+
+    def __init__(self, missing: list[bytes], asked: int) -> None:
+        shown = ", ".join(h.hex() for h in missing[:4]) + (", ..." if len(missing) > 4 else "")
+        super().__init__(f"{len(missing)} of {asked} block hashes not in the prefix cache: {shown}")
+        self.missing = missing
 
 
 class KVRequest(Protocol):
@@ -53,9 +65,26 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def blocks_for_request(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int) -> int:
-    """KV blocks a request needs at its longest: prompt + max_tokens, capped at max_model_len."""
-    return cdiv(min(num_prompt_tokens + max_tokens, max_model_len), block_size)
+def blocks_for_request(
+    num_prompt_tokens: int,
+    max_tokens: int,
+    max_model_len: int,
+    block_size: int,
+    sliding_window: int | None = None,
+    max_chunk_tokens: int | None = None,
+) -> int:
+    """KV blocks a request holds at most: prompt + max_tokens, capped at max_model_len.
+
+    With a sliding window it holds less once blocks slide out: at most the window's span past a
+    prefill chunk of ``max_chunk_tokens`` (vLLM's bound), or its whole prompt plus one block (a
+    prompt whose KV is handed over is held whole), whichever is larger.
+    """
+    full = cdiv(min(num_prompt_tokens + max_tokens, max_model_len), block_size)
+    if sliding_window is None:
+        return full
+    chunk = min(num_prompt_tokens, max_chunk_tokens or num_prompt_tokens)
+    windowed = max(cdiv(chunk + sliding_window - 1, block_size), cdiv(num_prompt_tokens, block_size)) + 1
+    return min(full, windowed)
 
 
 class KVCacheManager:
@@ -66,10 +95,14 @@ class KVCacheManager:
         enable_caching: bool = True,
         medium: str = "GPU",
         event_sink: EventSink | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, medium, event_sink)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -130,15 +163,18 @@ class KVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock] | None = None,
         num_external_computed_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        trim_window: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens of KV (plus prefix hits and external KV).
 
         Returns the newly allocated blocks, or ``None`` when the pool cannot serve the
-        request; nothing changes in that case. ``new_computed_blocks`` (from
-        ``get_computed_blocks``) are referenced and appended first. External tokens are
-        KV another worker will send: their blocks are allocated now and cached only after
-        ``mark_external_complete``. Full blocks of locally computed tokens are registered
-        in the prefix cache now.
+        request; nothing changes then, except that blocks which slid out of the window are
+        back in the pool. ``new_computed_blocks`` (from ``get_computed_blocks``) are referenced
+        and appended first. External tokens are KV another worker will send: their blocks
+        are allocated now and cached only after ``mark_external_complete``. Full blocks of
+        locally computed tokens are registered in the prefix cache now. With a sliding window
+        and ``trim_window``, blocks no query of this step can see are freed first (a request
+        whose whole KV will be handed over passes ``trim_window=False``).
         """
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_external_computed_tokens < 0:
             raise ValueError("token counts must be >= 0")
@@ -151,15 +187,23 @@ class KVCacheManager:
         rid = request.request_id
         req_blocks = self.req_to_blocks.get(rid, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+        if self.sliding_window is not None and trim_window:
+            skipped = self._num_skipped_blocks(num_computed)
+            self._remove_skipped_blocks(req_blocks, skipped)
+            # Hit blocks already outside every window are not taken: the null block stands in.
+            base = len(req_blocks)
+            null = self.pool.null_block
+            new_computed_blocks = [null if base + i < skipped else b for i, b in enumerate(new_computed_blocks)]
         num_total = num_computed + num_new_tokens + num_lookahead_tokens
         num_required = cdiv(num_total, self.block_size)
         num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        hits = [b for b in new_computed_blocks if not b.is_null]
         # Touching a free cached block takes it out of the free queue, so it counts too.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
         if num_new_blocks + num_evictable_hits > self.pool.get_num_free_blocks():
             return None
 
-        self.pool.touch(new_computed_blocks)
+        self.pool.touch(hits)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         if rid not in self.req_to_blocks:
             self.req_to_blocks[rid] = req_blocks
@@ -177,6 +221,22 @@ class KVCacheManager:
             num_to_cache = min(num_to_cache, self._external_until[rid])
         self.cache_blocks(request, num_to_cache)
         return new_blocks
+
+    def _num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks no query at or after ``num_computed_tokens`` can see through the window."""
+        assert self.sliding_window is not None
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def _remove_skipped_blocks(self, blocks: list[KVCacheBlock], num_skipped: int) -> None:
+        """Free ``blocks[:num_skipped]`` (newest first, so older ones stay cached longest) and
+        put the null block in their place; earlier calls already nulled a prefix of them."""
+        removed: list[KVCacheBlock] = []
+        for i in range(min(num_skipped, len(blocks)) - 1, -1, -1):
+            if blocks[i].is_null:
+                break
+            removed.append(blocks[i])
+            blocks[i] = self.pool.null_block
+        self.pool.free_blocks(removed)
 
     def mark_external_complete(self, request: KVRequest, num_tokens: int | None = None) -> None:
         """The external KV of ``request`` has landed: cache its full blocks now."""
@@ -228,6 +288,22 @@ class KVCacheManager:
         self._external_until.pop(rid, None)
         self.pool.free_blocks(reversed(blocks))
 
+    def pin_cached(self, block_hashes: Sequence[bytes]) -> list[KVCacheBlock]:
+        """Take a reference on the cached block of each hash (a reader outside any request, e.g.
+        a pull by hash); pair with ``unpin``. Raises ``BlocksNotCachedError`` listing every hash
+        not cached; nothing is pinned then."""
+        found = [self.pool.get_cached_block(h) for h in block_hashes]
+        missing = [h for h, b in zip(block_hashes, found) if b is None]
+        if missing:
+            raise BlocksNotCachedError(missing, len(block_hashes))
+        blocks: list[KVCacheBlock] = found  # type: ignore[assignment]
+        self.pool.touch(blocks)
+        return blocks
+
+    def unpin(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop the references ``pin_cached`` took (chain tail first: evicted before its parents)."""
+        self.pool.free_blocks(reversed(blocks))
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
@@ -238,7 +314,8 @@ class KVCacheManager:
         holders: dict[int, int] = {}
         for blocks in self.req_to_blocks.values():
             for b in blocks:
-                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+                if not b.is_null:
+                    holders[b.block_id] = holders.get(b.block_id, 0) + 1
         for b in self.pool.blocks:
             pinned = holders.get(b.block_id, 0) + (extra_pins or {}).get(b.block_id, 0)
             assert b.ref_cnt == pinned, f"block {b.block_id} ref_cnt {b.ref_cnt} != holders {pinned}"

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import paged_attention, write_kv
-from engine.kernels.metadata import AttentionMetadata
-from engine.model.config import Llama3RopeScaling, ModelConfig
-from engine.model.linear import Linear, OneDNNWeights, onednn_supported, project
+from pdserve.engine.kernels import paged_attention, write_kv
+from pdserve.engine.kernels.metadata import AttentionMetadata
+from pdserve.engine.model.config import Llama3RopeScaling, ModelConfig
+from pdserve.engine.model.linear import Linear, OneDNNWeights, onednn_supported, project
 
 
 # ----------------------------------------------------------------------------- rope

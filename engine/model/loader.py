@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from engine.model.config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.llama import LlamaForCausalLM
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -1,0 +1,88 @@
+"""A small client of the router's gRPC API (``pdserve generate --router``, the demo, tests)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.v1 import router_pb2 as pb
+from pdserve.v1 import router_pb2_grpc as pb_grpc
+
+
+@dataclass
+class GenerateResult:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    ttft_ms: float | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "usage": self.usage,
+            "ttft_ms": self.ttft_ms,
+        }
+
+
+def build_request(
+    prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None, request_id: str = ""
+) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt or "")
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    s = req.sampling
+    s.max_tokens = params.max_tokens
+    s.temperature = params.temperature
+    s.top_p = params.top_p
+    s.top_k = params.top_k
+    if params.seed is not None:
+        s.seed = params.seed
+    s.stop_token_ids.extend(params.stop_token_ids)
+    s.ignore_eos = params.ignore_eos
+    return req
+
+
+def generate(
+    stub: pb_grpc.RouterStub, request: pb.GenerateRequest, timeout_s: float | None = 120.0
+) -> GenerateResult:
+    """Consume one Generate stream; raises grpc.RpcError on a failed call."""
+    out = GenerateResult()
+    t0 = time.perf_counter()
+    for resp in stub.Generate(request, timeout=timeout_s):
+        if out.ttft_ms is None and resp.token_ids:
+            out.ttft_ms = (time.perf_counter() - t0) * 1000
+        out.token_ids.extend(resp.token_ids)
+        out.text += resp.text
+        if resp.HasField("usage"):
+            u = resp.usage
+            out.usage = {
+                "prompt_tokens": u.prompt_tokens,
+                "cached_tokens": u.cached_tokens,
+                "transferred_tokens": u.transferred_tokens,
+            }
+        if resp.finished:
+            out.finish_reason = resp.finish_reason
+    return out
+
+
+def generate_via_router(
+    address: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, as_json: bool
+) -> int:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            result = generate(pb_grpc.RouterStub(channel), build_request(prompt, params, cache_salt))
+        except grpc.RpcError as e:
+            print(f"pdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(json.dumps(result.to_json()) if as_json else result.text)
+    return 0

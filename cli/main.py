@@ -1,0 +1,151 @@
+"""The ``pdserve`` command line. Each subcommand imports what it needs only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from pdserve.engine.model import make_tiny_model
+
+    path = make_tiny_model(args.dir, seed=args.seed)
+    print(f"wrote tiny Llama checkpoint to {path}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve.engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+    except ValueError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    prompt: str | list[int] = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
+    if args.router:
+        from pdserve.cli.client import generate_via_router
+
+        return generate_via_router(args.router, prompt, params, args.cache_salt, args.json)
+    from pdserve.cli.generate import generate_offline
+
+    return generate_offline(args.model, prompt, params, args.cache_salt, args.json)
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    import importlib
+
+    modules = {
+        "kvcache": "pdserve.benchmarks.kvcache",
+        "engine": "pdserve.benchmarks.engine",
+        "transfer": "pdserve.benchmarks.transfer",
+        "prefix": "pdserve.benchmarks.prefix",
+        "serve": "pdserve.benchmarks.serve",
+    }
+    try:
+        mod = importlib.import_module(modules[args.which])
+    except ModuleNotFoundError as e:
+        print(f"pdserve: error: benchmark {args.which!r} is not available: {e}", file=sys.stderr)
+        return 2
+    return int(mod.main(rest + (["--json"] if args.json else [])) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode disaggregated LLM serving.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="run the whole system on an embedded default and print hit rates")
+    p.add_argument("--model", default=None, help="model dir (default: a tiny model written to a temp dir)")
+
+    p = sub.add_parser("up", help="start Redis (embedded unless --redis-url), workers and the router")
+    p.add_argument("--model", default=None)
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
+    p.add_argument("--port", type=int, default=None, help="router port (default 50051)")
+    p.add_argument("--redis-url", default=None, help="external Redis (default: an embedded redis-server)")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
+    p.add_argument("--hash-seed", default=None, help="cluster hash seed (default $PDSERVE_HASH_SEED or '0')")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    p.add_argument("--namespace", default=None, help="Redis key prefix (default $PDSERVE_REDIS_NAMESPACE or 'pdserve')")
+    p.add_argument("--config", default=None, help="service config file (JSON); flags override it")
+
+    p = sub.add_parser("generate", help="generate via a running router or offline with --model")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--router", metavar="HOST:PORT")
+    src.add_argument("--model", metavar="DIR")
+    prm = p.add_mutually_exclusive_group(required=True)
+    prm.add_argument("--prompt")
+    prm.add_argument("--prompt-ids")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--cache-salt", default=None)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("stats", help="print prefix hit rates from Redis")
+    p.add_argument("--redis-url", default=None)
+    p.add_argument("--namespace", default=None)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("make-tiny-model", help="write a deterministic tiny Llama checkpoint")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=0)
+
+    # No -h here: `pdserve bench NAME --help` shows the benchmark's own options.
+    p = sub.add_parser("bench", help="run a benchmark (NAME --help lists its options)", add_help=False)
+    p.add_argument("which", choices=["kvcache", "engine", "transfer", "prefix", "serve"])
+    p.add_argument("--json", action="store_true")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    args, rest = ap.parse_known_args(argv)
+    if rest and args.command != "bench":
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        if args.command == "make-tiny-model":
+            return cmd_make_tiny_model(args)
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "bench":
+            return cmd_bench(args, rest)
+        if args.command == "demo":
+            from pdserve.cli.demo import run_demo
+
+            return run_demo(args)
+        if args.command == "up":
+            from pdserve.cli.up import run_up
+
+            return run_up(args)
+        if args.command == "stats":
+            from pdserve.cli.stats import run_stats
+
+            return run_stats(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError) as e:  # bad input, missing files, ports: a message, not a traceback
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    ap.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

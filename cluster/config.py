@@ -1,0 +1,134 @@
+"""ServiceConfig: what ``pdserve up`` starts, composed of the components' own configs.
+
+The file form (``--config FILE``) is a JSON object with the same nesting::
+
+    {"prefill": 2, "decode": 2, "host": "0.0.0.0",
+     "engine": {"model": "/models/llama", "dtype": "bfloat16", "cache": {"block_size": 16}},
+     "index": {"url": "redis://10.0.0.1:6379/0"},
+     "transfer": {"lease_ttl_s": 30},
+     "router": {"local_prefill_threshold": 32}}
+
+Every field has one definition, in its component's config class (``EngineConfig``,
+``IndexConfig``, ``TransferConfig``, ``RouterConfig``); unknown names and wrong JSON types are
+errors that name the field's path. Precedence: defaults (environment variables among them,
+``pdserve.envs``), then the file, then command-line flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from pdserve.engine.config import EngineConfig
+from pdserve.kvindex.config import IndexConfig
+from pdserve.kvtransfer.config import TransferConfig
+from pdserve.router.config import RouterConfig
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """One pdserve deployment: how many workers, where the router listens, and each component's config."""
+
+    prefill: int = 1  # prefill workers
+    decode: int = 1  # decode workers
+    gpus_per_worker: float = 0.0  # Ray num_gpus of each worker (0 on CPU)
+    cpus_per_worker: float = 1.0
+    host: str = "127.0.0.1"  # router bind address (0.0.0.0 on a cluster)
+    port: int = 50051
+    ray_address: str | None = None  # None: start a local Ray
+    # engine.model None: a tiny model written to a temp dir; index.url None: an embedded redis-server.
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), get_type_hints(type(self))[f.name])
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError(f"need at least 1 prefill and 1 decode worker, got {self.prefill} and {self.decode}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.gpus_per_worker < 0 or self.cpus_per_worker < 0:
+            raise ValueError("gpus_per_worker and cpus_per_worker must be >= 0")
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **flags: Any) -> ServiceConfig:
+        """Defaults, then the file (if any), then the non-None ``flags``, which are dotted paths
+        written with ``__`` (``engine__cache__block_size=32``)."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            try:
+                data = json.loads(Path(path).read_text())
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"cannot read service config {path}: {e}") from e
+            if not isinstance(data, dict):
+                raise ValueError(f"service config {path} must be a JSON object, got {type(data).__name__}")
+        for key, value in flags.items():
+            if value is None:
+                continue
+            node = data
+            *parents, leaf = key.split("__")
+            for name in parents:
+                node = node.setdefault(name, {})
+                if not isinstance(node, dict):
+                    raise ValueError(f"{name} must be an object")
+            node[leaf] = value
+        where = f" in {path}" if path is not None else ""
+        return from_dict(cls, data, where)
+
+
+def from_dict(cls: type, data: dict[str, Any], where: str = "", prefix: str = "") -> Any:
+    """Build the frozen dataclass ``cls`` from a JSON-like dict, nested configs included.
+
+    ValueError names the field's dotted path for unknown fields, wrong JSON types and what the
+    classes' own validation refuses.
+    """
+    hints = get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown field(s){where}: {', '.join(prefix + u for u in unknown)}")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ValueError(f"{prefix}{name} must be an object{where}, got {value!r}")
+            kwargs[name] = from_dict(hint, value, where, f"{prefix}{name}.")
+        else:
+            _check_type(prefix + name, value, hint)
+            kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"{prefix}{e}{where}" if prefix else f"{e}{where}") from None
+
+
+_JSON_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    """ValueError unless ``value`` fits ``hint`` (a config class, or ``T``/``T | None`` of bool/int/float/str)."""
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, hint):
+            raise ValueError(f"{name} must be a {hint.__name__}, got {value!r}")
+        return
+    allowed = getattr(hint, "__args__", (hint,))
+    if value is None and type(None) in allowed:
+        return
+    for t in allowed:
+        # bool is an int subclass in Python, but true is not a count and 1 is not a switch.
+        if t is bool and isinstance(value, bool):
+            return
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if t is str and isinstance(value, str):
+            return
+    want = " or ".join(_JSON_NAMES.get(t, "null") for t in allowed)
+    raise ValueError(f"{name} must be {want}, got {value!r}")

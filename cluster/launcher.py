@@ -1,0 +1,184 @@
+"""Service: start (or join) Ray, Redis, the workers and the router; stop them all cleanly."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from pdserve.cluster.config import ServiceConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model import ModelConfig, load_tokenizer
+from pdserve.engine.model.loader import weight_files
+from pdserve.kvindex.config import IndexConfig
+from pdserve.kvindex.embedded import EmbeddedRedis
+from pdserve.worker.config import WorkerConfig
+
+
+def check_model_dir(model_dir: str) -> None:
+    """FileNotFoundError / ValueError naming what is missing or unsupported in ``model_dir``."""
+    ModelConfig.from_dir(model_dir)
+    weight_files(model_dir)
+    load_tokenizer(model_dir)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Service:
+    """Owns what it started: a local Ray (unless joining one), an embedded Redis (unless a URL
+    was given), the worker and router actors. ``stop`` is idempotent."""
+
+    def __init__(self, config: ServiceConfig, progress: Callable[[str], None] = _log) -> None:
+        self.config = config
+        self.progress = progress
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url = config.index.url
+        self.model_dir = config.engine.model
+        self.prefill: dict[str, ray.actor.ActorHandle] = {}
+        self.decode: dict[str, ray.actor.ActorHandle] = {}
+        self.router: ray.actor.ActorHandle | None = None
+        self.port: int | None = None
+        self._started_ray = False
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def _worker_config(self, wid: str, role: str) -> WorkerConfig:
+        c = self.config
+        local = c.host in ("127.0.0.1", "localhost") and not c.ray_address
+        return WorkerConfig(
+            worker_id=wid,
+            role=role,
+            engine=self.engine_config(),
+            index=self.index_config(),
+            transfer=c.transfer,
+            bind_host="127.0.0.1" if local else "0.0.0.0",
+        )
+
+    def engine_config(self) -> EngineConfig:
+        """The workers' engine config: the service's, with the model and device settled at start."""
+        device = "cuda" if self.config.gpus_per_worker > 0 else "cpu"
+        return replace(self.config.engine, model=self.model_dir, device=device)
+
+    def index_config(self) -> IndexConfig:
+        """The index config of every process: the service's, with the Redis URL settled at start."""
+        return replace(self.config.index, url=self.redis_url)
+
+    def start(self) -> tuple[str, str]:
+        """Start everything; returns (router address, redis url). Stops what it started on failure."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> tuple[str, str]:
+        c = self.config
+        if self.model_dir is not None:
+            check_model_dir(self.model_dir)  # here, not as a worker actor dying during start-up
+        if self.model_dir is None:
+            from pdserve.engine.model import make_tiny_model
+
+            self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-model-")
+            self.model_dir = str(make_tiny_model(self._tmp.name))
+            self.progress(f"no --model given: wrote a tiny model to {self.model_dir}")
+        if self.redis_url is None:
+            if c.ray_address:
+                self.progress(
+                    "warning: the embedded redis-server listens on 127.0.0.1 only; workers on other nodes "
+                    "cannot reach it. Pass --redis-url for a multi-node cluster."
+                )
+            self.redis = EmbeddedRedis().start()
+            self.redis_url = self.redis.url
+            self.progress(f"started embedded redis-server at {self.redis_url}")
+        if not ray.is_initialized():
+            workers = c.prefill + c.decode
+            if c.ray_address:
+                ray.init(address=c.ray_address, log_to_driver=False)
+            else:
+                cpus = max(os.cpu_count() or 1, int(workers * c.cpus_per_worker) + 1)
+                ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            self._started_ray = True
+        self.progress(f"ray: {ray.cluster_resources().get('CPU', 0):.0f} CPUs, {ray.cluster_resources().get('GPU', 0):.0f} GPUs")
+        from pdserve.decode_worker.actor import DecodeWorker
+        from pdserve.prefill_worker.actor import PrefillWorker
+
+        opts = dict(num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker, max_restarts=-1, max_task_retries=0)
+        for i in range(c.prefill):
+            wid = f"prefill-{i}"
+            self.prefill[wid] = ray.remote(PrefillWorker).options(name=f"pdserve-{wid}", **opts).remote(
+                self._worker_config(wid, "prefill")
+            )
+        for i in range(c.decode):
+            wid = f"decode-{i}"
+            self.decode[wid] = ray.remote(DecodeWorker).options(name=f"pdserve-{wid}", **opts).remote(
+                self._worker_config(wid, "decode")
+            )
+        pending = {h.ready.remote(): wid for wid, h in {**self.prefill, **self.decode}.items()}
+        total, t0 = len(pending), time.monotonic()
+        pool_blocks: list[int] = []
+        while pending:
+            done, _ = ray.wait(list(pending), timeout=5.0)
+            for ref in done:
+                info = ray.get(ref)
+                wid = pending.pop(ref)
+                pool_blocks.append(info["num_blocks"])
+                self.progress(
+                    f"[{total - len(pending)}/{total}] {wid} loaded the model ({info['num_blocks']} KV blocks, "
+                    f"transfer at {info['grpc_address']})"
+                )
+            if not done:
+                self.progress(f"waiting for {len(pending)} worker(s) to load the model ({time.monotonic() - t0:.0f}s)")
+        from pdserve.router.actor import Router
+
+        # The router runs on this (the head) node, where users reach its port. It is not
+        # restarted by Ray: a restarted actor would not re-bind the port (start() is a call).
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.router = ray.remote(Router).options(
+            name="pdserve-router", num_cpus=0, max_restarts=0, scheduling_strategy=here
+        ).remote(
+            c.router, self.engine_config(), self.index_config(), self.prefill, self.decode, kv_blocks=min(pool_blocks)
+        )
+        try:
+            self.port = ray.get(self.router.start.remote(c.host, c.port))
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, OSError):  # the port is taken: say so without Ray's traceback
+                raise OSError(str(e.cause)) from None
+            raise
+        return f"{c.host}:{self.port}", self.redis_url
+
+    def stop(self) -> None:
+        if ray.is_initialized():
+            if self.router is not None:
+                try:
+                    ray.get(self.router.stop.remote(), timeout=10)
+                except Exception:  # noqa: BLE001 - it is going away either way
+                    pass
+            workers = [*self.prefill.values(), *self.decode.values()]
+            try:  # a clean shutdown unregisters each worker and clears its block holders in Redis
+                ray.get([h.shutdown.remote() for h in workers], timeout=20)
+            except Exception:  # noqa: BLE001 - killed below either way
+                _log("not every worker shut down cleanly; Redis may list it until it is replaced")
+            for h in [*workers, *([self.router] if self.router else [])]:
+                try:
+                    ray.kill(h, no_restart=True)
+                except Exception:  # noqa: BLE001
+                    pass
+            if self._started_ray:
+                ray.shutdown()
+        self.prefill.clear()
+        self.decode.clear()
+        self.router = None
+        self._started_ray = False
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

@@ -1,0 +1,76 @@
+"""The worker's one preallocated paged KV tensor.
+
+Layout ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``: block-major,
+so every block (all layers, K and V) is one contiguous span of memory. A transfer
+sends or receives a block as one buffer with no gather; attention kernels read a
+layer through the strided views ``kv[:, layer, 0]`` (K) and ``kv[:, layer, 1]`` (V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape and dtype of one worker's KV blocks; peers must agree on it to exchange blocks."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def block_numel(self) -> int:
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.block_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def num_blocks_for_budget(self, budget_bytes: int) -> int:
+        return budget_bytes // self.block_nbytes
+
+
+class KVTensor:
+    """Owns the KV tensor; hands out per-layer views and per-block byte views.
+
+    The KV-handover API gives the KV wire (and any other reader or writer of whole blocks)
+    this object, never the cache manager: a block is ``layout.block_nbytes`` bytes at
+    ``block_bytes(block_id)``.
+    """
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.tensor = torch.zeros(
+            (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim),
+            dtype=layout.dtype,
+            device=device,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) views of one layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return self.tensor[:, layer, 0], self.tensor[:, layer, 1]
+
+    def block(self, block_id: int) -> torch.Tensor:
+        """The contiguous tensor of one block (all layers, K and V)."""
+        return self.tensor[block_id]
+
+    def block_bytes(self, block_id: int) -> torch.Tensor:
+        """One block as a flat uint8 tensor sharing memory with the cache."""
+        return self.tensor[block_id].reshape(-1).view(torch.uint8)

@@ -1,0 +1,129 @@
+"""Hit-rate counters: ``StatsRecorder`` (writes) and ``read_stats`` (reads).
+
+The counters of docs/redis.md live in the hashes ``{ns}:stats`` (cluster),
+``{ns}:stats:worker:<id>`` and ``{ns}:stats:tenant:<digest>`` (``tenant_digest(cache_salt)``).
+The hit rate is always ``prefix_hit_tokens / prompt_tokens`` of summed counters.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+
+import redis
+
+from pdserve.kvindex.config import IndexConfig
+from pdserve.kvindex.writer import BackgroundWriter
+
+STATS_FIELDS: tuple[str, ...] = (
+    "requests",
+    "prompt_tokens",
+    "prefix_hit_tokens",
+    "prefill_computed_tokens",
+    "transferred_tokens",
+    "decode_local_hit_tokens",
+    "blocks_stored",
+    "blocks_evicted",
+    "transfer_failures",
+    "recomputed_tokens",
+)
+
+
+def hit_rate(counters: Mapping[str, int]) -> float:
+    """``prefix_hit_tokens / prompt_tokens`` of summed counters (0.0 when nothing was prompted)."""
+    prompt = counters.get("prompt_tokens", 0)
+    return counters.get("prefix_hit_tokens", 0) / prompt if prompt else 0.0
+
+
+class StatsRecorder(BackgroundWriter):
+    """HINCRBY the ``STATS_FIELDS`` counters on the cluster, worker and tenant hashes.
+
+    ``record`` never blocks on I/O and never raises on Redis trouble (unknown counter names do raise:
+    that is a bug). A batch's increments are summed and written in one MULTI/EXEC; increments that
+    could not be written are kept and written when Redis returns, so totals survive an outage.
+    A batch is never retried at once (its client has no retries) and waits up to 5 s for Redis
+    (off the serving path), but a batch whose EXEC ran and whose reply was then lost (the
+    connection dropped, or no answer within 5 s) is written again by the resync and counted
+    twice: a lost reply cannot be told from a lost command.
+    """
+
+    client_retries = 0
+    client_timeout_s = 5.0
+
+    def __init__(self, config: IndexConfig, worker_id: str | None = None) -> None:
+        self.worker_id = worker_id
+        self._lost: Counter[tuple[str, str]] = Counter()
+        super().__init__(config, f"stats[{worker_id or 'cluster'}]")
+
+    def record(self, counters: Mapping[str, int], cache_salt: str | None = None,
+               worker_id: str | None = None) -> None:  # fmt: skip
+        """Add ``counters`` to the cluster stats, the worker's (``worker_id`` or the recorder's) and,
+        given a ``cache_salt``, the tenant's."""
+        unknown = set(counters) - set(STATS_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown stats counters {sorted(unknown)}; known: {STATS_FIELDS}")
+        cfg = self.config
+        keys = [cfg.stats_key]
+        wid = worker_id or self.worker_id
+        if wid:
+            keys.append(cfg.worker_stats_key(wid))
+        if cache_salt is not None:
+            keys.append(cfg.tenant_stats_key(cache_salt))
+        incr = Counter({(k, name): int(n) for k in keys for name, n in counters.items() if n})
+        if incr:
+            with self._cv:
+                self._enqueue(incr)
+
+    def _write(self, pipe: redis.client.Pipeline, batch: list) -> None:
+        total: Counter[tuple[str, str]] = Counter()
+        for incr in batch:
+            total.update(incr)
+        pipe.multi()  # all counters of a batch or none: sums stay consistent across keys
+        for (key, name), n in total.items():
+            pipe.hincrby(key, name, n)
+
+    def _dropped(self, batch: list) -> None:
+        for incr in batch:
+            self._lost.update(incr)
+
+    def _resync(self, client: redis.Redis) -> None:
+        with self._cv:
+            lost, self._lost = self._lost, Counter()
+        try:
+            if lost:
+                pipe = client.pipeline(transaction=True)
+                for (key, name), n in lost.items():
+                    pipe.hincrby(key, name, n)
+                pipe.execute()
+        except BaseException:
+            with self._cv:
+                self._lost.update(lost)
+            raise
+
+
+def read_stats(client: redis.Redis, index: IndexConfig) -> dict:
+    """Counters as ``{"cluster": {...}, "hit_rate": float, "workers": {id: {...}}, "tenants": {digest: {...}}}``.
+
+    Every counter dict has all ``STATS_FIELDS`` as ints; ``hit_rate`` is the cluster's ratio of sums.
+    Raises on Redis errors (it is for ``pdserve stats`` and tests, not the serving path).
+    """
+
+    def as_str(x: str | bytes) -> str:
+        return x.decode() if isinstance(x, bytes) else x
+
+    def counters(raw: Mapping) -> dict[str, int]:
+        out = dict.fromkeys(STATS_FIELDS, 0)
+        out.update({as_str(k): int(v) for k, v in raw.items()})
+        return out
+
+    out: dict = {"cluster": counters(client.hgetall(index.stats_key)), "workers": {}, "tenants": {}}
+    out["hit_rate"] = hit_rate(out["cluster"])
+    for kind in ("worker", "tenant"):
+        prefix = index.stats_key_prefix(kind)
+        keys = sorted(as_str(k) for k in client.scan_iter(match=prefix + "*", count=1000))
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        for key, raw in zip(keys, pipe.execute() if keys else []):
+            out[f"{kind}s"][key[len(prefix) :]] = counters(raw)
+    return out

@@ -1,0 +1,34 @@
+"""Every environment variable pdserve reads, read here and nowhere else.
+
+Each is read when a config default is built (not at import), so a test or a launcher may set
+it first. Configuration files and command-line flags override them.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def hash_seed() -> str:
+    """Cluster hash seed (``PDSERVE_HASH_SEED``, default ``"0"``)."""
+    return os.environ.get("PDSERVE_HASH_SEED", "0")
+
+
+def device() -> str | None:
+    """Forced device (``PDSERVE_DEVICE``: ``cpu`` or ``cuda``); None picks CUDA when present."""
+    return os.environ.get("PDSERVE_DEVICE") or None
+
+
+def redis_url() -> str | None:
+    """External Redis (``PDSERVE_REDIS_URL``); None starts the embedded server."""
+    return os.environ.get("PDSERVE_REDIS_URL") or None
+
+
+def redis_namespace() -> str:
+    """Key prefix of the Redis block index (``PDSERVE_REDIS_NAMESPACE``, default ``pdserve``)."""
+    return os.environ.get("PDSERVE_REDIS_NAMESPACE", "pdserve")
+
+
+def triton_interpret() -> bool:
+    """``TRITON_INTERPRET=1``: Triton runs kernels in its CPU interpreter (tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,33 @@
+"""The benchmarks run through ``pdserve bench`` and report what they claim (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import REPO
+
+
+def bench(*args: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "bench", *args, "--json"], capture_output=True,
+                       text=True, timeout=300, cwd=REPO)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)
+
+
+def test_kvcache_bench_reports_both_sides() -> None:
+    out = bench("kvcache", "--blocks", "4000", "--repeats", "1")
+    h = out["hashing"]
+    assert h["blocks"] == 4000 and h["ours_blocks_per_s"] > 0 and h["raw_xxh3_blocks_per_s"] > 0
+    assert out["pool"]["block_ops"] == 4000 * 4  # allocate, free, hit, free of every block
+
+
+@pytest.mark.slow
+def test_prefix_bench_warm_request_hits_the_whole_prefix() -> None:
+    out = bench("prefix", "--quick")
+    full_blocks = out["prefix_tokens"] // out["block_size"] * out["block_size"]
+    assert out["warm_cached_tokens"] == [full_blocks] * out["repeats"]  # every full block of the prefix
+    assert out["cold_cached_tokens"] == [0] * out["repeats"]

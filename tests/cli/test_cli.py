@@ -1,0 +1,146 @@
+"""The ``pdserve`` command line, run as a user would (subprocesses, real Redis, real Ray)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.model import make_tiny_model
+from pdserve.kvindex.config import IndexConfig
+from pdserve.kvindex.embedded import EmbeddedRedis
+from pdserve.kvindex.stats import StatsRecorder
+from tests.support import REPO
+from tests.support.redis import unique_namespace
+
+
+def pdserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """The installed command line, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli.main", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = tmp_path_factory.mktemp("cli") / "tiny"
+    r = pdserve("make-tiny-model", str(out))
+    assert r.returncode == 0, r.stderr
+    return str(out)
+
+
+def test_make_tiny_model_is_deterministic(model_dir: str, tmp_path: Path) -> None:
+    again = make_tiny_model(tmp_path / "again")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (Path(model_dir) / name).read_bytes() == (again / name).read_bytes()
+
+
+def test_generate_offline_json_matches_engine(model_dir: str) -> None:
+    r = pdserve("generate", "--model", model_dir, "--prompt-ids", "5,6,7,8,9", "--max-tokens", "6", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"token_ids", "text", "finish_reason", "usage", "ttft_ms"}
+    assert set(out["usage"]) == {"prompt_tokens", "cached_tokens", "transferred_tokens"}
+    ref = LLM(model_dir, num_blocks=16).generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6))[0]
+    assert out["token_ids"] == ref.token_ids and out["usage"]["prompt_tokens"] == 5
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["generate", "--model", "/nonexistent", "--prompt", "hi"], "config.json"),
+        (["generate", "--model", "MODEL", "--prompt", ""], "prompt"),
+        (["generate", "--model", "MODEL", "--prompt-ids", "1,x"], "--prompt-ids"),
+        (["generate", "--model", "MODEL", "--prompt-ids", "99999"], "vocabulary"),
+        (["generate", "--model", "MODEL", "--prompt", "hi", "--top-p", "2"], "top_p"),
+        (["generate", "--model", "MODEL", "--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+        (["stats", "--redis-url", "redis://127.0.0.1:1/0"], "cannot read stats"),
+    ],
+)
+def test_errors_are_messages_with_nonzero_exit(model_dir: str, args: list[str], needle: str) -> None:
+    r = pdserve(*[model_dir if a == "MODEL" else a for a in args])
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_stats_reads_ratio_of_sums_from_redis(redis_server: EmbeddedRedis) -> None:
+    ns = unique_namespace()
+    cfg = IndexConfig(redis_server.url, namespace=ns)
+    rec = StatsRecorder(cfg, "w1")
+    rec.record({"requests": 1, "prompt_tokens": 100, "prefix_hit_tokens": 90}, cache_salt="a")
+    rec.record({"requests": 1, "prompt_tokens": 300, "prefix_hit_tokens": 0}, cache_salt="b")
+    assert rec.flush(10)
+    rec.close()
+    r = pdserve("stats", "--redis-url", redis_server.url, "--namespace", ns, "--json")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout)
+    assert stats["hit_rate"] == pytest.approx(90 / 400)  # not the mean of 0.9 and 0.0
+    assert stats["workers"]["w1"]["prompt_tokens"] == 400 and len(stats["tenants"]) == 2
+    text = pdserve("stats", "--redis-url", redis_server.url, "--namespace", ns)
+    assert "hit_rate=22.5%" in text.stdout
+    # The namespace can come from the environment, as it does for `pdserve up`.
+    env = dict(os.environ, PDSERVE_REDIS_NAMESPACE=ns, PDSERVE_REDIS_URL=redis_server.url)
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "stats", "--json"], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=REPO)  # fmt: skip
+    assert r.returncode == 0 and json.loads(r.stdout)["hit_rate"] == pytest.approx(90 / 400)
+
+
+@pytest.mark.slow
+def test_up_prints_ready_lines_serves_and_stops_on_sigterm(model_dir: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli.main", "up", "--model", model_dir, "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )
+    try:
+        assert proc.stdout is not None
+        router_line = proc.stdout.readline().strip()
+        redis_line = proc.stdout.readline().strip()
+        assert router_line.startswith("router listening on "), router_line
+        assert redis_line.startswith("redis at redis://"), redis_line
+        address = router_line.removeprefix("router listening on ")
+        r = pdserve("generate", "--router", address, "--prompt", "hello router", "--max-tokens", "4", "--json")
+        assert r.returncode == 0, r.stderr
+        assert len(json.loads(r.stdout)["token_ids"]) == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_demo_runs_and_reports_hit_rates() -> None:
+    r = pdserve("demo", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "cluster hit rate:" in r.stdout
+    rate = float(r.stdout.split("cluster hit rate:")[1].split("%")[0])
+    assert rate > 20.0  # tenants share system prompts: a cold cache would be 0
+    assert "tenant " in r.stdout and "ttft_ms" in r.stdout
+
+
+def test_bad_config_and_paths_are_messages_not_tracebacks(tmp_path: Path) -> None:
+    not_object = tmp_path / "list.json"
+    not_object.write_text("[1]")
+    wrong_type = tmp_path / "prefill.json"
+    wrong_type.write_text('{"prefill": "2"}')
+    empty_model = tmp_path / "empty"
+    empty_model.mkdir()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    cases = [
+        (["up", "--config", str(not_object)], "must be a JSON object"),
+        (["up", "--config", str(wrong_type)], "prefill must be an integer, got '2'"),
+        (["up", "--model", str(empty_model)], "config.json not found"),
+        (["make-tiny-model", str(a_file / "tiny")], "Not a directory"),
+    ]
+    for args, needle in cases:
+        r = pdserve(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

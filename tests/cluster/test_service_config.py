@@ -1,0 +1,56 @@
+"""ServiceConfig composes the components' configs: one definition per field, file and flags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.cluster.config import ServiceConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.kvindex.config import IndexConfig
+
+
+def test_types_are_checked_and_errors_name_the_field(tmp_path: Path) -> None:
+    assert ServiceConfig.load(router__load_weight=2).router.load_weight == 2  # an int is a fine number
+    for flags, needle in [
+        ({"prefill": "2"}, "prefill must be an integer, got '2'"),
+        ({"port": 1.5}, "port must be an integer"),
+        ({"engine__cpu_onednn": 1}, "engine.cpu_onednn must be true or false"),
+        ({"engine__model": 3}, "engine.model must be a string or null"),
+        ({"router__load_weight": True}, "router.load_weight must be a number"),
+        ({"engine__cache__block_size": 0}, "engine.cache.block_size must be in"),
+        ({"transfer__lease_ttl_s": -1}, "transfer.lease_ttl_s must be"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            ServiceConfig.load(**flags)
+    path = tmp_path / "c.json"
+    path.write_text('"just a string"')
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        ServiceConfig.load(path)
+    path.write_text(json.dumps({"engine": {"cache": {"blok_size": 8}}}))
+    with pytest.raises(ValueError, match=r"unknown field\(s\) in .*c.json: engine.cache.blok_size"):
+        ServiceConfig.load(path)
+    path.write_text(json.dumps({"engine": 5}))
+    with pytest.raises(ValueError, match="engine must be an object"):
+        ServiceConfig.load(path)
+
+
+def test_file_then_flags_then_nested_configs(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"prefill": 2, "engine": {"model": "/m", "cache": {"block_size": 32}},
+                                "index": {"namespace": "prod"}, "transfer": {"lease_ttl_s": 12}}))  # fmt: skip
+    c = ServiceConfig.load(path, engine__cache__block_size=8, index__url="redis://r:6379/0")
+    assert (c.prefill, c.engine.model, c.engine.cache.block_size) == (2, "/m", 8)
+    assert (c.index.namespace, c.index.url, c.transfer.lease_ttl_s) == ("prod", "redis://r:6379/0", 12)
+    assert isinstance(c.engine, EngineConfig) and isinstance(c.index, IndexConfig)
+
+
+def test_environment_defaults_reach_every_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up` and `stats` read the namespace and the hash seed from the same place."""
+    monkeypatch.setenv("PDSERVE_REDIS_NAMESPACE", "staging")
+    monkeypatch.setenv("PDSERVE_HASH_SEED", "s3cret")
+    c = ServiceConfig.load()
+    assert c.index.namespace == "staging" == IndexConfig().namespace
+    assert c.engine.cache.hash_seed == "s3cret"

@@ -1,0 +1,116 @@
+"""EngineLoop: outputs reach each request's callback; failures reach them too, never a hang."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+
+from pdserve import SamplingParams
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.llm import LLM
+
+
+@pytest.fixture()
+def loop(tiny_model: str):
+    llm = LLM(tiny_model, num_blocks=32, block_size=8)
+    lp = EngineLoop(llm.engine, idle_wait_s=0.01)
+    yield llm, lp
+    lp.stop()
+
+
+def drain(q: queue.Queue, timeout: float = 30.0) -> list:
+    items = []
+    while True:
+        item = q.get(timeout=timeout)
+        items.append(item)
+        if isinstance(item, BaseException) or item.finished:
+            return items
+
+
+def test_outputs_reach_callbacks_and_match_offline(loop, tiny_model: str) -> None:
+    llm, lp = loop
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    prompts = [[1, 2, 3], [50, 60, 70, 80, 90]]
+    # The reference runs on an engine of its own: the loop is the only driver of its engine.
+    expected = [o.token_ids for o in LLM(tiny_model, num_blocks=32, block_size=8).generate(prompts, params)]
+    queues = []
+    for p in prompts:
+        q: queue.Queue = queue.Queue()
+        lp.submit(llm.engine.make_request(p, params), q.put)
+        queues.append(q)
+    got = [[t for out in drain(q) for t in out.new_token_ids] for q in queues]
+    assert got == expected
+    assert llm.engine.kv_manager.num_free_blocks() == llm.engine.kv_manager.num_blocks
+
+
+def test_a_driven_engine_refuses_a_second_driver(loop) -> None:
+    llm, lp = loop
+    with pytest.raises(RuntimeError, match="EngineLoop"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="another driver"):
+        EngineLoop(llm.engine)
+
+
+def test_persistent_engine_failure_fails_requests_instead_of_hanging(loop, monkeypatch) -> None:
+    llm, lp = loop
+    def broken() -> None:
+        raise RuntimeError("scheduler broke")
+
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", broken)
+    q: queue.Queue = queue.Queue()
+    lp.submit(llm.engine.make_request([5, 6, 7], SamplingParams(max_tokens=5)), q.put)
+    items = drain(q)
+    assert isinstance(items[-1], RuntimeError) and "scheduler broke" in str(items[-1])
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.kv_manager.num_free_blocks() == llm.engine.kv_manager.num_blocks
+
+
+def test_duplicate_live_id_is_refused(loop) -> None:
+    llm, lp = loop
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    q: queue.Queue = queue.Queue()
+    first = llm.engine.make_request([1, 2, 3], params, request_id="same")
+    second = llm.engine.make_request([4, 5, 6], params, request_id="same")  # made before the first is queued
+    lp.submit(first, q.put)
+    with pytest.raises(ValueError, match="already in use"):
+        lp.submit(second, q.put)
+    assert lp.abort("same")
+    kv = llm.engine.kv_manager
+    kv.check_invariants()
+    assert kv.num_free_blocks() == kv.num_blocks
+
+
+def test_id_reused_after_abort_gets_only_its_own_outputs(loop) -> None:
+    """The loop thread is held between a step and delivering it (inside another request's
+    callback) while the client aborts "X" and reuses the id: the new "X" must receive only
+    its own tokens and its own finish."""
+    llm, lp = loop
+    engine = llm.engine
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    paused, resume, armed = threading.Event(), threading.Event(), threading.Event()
+
+    def background(out) -> None:
+        if armed.is_set():
+            armed.clear()
+            paused.set()
+            resume.wait(10)
+
+    old: queue.Queue = queue.Queue()
+    with engine.lock:  # both join the same step
+        lp.submit(engine.make_request([1] * 8, params, request_id="bg"), background)
+        lp.submit(engine.make_request([9] * 20, SamplingParams(max_tokens=3, ignore_eos=True), request_id="X"),
+                  old.put)
+    old.get(timeout=30)  # X is running
+    armed.set()
+    assert paused.wait(30)  # the loop thread now holds an undelivered step that includes X
+    assert lp.abort("X")
+    new = engine.make_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), request_id="X")
+    mine: queue.Queue = queue.Queue()
+    lp.submit(new, mine.put)
+    resume.set()
+    outs = drain(mine)
+    assert [t for o in outs for t in o.new_token_ids] == new.output_token_ids
+    assert len(new.output_token_ids) == 2 and outs[-1].finished and outs[-1].num_prompt_tokens == 3
+    lp.abort("bg")

@@ -1,0 +1,61 @@
+"""The oneDNN projection path (engine/model/linear.py) against plain ``F.linear``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.model.linear import ONEDNN_MIN_ROWS, Linear, onednn_supported
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, seed: int) -> Linear:
+    torch.manual_seed(seed)
+    layer = Linear(in_features, out_features, bias=bias)
+    layer.requires_grad_(False)
+    return layer
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 33, 300])
+def test_packed_matches_f_linear(rows: int, bias: bool) -> None:
+    layer = make_linear(96, 160, bias, seed=rows)
+    x = torch.randn(rows, 96)
+    ref = F.linear(x, layer.weight, layer.bias)
+    layer.pack()
+    assert layer.packed
+    out = layer(x)
+    assert out.shape == ref.shape and out.dtype == torch.float32 and out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_by_rows() -> None:
+    """Inputs of ONEDNN_MIN_ROWS+ rows read the packed copy; smaller ones the live weight."""
+    layer = make_linear(64, 32, True, seed=0)
+    layer.pack()
+    small, large = torch.randn(ONEDNN_MIN_ROWS - 1, 64), torch.randn(ONEDNN_MIN_ROWS, 64)
+    before_small, before_large = layer(small), layer(large)
+    layer.weight.mul_(2)  # the packed copy does not see in-place changes until pack()
+    assert not torch.allclose(layer(small), before_small)
+    torch.testing.assert_close(layer(large), before_large)
+    layer.pack()
+    torch.testing.assert_close(layer(large), F.linear(large, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    layer.unpack()
+    assert not layer.packed
+
+
+def test_non_contiguous_input() -> None:
+    layer = make_linear(64, 48, False, seed=1)
+    layer.pack()
+    x = torch.randn(64, 40).t()  # [40, 64], transposed strides
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_dtype_refused() -> None:
+    assert not onednn_supported(torch.bfloat16, torch.device("cpu"))
+    assert not onednn_supported(torch.float32, torch.device("cuda"))
+    layer = make_linear(16, 16, False, seed=2).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 CPU"):
+        layer.pack()

@@ -1,0 +1,82 @@
+"""Streamed text equals the decode of the whole token sequence, for byte-level and SentencePiece-style tokenizers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from pdserve.engine.model import load_tokenizer, make_tiny_model
+from pdserve.router.detokenizer import IncrementalDetokenizer
+
+
+def metaspace_tokenizer() -> Tokenizer:
+    # Words carry their leading space as "▁", which a per-token decode strips.
+    words = ["▁the", "▁quick", "▁brown", "▁fox", "jump", "s", "▁over", "▁lazy", "▁dog", "."]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="."))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    return tok
+
+
+def stream(tok: Tokenizer, ids: list[int], chunk_sizes: list[int]) -> str:
+    d = IncrementalDetokenizer(tok)
+    out, i = "", 0
+    for n in chunk_sizes:
+        part = ids[i : i + n]
+        i += n
+        out += d.push(part, final=i >= len(ids))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_byte_level_utf8_split_across_tokens(tmp_path, seed: int) -> None:
+    tok = load_tokenizer(make_tiny_model(tmp_path / "m"))
+    text = "héllo € wörld 😀 naïve ☃ " * 3
+    ids = tok.encode(text, add_special_tokens=False).ids
+    rng = random.Random(seed)
+    sizes = [rng.randint(1, 3) for _ in ids]
+    assert stream(tok, ids, sizes) == tok.decode(ids) == text
+    # the per-message decode this replaces would have produced replacement characters
+    assert "".join(tok.decode([i]) for i in ids) != text
+
+
+def test_sentencepiece_style_spaces_survive() -> None:
+    tok = metaspace_tokenizer()
+    ids = tok.encode("the quick brown fox jumps over the lazy dog.").ids
+    assert stream(tok, ids, [1] * len(ids)) == tok.decode(ids)
+    assert "".join(tok.decode([i]) for i in ids) != tok.decode(ids)
+
+
+def test_incomplete_tail_flushed_when_final(tmp_path) -> None:
+    tok = load_tokenizer(make_tiny_model(tmp_path / "m"))
+    ids = tok.encode("€", add_special_tokens=False).ids  # 3 bytes
+    d = IncrementalDetokenizer(tok)
+    assert d.push(ids[:2]) == ""  # held back: not a whole character yet
+    assert d.push([], final=True) == tok.decode(ids[:2])
+
+
+def byte_fallback_tokenizer() -> Tokenizer:
+    """Llama-2/Mistral style: ▁-prefixed pieces, <0xNN> byte tokens for anything else."""
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    for ch in "▁abcdefghijklmnopqrstuvwxyz":  # single characters; anything else falls back to bytes
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return tok
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_byte_fallback_multibyte_characters(seed: int) -> None:
+    tok = byte_fallback_tokenizer()
+    rng = random.Random(seed)
+    pieces = ["😀", "😁", "é", "中文", " hello", " world", " a", "€", "🤣"]
+    text = "hello" + "".join(rng.choice(pieces) for _ in range(12))
+    ids = tok.encode(text).ids
+    assert tok.decode(ids) == text  # the tokenizer itself round-trips
+    sizes = [rng.randint(1, 3) for _ in ids]
+    assert stream(tok, ids, sizes) == text

@@ -1,0 +1,28 @@
+"""Helpers for the end-to-end tests: a real Service (local Ray, embedded Redis) and gRPC calls."""
+
+from __future__ import annotations
+
+import grpc
+import ray
+
+from pdserve.v1 import router_pb2_grpc as pb_grpc
+from pdserve.cluster.launcher import Service
+
+
+def stub_for(address: str) -> tuple[grpc.Channel, pb_grpc.RouterStub]:
+    channel = grpc.insecure_channel(address)
+    return channel, pb_grpc.RouterStub(channel)
+
+
+def pool_states(service: Service) -> dict[str, dict[str, int]]:
+    handles = {**service.prefill, **service.decode}
+    return {wid: ray.get(h.pool_state.remote(), timeout=60) for wid, h in handles.items()}
+
+
+def all_idle(service: Service) -> bool:
+    """Every worker's pool has all blocks free, no leases and no live requests."""
+    try:
+        states = pool_states(service)
+    except Exception:  # noqa: BLE001 - a restarting worker is not idle yet
+        return False
+    return all(s["free_blocks"] == s["num_blocks"] and s["leases"] == 0 and s["requests"] == 0 for s in states.values())

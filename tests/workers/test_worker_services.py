@@ -1,0 +1,108 @@
+"""Prefill and decode services over real WorkerRuntimes (real gRPC KV transfer, real Redis),
+driven directly: the Ray actors are thin shells around these objects."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve import LLM, SamplingParams
+from pdserve.decode_worker.service import DecodeService
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.kvindex.config import IndexConfig
+from pdserve.kvindex.stats import read_stats
+from pdserve.prefill_worker.service import PrefillService
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.messages import RequestSpec
+from pdserve.worker.runtime import WorkerRuntime
+from tests.support.polling import wait_until, wait_until_async
+from tests.support.redis import unique_namespace
+
+
+def runtime(model: str, url: str, ns: str, wid: str, role: str, block_size: int = 16) -> WorkerRuntime:
+    engine = EngineConfig(model, device="cpu", cache=CacheConfig(block_size, 64))
+    return WorkerRuntime(WorkerConfig(wid, role, engine, IndexConfig(url, namespace=ns), bind_host="127.0.0.1"))
+
+
+def counters(url: str, ns: str, wid: str) -> dict[str, int]:
+    cfg = IndexConfig(url, namespace=ns)
+    return read_stats(cfg.client(), cfg)["workers"].get(wid, {})
+
+
+def test_failed_pull_releases_the_lease_at_once_and_counts_the_recompute(tiny_model: str, redis_server) -> None:
+    """Block sizes differ, so the pull is refused (layout mismatch): the decode worker recomputes,
+    gives the prefill worker's lease back before decoding on, and counts the prompt once."""
+    ns = unique_namespace()
+    prt = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill", block_size=16)
+    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode", block_size=8)
+    try:
+        spec = RequestSpec("r", tuple(range(1, 41)), SamplingParams(max_tokens=200, ignore_eos=True))
+
+        async def run() -> tuple[list, list[dict]]:
+            pre = await PrefillService(prt).prefill(spec)
+            assert pre.lease_id and prt.pool_state()["leases"] == 1
+            events, states = [], []
+            async for ev in DecodeService(drt).generate(spec, pre):
+                events.append(ev)
+                if len(events) == 1:  # the release runs beside the decode, not after it
+                    assert await wait_until_async(lambda: prt.pool_state()["leases"] == 0)
+                    states.append(prt.pool_state())
+            return events, states
+
+        events, states = asyncio.run(run())
+        assert states[0]["leases"] == 0 and states[0]["free_blocks"] == states[0]["num_blocks"]
+        assert events[-1].finished and events[-1].num_recomputed_tokens == 40
+        assert drt.stats.flush(10) and prt.stats.flush(10)
+        assert counters(redis_server.url, ns, "decode-0")["recomputed_tokens"] == 40
+        assert counters(redis_server.url, ns, "decode-0")["prefill_computed_tokens"] == 0
+        assert counters(redis_server.url, ns, "prefill-0")["prefill_computed_tokens"] == 40
+    finally:
+        drt.close()
+        prt.close()
+
+
+def test_local_prefill_counts_what_it_computed_and_close_leaves_nothing(tiny_model: str, redis_server) -> None:
+    ns = unique_namespace()
+    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode")
+    prompt = tuple(range(1, 41))
+
+    async def run(rid: str) -> list:
+        spec = RequestSpec(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+        return [ev async for ev in DecodeService(drt).generate(spec, None)]
+
+    first, second = asyncio.run(run("a")), asyncio.run(run("b"))
+    assert first[-1].num_local_hit_tokens == 0 and second[-1].num_local_hit_tokens == 32
+    assert drt.stats.flush(10)
+    assert counters(redis_server.url, ns, "decode-0")["prefill_computed_tokens"] == 40 + 8
+    client = IndexConfig(redis_server.url, namespace=ns).client()
+    assert wait_until(lambda: any(True for _ in client.scan_iter(f"{ns}:block:*")))
+    drt.close()
+    # A clean close unregisters the worker and removes it as a holder of every block.
+    assert not client.hexists(f"{ns}:workers", "decode-0")
+    assert not [k for k in client.scan_iter(f"{ns}:block:*") if client.hexists(k, "decode-0")]
+
+
+def test_handover_between_services_matches_one_engine(tiny_model: str, redis_server) -> None:
+    """Prefill on one runtime, pull by lease into another, decode there: the tokens a single engine
+    produces, the transferred tokens counted, the lease released and both pools idle after."""
+    ns = unique_namespace()
+    prt = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill")
+    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode")
+    try:
+        params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=9)
+        spec = RequestSpec("h", tuple(range(3, 40)), params)
+        expected = LLM(tiny_model, num_blocks=64).generate([list(spec.prompt_token_ids)], params)[0].token_ids
+
+        async def run() -> tuple[int, list]:
+            pre = await PrefillService(prt).prefill(spec)
+            assert pre.lease_id and not pre.finished
+            return pre.first_token, [ev async for ev in DecodeService(drt).generate(spec, pre)]
+
+        first, events = asyncio.run(run())
+        assert [first] + [t for ev in events for t in ev.token_ids] == expected
+        assert events[-1].num_transferred_tokens == 37 and events[-1].num_recomputed_tokens == 0
+        for rt in (prt, drt):
+            assert wait_until(lambda rt=rt: rt.pool_state() == {**rt.pool_state(), "leases": 0, "requests": 0,
+                                                                "free_blocks": rt.pool_state()["num_blocks"]})
+    finally:
+        drt.close()
+        prt.close()

@@ -1,0 +1,150 @@
+"""WorkerRuntime: what a prefill or decode worker is made of, wired together.
+
+An engine whose BlockPool publishes to the Redis index, a thread stepping it, a KV-transfer
+server over its KV-handover API (leases and pull-by-hash), the worker registry heartbeat, and
+stats counters. Both Ray actors are thin shells over this class and a service, which are plain
+Python and testable without Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.kvindex.config import REDIS_ERRORS, IndexConfig
+from pdserve.kvindex.publisher import KVEventPublisher, remove_worker_blocks
+from pdserve.kvindex.registry import WorkerRegistry
+from pdserve.kvindex.stats import StatsRecorder
+from pdserve.kvtransfer.client import KVTransferClient
+from pdserve.kvtransfer.server import start_transfer_server
+from pdserve.kvtransfer.source import BlockSource
+from pdserve.worker.config import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - fall back to the OS
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _forget_blocks(index: IndexConfig, worker_id: str) -> None:
+    """Drop every block-holder field naming ``worker_id``: at start (a previous incarnation's
+    pool is gone) and at a clean stop (this one's is about to be)."""
+    try:
+        removed = remove_worker_blocks(index.client(), index, worker_id)
+    except REDIS_ERRORS as exc:  # Redis is an index: start anyway, the publisher resyncs later
+        logger.warning("could not clear the block holders of %s: %s", worker_id, exc)
+        return
+    if removed:
+        logger.info("cleared %d block holder fields of %s", removed, worker_id)
+
+
+class WorkerRuntime:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        _forget_blocks(config.index, config.worker_id)
+        self.publisher = KVEventPublisher(config.index, config.worker_id)
+        self.stats = StatsRecorder(config.index, config.worker_id)
+        self.engine = LLMEngine(config.engine, event_sink=self.publisher)
+        self.loop = EngineLoop(self.engine)
+        self.source = BlockSource(
+            self.engine.handover,
+            model_fingerprint=self.engine.model_config.fingerprint,
+            worker_id=config.worker_id,
+            config=config.transfer,
+        )
+        self.server = start_transfer_server(self.source, config.transfer, host=config.bind_host, port=0)
+        host = config.advertise_host or ("127.0.0.1" if config.bind_host in ("127.0.0.1", "localhost") else _node_ip())
+        self.address = f"{host}:{self.server.port}"
+        self._clients: dict[str, KVTransferClient] = {}
+        self._clients_lock = threading.Lock()  # pulls run in several threads
+        self.registry = WorkerRegistry(config.index)
+        self.registry.start_heartbeat(config.worker_id, self.info, config.heartbeat_s)
+        logger.info("%s worker %s ready, KV transfer at %s", config.role, config.worker_id, self.address)
+
+    def info(self) -> dict[str, object]:
+        usage = self.engine.kv_usage()
+        return {
+            "role": self.config.role,
+            "grpc_address": self.address,
+            "model_fingerprint": self.engine.model_config.fingerprint,
+            "block_size": self.engine.layout.block_size,
+            "num_blocks": usage.num_blocks,
+            "free_blocks": usage.free_blocks,
+        }
+
+    def pool_state(self) -> dict[str, int]:
+        """Free blocks, leases and requests holding blocks (idle: free == total, 0, 0)."""
+        usage = self.engine.kv_usage()
+        return {
+            "free_blocks": usage.free_blocks,
+            "num_blocks": usage.num_blocks,
+            "leases": len(self.source.leases),
+            "requests": usage.requests,
+        }
+
+    def client(self, address: str) -> KVTransferClient:
+        """A cached transfer client for a peer, checked once for a compatible KV layout.
+
+        The check is a network call, made outside the lock so one slow peer does not hold up
+        pulls from the others.
+        """
+        with self._clients_lock:
+            c = self._clients.get(address)
+        if c is not None:
+            return c
+        c = KVTransferClient(address, self.config.transfer)
+        try:
+            c.check_compatible(self.engine.layout, self.engine.model_config.fingerprint)
+        except BaseException:
+            c.close()
+            raise
+        with self._clients_lock:
+            kept = self._clients.setdefault(address, c)
+        if kept is not c:
+            c.close()  # another thread connected first; this client has no users
+        return kept
+
+    def drop_client(self, address: str, client: KVTransferClient | None = None) -> None:
+        """Forget a peer's client (it looked gone). Only the client that failed is forgotten, and
+        it is not closed: other pulls may still stream on its channel (closing it would cancel
+        them); the channel closes when the last user lets go of it."""
+        with self._clients_lock:
+            if client is None or self._clients.get(address) is client:
+                self._clients.pop(address, None)
+
+    def release_lease(self, address: str, lease_id: str) -> bool:
+        """End a lease on a peer without a layout check (it may be the reason no pull happens)."""
+        with self._clients_lock:
+            c = self._clients.get(address)
+        if c is not None:
+            return c.release(lease_id)
+        with KVTransferClient(address, self.config.transfer) as tmp:
+            return tmp.release(lease_id)
+
+    def close(self) -> None:
+        """Stop serving and leave nothing of this worker in Redis (registry entry, holder fields)."""
+        self.registry.unregister(self.config.worker_id)
+        self.registry.close()
+        self.loop.stop()
+        self.server.stop()
+        with self._clients_lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()
+        self.publisher.close()  # flushes queued writes first, so no holder field lands after the purge
+        self.stats.close()
+        _forget_blocks(self.config.index, self.config.worker_id)
