@@ -15,10 +15,10 @@ from typing import Any
 
 import grpc
 
+from pdserve.cli.client import build_request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.v1 import router_pb2 as pb
 from pdserve.v1 import router_pb2_grpc as pb_grpc
-from pdserve.cli.client import build_request
 
 NUM_BYTE_TOKENS = 256  # prompts are byte token ids (no special tokens)
 

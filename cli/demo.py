@@ -16,15 +16,15 @@ import time
 
 import grpc
 
+from pdserve.cli.client import GenerateResult, build_request, generate
+from pdserve.cli.stats import format_stats
+from pdserve.cluster.config import ServiceConfig
+from pdserve.cluster.launcher import Service
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvindex.config import tenant_digest
 from pdserve.kvindex.stats import read_stats
 from pdserve.v1 import router_pb2_grpc as pb_grpc
-from pdserve.cli.client import GenerateResult, build_request, generate
-from pdserve.cluster.launcher import Service
-from pdserve.cluster.config import ServiceConfig
-from pdserve.cli.stats import format_stats
 
 TENANTS = {
     "acme": "You are the support assistant of ACME Rockets. Answer briefly and politely, cite the manual "

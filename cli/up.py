@@ -6,9 +6,9 @@ import argparse
 import signal
 import threading
 
-from pdserve.kvindex.config import redact_url
-from pdserve.cluster.launcher import Service
 from pdserve.cluster.config import ServiceConfig
+from pdserve.cluster.launcher import Service
+from pdserve.kvindex.config import redact_url
 
 
 def run_up(args: argparse.Namespace) -> int:

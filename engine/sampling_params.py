@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 # Temperatures below this sample greedily: dividing logits by a tinier one overflows float32.
 GREEDY_TEMPERATURE = 1e-5
 # What torch.Generator.manual_seed accepts.

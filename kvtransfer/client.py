@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from pdserve.engine.kv_tensor import KVTensor, KVLayout
+from pdserve.engine.kv_tensor import KVLayout, KVTensor
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.errors import (
     BlockNotFoundError,

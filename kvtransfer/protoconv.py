@@ -5,9 +5,8 @@ The only module besides the servicer and the client that touches generated code.
 
 from __future__ import annotations
 
-from pdserve.v1 import kvtransfer_pb2 as pb
-
 from pdserve.kvtransfer.wire import Chunk, LayoutSpec, Piece, TransferMetadata
+from pdserve.v1 import kvtransfer_pb2 as pb
 
 
 def layout_to_proto(spec: LayoutSpec) -> pb.KVLayoutSpec:

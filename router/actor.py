@@ -12,11 +12,11 @@ from pdserve.engine.model import ModelConfig, load_tokenizer
 from pdserve.kvindex.config import IndexConfig
 from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.stats import StatsRecorder
-from pdserve.v1 import router_pb2
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import RouterCore
 from pdserve.router.ray_workers import RayWorkers
 from pdserve.router.servicer import RouterServicer, add_router_to_server
+from pdserve.v1 import router_pb2
 
 
 class Router:
@@ -66,6 +66,8 @@ class Router:
         return bound
 
     async def stop(self) -> None:
+        """Stop serving, then write the counters still queued and close the index clients."""
         if self.server is not None:
             await self.server.stop(grace=1.0)
             self.server = None
+        self.core.close()

@@ -17,11 +17,11 @@ from typing import Protocol
 
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.kvcache.hashing import block_hashes
-from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.stats import StatsRecorder
 from pdserve.router.config import RouterConfig
 from pdserve.router.policy import pick_worker, prefill_locally
+from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,10 @@ class RouterCore:
         self.stats = stats
         self.prefill_load = _Load()
         self.decode_load = _Load()
+
+    def close(self) -> None:
+        self.lookup.close()
+        self.stats.close()
 
     async def _prefill(self, spec: RequestSpec, p: str, work: int) -> PrefillResult | None:
         """Run the prefill on ``p``; None when that worker is unavailable (decode will prefill)."""

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import ray
 from ray.exceptions import RayActorError
 
-from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 from pdserve.router.core import WorkerUnavailableError
+from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 
 
 class RayWorkers:

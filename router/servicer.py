@@ -15,11 +15,11 @@ from tokenizers import Tokenizer
 
 from pdserve.engine.limits import RequestLimits
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.worker.messages import RequestSpec
-from pdserve.v1 import router_pb2 as pb
-from pdserve.v1 import router_pb2_grpc as pb_grpc
 from pdserve.router.core import RouterCore, WorkerUnavailableError
 from pdserve.router.detokenizer import IncrementalDetokenizer
+from pdserve.v1 import router_pb2 as pb
+from pdserve.v1 import router_pb2_grpc as pb_grpc
+from pdserve.worker.messages import RequestSpec
 
 logger = logging.getLogger(__name__)
 

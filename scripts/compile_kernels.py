@@ -6,17 +6,20 @@ compiles every kernel for each target architecture with the tile sizes the host 
 pick for common model shapes, and checks the shared memory each launch needs against
 what one thread block may use on that architecture.
 
-Usage: ``python scripts/compile_kernels.py [--arch 80,86,89,90] [--quick]``; exits 1 when
-a kernel fails to compile or needs more shared memory than the architecture allows.
+Usage: ``python scripts/compile_kernels.py [--arch 80,86,89,90] [--quick] [--jobs N]``; exits 1
+when a kernel fails to compile or needs more shared memory than the architecture allows.
+Compiles run in ``--jobs`` processes (default: every CPU); identical configurations (the KV
+write and merge kernels do not depend on the GQA group) are compiled once.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import multiprocessing
 import os
-import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
 
@@ -59,6 +62,7 @@ def _signature(fn: triton.JITFunction, pointers: dict[str, str], wide: tuple[str
 
 
 def configs(quick: bool) -> list[tuple[str, triton.JITFunction, dict[str, str], dict[str, object]]]:
+    """Every configuration to compile, each once (the first label of a duplicate is kept)."""
     out = []
     shapes = QUICK_SHAPES if quick else SHAPES
     dtypes = ["bf16", "fp32"] if quick else list(DTYPES)
@@ -88,40 +92,53 @@ def configs(quick: bool) -> list[tuple[str, triton.JITFunction, dict[str, str], 
         ptrs = dict(out_ptr=f"*{dt}", acc_part_ptr="*fp32", ml_part_ptr="*fp32", query_start_loc_ptr="*i32")
         sig = _signature(tk._merge_segments_kernel, ptrs, (), (), consts)
         out.append((f"merge {dt} hd{head_dim}", tk._merge_segments_kernel, sig, consts))
-    return out
+    unique: dict[tuple, tuple] = {}
+    for entry in out:
+        _, fn, sig, consts = entry
+        unique.setdefault((fn.__name__, tuple(sig.items()), tuple(consts.items())), entry)
+    return list(unique.values())
+
+
+def compile_one(arch: int, index: int, quick: bool) -> tuple[str, int | None, str]:
+    """Compile configuration ``index`` of ``configs(quick)`` for ``arch``: (label, shared bytes or None, error)."""
+    label, fn, sig, consts = configs(quick)[index]
+    # As at launch: pointers 16-byte aligned, stride arguments divisible by 16.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if sig[name].startswith("*") or name in DIVISIBLE_BY_16}
+    try:
+        kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", arch, 32))
+    except Exception as exc:  # noqa: BLE001 - report every failing config, then exit 1
+        return label, None, f"{type(exc).__name__}: {exc}"
+    return label, kernel.metadata.shared, ""
+
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="80,86,89,90", help="compute capabilities, comma-separated")
     ap.add_argument("--quick", action="store_true", help="two model shapes, bf16 and fp32 only")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel processes")
     args = ap.parse_args(argv)
     archs = [int(a) for a in args.arch.split(",")]
     unknown = [a for a in archs if a not in SHARED_LIMIT]
     if unknown:
         ap.error(f"unknown arch {unknown}; known: {sorted(SHARED_LIMIT)}")
     todo = configs(args.quick)
+    jobs = [(arch, i, args.quick) for arch in archs for i in range(len(todo))]
     bad = 0
     t0 = time.monotonic()
-    for arch in archs:
-        target = GPUTarget("cuda", arch, 32)
-        for i, (label, fn, sig, consts) in enumerate(todo, 1):
-            # As at launch: pointers 16-byte aligned, stride arguments divisible by 16.
-            attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                     if sig[name].startswith("*") or name in DIVISIBLE_BY_16}
-            try:
-                kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=target)
-            except Exception as exc:  # noqa: BLE001 - report every failing config, then exit 1
+    with ProcessPoolExecutor(max(1, args.jobs), mp_context=multiprocessing.get_context("fork")) as pool:
+        for (arch, i, _), (label, shared, error) in zip(jobs, pool.map(compile_one, *zip(*jobs))):
+            if shared is None:
                 bad += 1
-                print(f"sm_{arch} FAIL {label}: {type(exc).__name__}: {exc}", flush=True)
+                print(f"sm_{arch} FAIL {label}: {error}", flush=True)
                 continue
-            shared = kernel.metadata.shared
             over = shared > SHARED_LIMIT[arch]
             bad += over
             status = "OVER" if over else "ok  "
-            print(f"sm_{arch} {status} [{i}/{len(todo)}] {label}: {shared / 1024:.1f} KiB shared "
+            print(f"sm_{arch} {status} [{i + 1}/{len(todo)}] {label}: {shared / 1024:.1f} KiB shared "
                   f"(limit {SHARED_LIMIT[arch] // 1024} KiB)", flush=True)
-    print(f"{len(todo) * len(archs)} compiles in {time.monotonic() - t0:.0f}s, {bad} failed or over the limit")
+    print(f"{len(jobs)} compiles in {time.monotonic() - t0:.0f}s, {bad} failed or over the limit")
     return 1 if bad else 0
 
 

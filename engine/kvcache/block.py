@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-
 # Id of the null block: the placeholder a request's block list holds where a block slid out of
 # every sliding window and went back to the pool (it is never read, never written, never freed).
 NULL_BLOCK_ID = -1

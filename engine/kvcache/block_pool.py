@@ -46,8 +46,6 @@ class BlockPool:
         # hash -> {block_id: block}, oldest copy first (dicts keep insertion order).
         self._cached: dict[bytes, dict[int, KVCacheBlock]] = {}
         self._sinks: list[EventSink] = [event_sink] if event_sink else []
-        self.blocks_stored = 0
-        self.blocks_evicted = 0
 
     # -- events -------------------------------------------------------------------------
     def add_event_sink(self, sink: EventSink) -> None:
@@ -115,7 +113,6 @@ class BlockPool:
         gone: list[bytes] = []
         for block in blocks:
             if block.block_hash is not None:
-                self.blocks_evicted += 1
                 h = self._unregister(block)
                 if h is not None:
                     gone.append(h)
@@ -204,7 +201,6 @@ class BlockPool:
                 parent = block_hashes[i - 1] if i > 0 else None
             stored.append(h)
             stored_tokens.extend(token_ids[i * block_size : (i + 1) * block_size])
-        self.blocks_stored += registered
         if stored:
             self._emit(BlockStored(stored, parent, stored_tokens, block_size, lora_name, self.medium))
         return registered
@@ -223,7 +219,6 @@ class BlockPool:
                 h = self._unregister(block)
                 if h is not None:
                     gone.append(h)
-        self.blocks_evicted += uncached
         if gone:
             self._emit(BlockRemoved(gone, self.medium))
         return uncached

@@ -54,3 +54,12 @@ def test_environment_defaults_reach_every_reader(monkeypatch: pytest.MonkeyPatch
     c = ServiceConfig.load()
     assert c.index.namespace == "staging" == IndexConfig().namespace
     assert c.engine.cache.hash_seed == "s3cret"
+
+
+def test_the_shipped_config_files_load() -> None:
+    from tests.support import REPO
+
+    gpu = ServiceConfig.load(REPO / "deploy" / "service.json")
+    assert gpu.engine.dtype == "bfloat16" and gpu.index.url and gpu.prefill == 2
+    cpu = ServiceConfig.load(REPO / "deploy" / "service-cpu.json")
+    assert cpu.engine.model is None and cpu.index.url is None

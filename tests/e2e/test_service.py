@@ -11,14 +11,14 @@ import ray
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.cli.client import build_request, generate
+from pdserve.cluster.config import ServiceConfig
+from pdserve.cluster.launcher import Service
 from pdserve.engine.kvcache.hashing import block_hashes
-from pdserve.worker.messages import RequestSpec
 from pdserve.kvindex.config import tenant_digest
 from pdserve.kvindex.stats import read_stats
 from pdserve.v1 import router_pb2 as pb
-from pdserve.cli.client import build_request, generate
-from pdserve.cluster.launcher import Service
-from pdserve.cluster.config import ServiceConfig
+from pdserve.worker.messages import RequestSpec
 from tests.support.polling import wait_until
 from tests.support.service import all_idle, stub_for
 

@@ -7,11 +7,11 @@ import concurrent.futures as cf
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.cli.client import build_request, generate
+from pdserve.cluster.config import ServiceConfig
+from pdserve.cluster.launcher import Service
 from pdserve.engine.model import make_tiny_model
 from pdserve.kvindex.stats import read_stats
-from pdserve.cli.client import build_request, generate
-from pdserve.cluster.launcher import Service
-from pdserve.cluster.config import ServiceConfig
 from tests.support.polling import wait_until
 from tests.support.service import all_idle, stub_for
 

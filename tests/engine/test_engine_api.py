@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.model import make_tiny_model
 from pdserve.engine.model.linear import Linear
+from tests.support.polling import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -201,15 +201,15 @@ def test_generate_returns_when_a_request_is_aborted_elsewhere(llm: LLM) -> None:
     params = SamplingParams(max_tokens=10_000, ignore_eos=True)
     worker = threading.Thread(target=lambda: result.extend(llm.generate([[1, 2, 3], [4, 5]], params)), daemon=True)
     worker.start()
-    deadline = time.monotonic() + 30
-    while True:
+
+    def abort_first_once_both_decode() -> bool:
         with engine.lock:  # no step runs meanwhile: the request is still live when aborted
             live = list(engine.requests.values())
             if len(live) == 2 and all(r.output_token_ids for r in live):
-                assert engine.abort(live[0].request_id)  # the other one runs on to max_model_len
-                break
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+                return engine.abort(live[0].request_id)  # the other one runs on to max_model_len
+        return False
+
+    assert wait_until(abort_first_once_both_decode, timeout=30, interval=0.001)
     worker.join(30)
     assert not worker.is_alive()
     assert [o.finish_reason for o in result] == ["abort", "length"]

@@ -3,21 +3,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.kvcache import BlockPoolError, BlockStored, KVCacheManager
-from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
-
-BS = 4
-
-
-def req(rid: str, tokens: list[int], salt: str | None = None) -> Request:
-    return Request(rid, tokens, SamplingParams(max_tokens=8), BS, cache_salt=salt)
-
-
-def admit(m: KVCacheManager, r: Request) -> int:
-    hit, n = m.get_computed_blocks(r)
-    assert m.allocate_slots(r, r.num_tokens - n, n, hit) is not None
-    r.num_computed_tokens = r.num_tokens
-    return n
+from tests.support.kvcache import BS, admit, req
 
 
 def test_allocate_grow_free() -> None:

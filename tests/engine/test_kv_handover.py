@@ -10,6 +10,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_handover import BlocksNotCachedError, RemotePrefill
 from pdserve.engine.kvcache import block_hashes
 from pdserve.engine.model import make_tiny_model
+from pdserve.engine.request import Request
 
 BS = 8
 

@@ -20,11 +20,11 @@ import xxhash
 from pdserve.engine.kvcache import BlockPool, block_hashes
 from pdserve.engine.kvcache.events import BlockStored
 from pdserve.kvindex.config import IndexConfig, tenant_digest
+from pdserve.kvindex.embedded import EmbeddedRedis
 from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.publisher import KVEventPublisher, remove_worker_blocks
-from pdserve.kvindex.stats import STATS_FIELDS, StatsRecorder, read_stats
-from pdserve.kvindex.embedded import EmbeddedRedis
 from pdserve.kvindex.registry import WorkerRegistry
+from pdserve.kvindex.stats import STATS_FIELDS, StatsRecorder, read_stats
 from tests.support.polling import wait_until
 from tests.support.redis import running_redis, unique_namespace
 

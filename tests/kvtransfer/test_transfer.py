@@ -31,10 +31,10 @@ from pdserve.kvtransfer.errors import (
     TransferTimeoutError,
 )
 from pdserve.kvtransfer.leases import LeaseNotFoundError, LeaseTable
+from pdserve.kvtransfer.protoconv import chunk_from_proto, chunk_to_proto, encode_chunk
 from pdserve.kvtransfer.pull import pull_kv
 from pdserve.kvtransfer.server import KVTransferServicer, start_transfer_server
 from pdserve.kvtransfer.source import BlockSource
-from pdserve.kvtransfer.protoconv import chunk_from_proto, chunk_to_proto, encode_chunk
 from pdserve.kvtransfer.wire import Chunk, Piece, plan_chunks
 from pdserve.v1 import kvtransfer_pb2 as pb
 from tests.support import REPO

@@ -46,4 +46,5 @@ def test_taken_port_is_an_error_not_shared(tiny_model: str) -> None:
         with pytest.raises(OSError, match=f"cannot bind the router to 127.0.0.1:{port}"):
             asyncio.run(router.start("127.0.0.1", port))
     finally:
+        asyncio.run(router.stop())
         other.stop(None)

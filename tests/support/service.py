@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import ray
 
-from pdserve.v1 import router_pb2_grpc as pb_grpc
 from pdserve.cluster.launcher import Service
+from pdserve.v1 import router_pb2_grpc as pb_grpc
 
 
 def stub_for(address: str) -> tuple[grpc.Channel, pb_grpc.RouterStub]:
