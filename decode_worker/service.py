@@ -44,7 +44,7 @@ class DecodeService:
         rt = self.rt
         used: list[KVTransferClient] = []
 
-        def work() -> None:
+        def work() -> KVTransferClient:
             # Runs to its end even if the request is cancelled meanwhile: finish_load is what
             # lets the engine free the blocks, and they may be being written until then.
             ok = False
@@ -55,11 +55,10 @@ class DecodeService:
                 ok = True
             finally:
                 rt.loop.finish_load(spec.request_id, ok)
-            assert prefill.lease_id is not None
-            release_quietly(client, prefill.lease_id)
+            return client
 
         try:
-            await asyncio.to_thread(work)
+            client = await asyncio.to_thread(work)
         except TransferError as exc:
             logger.warning("pull of %s from %s failed (%s); recomputing", spec.request_id, prefill.address, exc)
             if isinstance(exc, (PeerUnavailableError, LayoutMismatchError)):
@@ -70,6 +69,9 @@ class DecodeService:
             logger.exception("pull of %s from %s failed; recomputing", spec.request_id, prefill.address)
             rt.stats.record({"transfer_failures": 1}, spec.cache_salt)
             return False
+        assert prefill.lease_id is not None
+        # The KV is here: give the lease back now (a failure only means it expires on its own).
+        await asyncio.to_thread(release_quietly, client, prefill.lease_id)
         return True
 
     async def _release(self, prefill: PrefillResult) -> None:
@@ -90,6 +92,7 @@ class DecodeService:
             aloop.call_soon_threadsafe(queue.put_nowait, out)
 
         local_hit = transferred = recomputed = 0
+        registered = False  # the engine holds this call's request (an id in use elsewhere is not ours)
         lease_settled = False  # a successful pull released the lease, or this worker gave it back
         # The prompt is computed here (locally, or again after a failed pull) and not yet counted.
         computes_prompt = prefill is None
@@ -97,10 +100,12 @@ class DecodeService:
             req = rt.engine.make_request(spec.prompt_token_ids, spec.params, spec.request_id, spec.cache_salt)
             if prefill is None:
                 rt.loop.submit(req, on_output)
+                registered = True
             else:
                 # The first token came from the prefill worker; the engine continues after it.
                 remote = RemotePrefill(len(spec.prompt_token_ids), (prefill.first_token,))
                 load = rt.loop.submit_remote(req, on_output, remote)
+                registered = True
                 pulled = load is not None and await self._pull(spec, prefill, load)
                 lease_settled = True
                 if pulled:
@@ -135,6 +140,7 @@ class DecodeService:
         finally:
             # Cancelled, consumer gone or failed: the engine drops the request and its blocks
             # (a load still being written keeps them until its finish_load).
-            await asyncio.to_thread(rt.loop.abort, spec.request_id)
+            if registered:
+                await asyncio.to_thread(rt.loop.abort, spec.request_id)
             if prefill is not None and not lease_settled:
                 await self._release(prefill)

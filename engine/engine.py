@@ -289,9 +289,9 @@ class LLMEngine:
                     if status is None and req.handoff:
                         status = RequestStatus.FINISHED_HANDED_OFF
                 if status is not None:
-                    self.scheduler.finish(req, status)
-                    if status is RequestStatus.FINISHED_HANDED_OFF:
+                    if status is RequestStatus.FINISHED_HANDED_OFF:  # held before it leaves the scheduler
                         held = self.handover.hold(req, req.num_prompt_tokens)
+                    self.scheduler.finish(req, status)
                     self.requests.pop(req.request_id, None)
                     self.runner.sampler.forget(req.request_id)
                 assert req.num_cached_tokens is not None  # set when it was first scheduled

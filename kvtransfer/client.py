@@ -10,7 +10,8 @@ every failure raises a ``TransferError`` subclass:
 ``LayoutMismatchError``        KV layout or model differs (FAILED_PRECONDITION, or ``check_compatible``)
 ``ChecksumError``              a piece's bytes do not match its checksum
 ``InvalidPullError``           bad arguments or a stream that breaks the chunking contract
-``TransferError``              any other gRPC status
+``AuthError``                  the holder refused the credentials (UNAUTHENTICATED)
+``TransferError``              any other gRPC status (RESOURCE_EXHAUSTED: the holder is at its limit)
 =============================  =======================================================
 
 A failed pull leaves the destination blocks partly written; the caller frees them
@@ -19,6 +20,7 @@ A failed pull leaves the destination blocks partly written; the caller frees the
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import grpc
@@ -26,6 +28,7 @@ import grpc
 from pdserve.engine.kv_tensor import KVLayout, KVTensor
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.errors import (
+    AuthError,
     BlockNotFoundError,
     InvalidPullError,
     LayoutMismatchError,
@@ -36,18 +39,35 @@ from pdserve.kvtransfer.errors import (
 from pdserve.kvtransfer.protoconv import chunk_from_proto, layout_to_proto, metadata_from_proto
 from pdserve.kvtransfer.receiver import BlockReceiver
 from pdserve.kvtransfer.wire import MISSING_HASHES_KEY, LayoutSpec, PullStats, TransferMetadata, describe_mismatch
+from pdserve.security import ClusterAuth
 from pdserve.v1 import kvtransfer_pb2 as pb
 from pdserve.v1 import kvtransfer_pb2_grpc as pb_grpc
 
+_SERVICE = "/pdserve.v1.KVTransfer/"
+
 
 class KVTransferClient:
-    """A channel to one holder. Thread-safe; reuse one per peer address; ``close()`` when done."""
+    """A channel to one holder. Thread-safe; reuse one per peer address; ``close()`` when done.
+
+    Calls are signed with the config's ``cluster_secret`` and go over TLS with its ``tls``. At
+    most ``max_pulls_per_peer`` pulls of this client stream at once (the holder's own limit per
+    peer); further pulls wait for a slot within their deadline.
+    """
 
     def __init__(self, address: str, config: TransferConfig | None = None) -> None:
         self.address = address
-        self.config = config or TransferConfig()
-        self._channel = grpc.insecure_channel(address, options=self.config.channel_options())
+        self.config = c = config or TransferConfig()
+        options = c.channel_options() + (c.tls.channel_options() if c.tls else [])
+        if c.tls is not None:
+            self._channel = grpc.secure_channel(address, c.tls.channel_credentials(), options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.KVTransferStub(self._channel)
+        self._auth = ClusterAuth(c.cluster_secret) if c.cluster_secret else None
+        self._pull_slots = threading.BoundedSemaphore(c.max_pulls_per_peer)
+
+    def _metadata(self, method: str) -> tuple[tuple[str, str], ...]:
+        return self._auth.metadata(_SERVICE + method) if self._auth else ()
 
     def close(self) -> None:
         self._channel.close()
@@ -62,7 +82,8 @@ class KVTransferClient:
     def metadata(self, timeout_s: float | None = None) -> TransferMetadata:
         """The holder's identity and KV layout."""
         try:
-            msg = self._stub.GetMetadata(pb.GetMetadataRequest(), timeout=timeout_s or self.config.metadata_timeout_s)
+            msg = self._stub.GetMetadata(pb.GetMetadataRequest(), timeout=timeout_s or self.config.metadata_timeout_s,
+                                         metadata=self._metadata("GetMetadata"))  # fmt: skip
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
         return metadata_from_proto(msg)
@@ -81,7 +102,8 @@ class KVTransferClient:
     def release(self, lease_id: str, timeout_s: float | None = None) -> bool:
         """Release a lease on the holder; False if it was unknown, already released or expired."""
         try:
-            resp = self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=timeout_s or self.config.release_timeout_s)
+            resp = self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=timeout_s or self.config.release_timeout_s,
+                                      metadata=self._metadata("Release"))  # fmt: skip
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
         return resp.released
@@ -120,9 +142,12 @@ class KVTransferClient:
             request.lease_id = lease_id
         else:
             request.block_hashes.hashes.extend(hashes or [])
+        timeout = timeout_s or self.config.pull_timeout_s
+        if not self._pull_slots.acquire(timeout=timeout):
+            raise TransferTimeoutError(f"no pull slot to {self.address} within {timeout}s", peer=self.address)
         call = None
         try:
-            call = self._stub.Pull(request, timeout=timeout_s or self.config.pull_timeout_s)
+            call = self._stub.Pull(request, timeout=timeout, metadata=self._metadata("Pull"))
             for msg in call:
                 receiver.accept(chunk_from_proto(msg))
             return receiver.finish()
@@ -136,6 +161,7 @@ class KVTransferClient:
         finally:
             if call is not None:
                 call.cancel()  # no-op once the stream completed; frees the holder's pins otherwise
+            self._pull_slots.release()
 
     # -- errors ---------------------------------------------------------------------------
     def _error(self, exc: grpc.RpcError) -> TransferError:
@@ -154,6 +180,8 @@ class KVTransferClient:
             return LayoutMismatchError(details, **kw)
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidPullError(details, **kw)
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return AuthError(f"holder refused the credentials: {details}", **kw)
         return TransferError(f"{name}: {details}", **kw)
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pdserve import envs
+from pdserve.security import TLSConfig, check_secret
 
 MiB = 1 << 20
 
@@ -29,6 +32,13 @@ class TransferConfig:
     message never exceeds the puller's receive limit. Blocks larger than a chunk are split.
     Every RPC carries a deadline: ``metadata_timeout_s``, ``pull_timeout_s`` (the whole
     stream) and ``release_timeout_s``.
+
+    Security (docs/kv-wire.md): with ``cluster_secret`` every call is authenticated and a holder
+    refuses the others (``UNAUTHENTICATED``); ``tls`` puts the plane on TLS (mutual with a CA).
+    Abuse bounds on a holder: at most ``max_pulls_per_peer`` pulls stream to one peer host at once
+    (a puller keeps to the same number on its side), a stream that cannot send its next chunk
+    for ``stall_timeout_s`` or runs past ``pull_timeout_s`` is cancelled, and calls beyond
+    ``server_threads`` are refused (``RESOURCE_EXHAUSTED``) instead of queued.
     """
 
     chunk_bytes: int = 1 * MiB  # 1-2 MiB measured fastest over loopback (benchmarks/transfer.py)
@@ -38,17 +48,24 @@ class TransferConfig:
     metadata_timeout_s: float = 5.0
     pull_timeout_s: float = 60.0
     release_timeout_s: float = 5.0
-    server_threads: int = 8
+    server_threads: int = 32
+    max_pulls_per_peer: int = 8
+    stall_timeout_s: float = 5.0
     shutdown_grace_s: float = 1.0
+    cluster_secret: str | None = field(default_factory=envs.cluster_secret, repr=False)
+    tls: TLSConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_bytes, int) or not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be an integer in [1, {MAX_CHUNK_BYTES}], got {self.chunk_bytes!r}")
         if not isinstance(self.max_blocks_per_chunk, int) or not 1 <= self.max_blocks_per_chunk <= 1 << 20:
             raise ValueError(f"max_blocks_per_chunk must be an integer in [1, 2**20], got {self.max_blocks_per_chunk!r}")
-        if not isinstance(self.server_threads, int) or self.server_threads < 1:
-            raise ValueError(f"server_threads must be an integer >= 1, got {self.server_threads!r}")
-        for name in ("lease_ttl_s", "reap_interval_s", "metadata_timeout_s", "pull_timeout_s", "release_timeout_s"):
+        for name in ("server_threads", "max_pulls_per_peer"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        check_secret(self.cluster_secret)
+        for name in ("lease_ttl_s", "reap_interval_s", "metadata_timeout_s", "pull_timeout_s", "release_timeout_s",
+                     "stall_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")

@@ -65,5 +65,9 @@ class TransferTimeoutError(TransferError):
     """A call to the holder ran past its deadline."""
 
 
+class AuthError(TransferError):
+    """The holder refused this puller's credentials (another cluster's secret, or none)."""
+
+
 class InvalidPullError(TransferError):
     """The pull was malformed (bad indices, wrong number of destination blocks, ...)."""

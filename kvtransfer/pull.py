@@ -54,7 +54,7 @@ def release_quietly(client: KVTransferClient, lease_id: str) -> None:
     """Release a lease whose KV is here now; a failure only means it expires on its own."""
     try:
         client.release(lease_id)
-    except TransferError as exc:
+    except (TransferError, ValueError) as exc:  # ValueError: the channel was closed meanwhile
         logger.warning("releasing lease %s on %s failed: %s", lease_id, client.address, exc)
 
 

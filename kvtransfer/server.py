@@ -7,7 +7,11 @@ pool thread, writes one message at a time (natural back-pressure: the next chunk
 read from the KV tensor only when the previous one was sent, so a slow puller never
 makes the holder buffer more than a chunk), and runs termination callbacks on cancel.
 It is also independent of any event loop the hosting Ray actor may run.
-At most ``config.server_threads`` pulls stream at once; further RPCs wait for a thread.
+
+Abuse bounds (``kvtransfer.guard``): calls beyond ``config.server_threads`` are refused at once,
+one peer host streams at most ``config.max_pulls_per_peer`` pulls, and a stalled or overlong
+stream is cancelled. With ``config.cluster_secret`` every call must be signed by a cluster member
+(``pdserve.security``); with ``config.tls`` the port speaks TLS only.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import grpc
 
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.errors import BlockNotFoundError, InvalidPullError, LayoutMismatchError, TransferError
+from pdserve.kvtransfer.guard import PullGuard
 from pdserve.kvtransfer.protoconv import encode_chunk, layout_from_proto, metadata_to_proto
 from pdserve.kvtransfer.source import BlockSource, PinnedBlocks
 from pdserve.kvtransfer.wire import MISSING_HASHES_KEY, Chunk
+from pdserve.security import AuthInterceptor, ClusterAuth
 from pdserve.v1 import kvtransfer_pb2 as pb
 from pdserve.v1 import kvtransfer_pb2_grpc as pb_grpc
 
@@ -44,6 +50,8 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
     def __init__(self, source: BlockSource, config: TransferConfig | None = None) -> None:
         self.source = source
         self.config = config or source.config
+        c = self.config
+        self.guard = PullGuard(c.max_pulls_per_peer, c.stall_timeout_s, c.pull_timeout_s)
 
     def GetMetadata(self, request: pb.GetMetadataRequest, context: grpc.ServicerContext) -> pb.GetMetadataResponse:
         return metadata_to_proto(self.source.metadata())
@@ -52,21 +60,29 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         return pb.ReleaseResponse(released=self.source.release(request.lease_id))
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[Chunk]:
+        ticket = self.guard.admit(context.peer(), context.cancel)
+        if ticket is None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"too many pulls from this peer at once (at most {self.guard.max_per_peer})")
         try:
-            pinned = self._open(request)
-        except TransferError as exc:
-            _abort(context, exc)
-        # Unpin on cancel/deadline too: gRPC may never resume this generator then.
-        if not context.add_callback(pinned.close):
-            pinned.close()  # the RPC is already over
-            return
-        with pinned:
-            chunk_bytes = _clamp(request.max_chunk_bytes, self.config.chunk_bytes)
-            max_pieces = _clamp(request.max_blocks_per_chunk, self.config.max_blocks_per_chunk)
-            for chunk in self.source.chunks(pinned, chunk_bytes, max_pieces):
-                if not context.is_active():
-                    return
-                yield chunk
+            try:
+                pinned = self._open(request)
+            except TransferError as exc:
+                _abort(context, exc)
+            # Unpin on cancel/deadline too: gRPC may never resume this generator then.
+            if not context.add_callback(pinned.close):
+                pinned.close()  # the RPC is already over
+                return
+            with pinned:
+                chunk_bytes = _clamp(request.max_chunk_bytes, self.config.chunk_bytes)
+                max_pieces = _clamp(request.max_blocks_per_chunk, self.config.max_blocks_per_chunk)
+                for chunk in self.source.chunks(pinned, chunk_bytes, max_pieces):
+                    if not context.is_active():
+                        return
+                    yield chunk
+                    ticket.progress()  # the previous chunk was taken: the puller is reading
+        finally:
+            ticket.close()
 
     def _open(self, request: pb.PullRequest) -> PinnedBlocks:
         if request.HasField("expected_layout"):
@@ -127,8 +143,12 @@ def _abort(context: grpc.ServicerContext, exc: TransferError) -> NoReturn:
 class TransferServer:
     """A running KV transfer server plus its lease reaper thread."""
 
-    def __init__(self, server: grpc.Server, host: str, port: int, source: BlockSource, config: TransferConfig) -> None:
+    def __init__(
+        self, server: grpc.Server, host: str, port: int, source: BlockSource, config: TransferConfig,
+        servicer: KVTransferServicer,
+    ) -> None:  # fmt: skip
         self.server = server
+        self.servicer = servicer
         self.host = host
         self.port = port
         self.source = source
@@ -156,6 +176,7 @@ class TransferServer:
         self._stopped.set()
         self.server.stop(self.config.shutdown_grace_s if grace_s is None else grace_s).wait()
         self._reaper.join()
+        self.servicer.guard.close()
         if release_leases:
             self.source.close()
 
@@ -179,17 +200,26 @@ def start_transfer_server(
     Raises ``OSError`` if the address cannot be bound.
     """
     config = config or source.config
+    servicer = servicer or KVTransferServicer(source, config)
+    interceptors = [AuthInterceptor(ClusterAuth(config.cluster_secret))] if config.cluster_secret else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.server_threads, thread_name_prefix="kv-transfer"),
         options=config.server_options(),
+        interceptors=interceptors,
+        maximum_concurrent_rpcs=config.server_threads,
     )
-    add_servicer_to_server(servicer or KVTransferServicer(source, config), server)
+    add_servicer_to_server(servicer, server)
     bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(bind)
+        if config.tls is not None:
+            bound = server.add_secure_port(bind, config.tls.server_credentials())
+        else:
+            bound = server.add_insecure_port(bind)
     except RuntimeError as exc:  # grpcio raises instead of returning 0 in recent versions
+        servicer.guard.close()
         raise OSError(f"cannot bind the KV transfer server to {bind}: {exc}") from exc
     if bound == 0:
+        servicer.guard.close()
         raise OSError(f"cannot bind the KV transfer server to {bind}")
     server.start()
-    return TransferServer(server, host, bound, source, config)
+    return TransferServer(server, host, bound, source, config, servicer)

@@ -29,6 +29,18 @@ def redis_namespace() -> str:
     return os.environ.get("PDSERVE_REDIS_NAMESPACE", "pdserve")
 
 
+def cluster_secret() -> str | None:
+    """Shared secret of the KV-transfer plane (``PDSERVE_CLUSTER_SECRET``); None: ``pdserve up``
+    generates one for the workers it starts."""
+    return os.environ.get("PDSERVE_CLUSTER_SECRET") or None
+
+
+def state_dir() -> str:
+    """Where ``pdserve up`` leaves what other commands on this machine need (``PDSERVE_STATE_DIR``,
+    default ``~/.pdserve``): the running service's addresses and the embedded Redis URL."""
+    return os.environ.get("PDSERVE_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".pdserve")
+
+
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET=1``: Triton runs kernels in its CPU interpreter (tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

@@ -37,7 +37,6 @@ class PrefillService:
                 aloop.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
 
         rt.loop.submit(req, on_output)
-        out: RequestOutput | None = None
         leased = False
         try:
             out = await done
@@ -57,7 +56,8 @@ class PrefillService:
             )
         finally:
             if not leased:
-                # Cancelled or failed before the lease took the KV over: nothing may stay held.
+                # Cancelled or failed before a lease took the KV over: nothing may stay held. The
+                # engine may have handed the request off already (its output not yet delivered
+                # here), so after the abort a held KV is released too; the engine lock orders both.
                 rt.loop.abort(spec.request_id)
-                if out is not None and out.kv_handoff is not None:
-                    rt.engine.handover.release(spec.request_id)
+                rt.engine.handover.release(spec.request_id)

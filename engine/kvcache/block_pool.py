@@ -171,8 +171,8 @@ class BlockPool:
 
         ``blocks`` are one request's blocks in order, ``block_hashes`` its full-block hashes
         and ``token_ids`` its tokens. A hash already cached under another block gets this block
-        as a second copy. Emits one ``BlockStored`` for the hashes that became cached. Returns
-        how many blocks were registered.
+        as a second copy. Emits a ``BlockStored`` for each contiguous run of hashes that became
+        cached (each a chain under its parent). Returns how many blocks were registered.
         """
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return 0
@@ -181,28 +181,31 @@ class BlockPool:
                 f"cannot cache {num_full_blocks} blocks: {len(block_hashes)} hashes, {len(blocks)} blocks"
             )
         registered = 0
-        stored: list[bytes] = []
-        stored_tokens: list[int] = []
-        parent: bytes | None = None
+        runs: list[tuple[bytes | None, list[bytes], list[int]]] = []  # (parent, hashes, tokens) per chain
+        run: tuple[bytes | None, list[bytes], list[int]] | None = None
         for i in range(num_cached_blocks, num_full_blocks):
             block, h = blocks[i], block_hashes[i]
             if block.is_null:
+                run = None
                 continue
             if block.ref_cnt <= 0:
                 raise BlockPoolError(f"cannot cache free block {block.block_id}")
             if block.block_hash is not None:
                 if block.block_hash != h:
                     raise BlockPoolError(f"block {block.block_id} already cached under another hash")
+                run = None
                 continue
             registered += 1
-            if not self._register(block, h):
+            if not self._register(block, h):  # another copy of a cached hash: no event
+                run = None
                 continue
-            if not stored:
-                parent = block_hashes[i - 1] if i > 0 else None
-            stored.append(h)
-            stored_tokens.extend(token_ids[i * block_size : (i + 1) * block_size])
-        if stored:
-            self._emit(BlockStored(stored, parent, stored_tokens, block_size, lora_name, self.medium))
+            if run is None:
+                run = (block_hashes[i - 1] if i > 0 else None, [], [])
+                runs.append(run)
+            run[1].append(h)
+            run[2].extend(token_ids[i * block_size : (i + 1) * block_size])
+        for parent, hashes, tokens in runs:
+            self._emit(BlockStored(hashes, parent, tokens, block_size, lora_name, self.medium))
         return registered
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> int:

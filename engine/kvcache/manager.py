@@ -75,14 +75,16 @@ def blocks_for_request(
 ) -> int:
     """KV blocks a request holds at most: prompt + max_tokens, capped at max_model_len.
 
-    With a sliding window it holds less once blocks slide out: at most the window's span past a
-    prefill chunk of ``max_chunk_tokens`` (vLLM's bound), or its whole prompt plus one block (a
-    prompt whose KV is handed over is held whole), whichever is larger.
+    With a sliding window it holds less once blocks slide out: at most the window's span past one
+    step's chunk (vLLM's bound; a chunk is at most ``max_chunk_tokens``, and a preempted request
+    recomputes prompt and output in chunks too), or its whole prompt plus one block (a prompt whose
+    KV is handed over is held whole), whichever is larger.
     """
-    full = cdiv(min(num_prompt_tokens + max_tokens, max_model_len), block_size)
+    longest = min(num_prompt_tokens + max_tokens, max_model_len)
+    full = cdiv(longest, block_size)
     if sliding_window is None:
         return full
-    chunk = min(num_prompt_tokens, max_chunk_tokens or num_prompt_tokens)
+    chunk = min(longest, max_chunk_tokens or longest)
     windowed = max(cdiv(chunk + sliding_window - 1, block_size), cdiv(num_prompt_tokens, block_size)) + 1
     return min(full, windowed)
 

@@ -140,3 +140,19 @@ def test_uncache_blocks_forgets_hashes_and_emits_removed() -> None:
     assert pool.uncache_blocks(blocks[1:]) == 0  # already uncached: no event
     pool.free_blocks(reversed(blocks))
     pool.check_invariants()
+
+
+def test_stored_events_are_chains_even_around_a_duplicate() -> None:
+    """A hash in the middle already cached as another copy splits the stored hashes into two
+    chains, each under its own parent (an event never skips a link)."""
+    pool, events = _pool_with_events(8)
+    tokens = list(range(64))
+    hs = block_hashes(tokens, 16)
+    other = pool.get_new_blocks(2)
+    pool.cache_full_blocks(other, hs, 1, 2, 16, tokens)  # only block 1's hash, as another copy
+    events.clear()
+    blocks = pool.get_new_blocks(4)
+    assert pool.cache_full_blocks(blocks, hs, 0, 4, 16, tokens) == 4
+    assert events == [BlockStored([hs[0]], None, tokens[:16], 16, None, "GPU"),
+                      BlockStored([hs[2], hs[3]], hs[1], tokens[32:64], 16, None, "GPU")]
+    pool.check_invariants()

@@ -110,3 +110,63 @@ def test_bad_arguments() -> None:
         m.allocate_slots(r, 4, num_new_computed_tokens=4, new_computed_blocks=[])
     assert m.allocate_slots(r, 100) is None  # more than the pool holds: refused, not corrupted
     m.check_invariants()
+
+
+def test_windowed_admission_bound_covers_a_recompute_after_preemption() -> None:
+    """With a sliding window a request is admitted on a bound below its full length; a request
+    preempted late recomputes prompt and output in one chunk, which the bound must cover, or it
+    would wait forever at the head of the queue (and everything behind it)."""
+    from pdserve.engine.config import SchedulerConfig
+    from pdserve.engine.kvcache.manager import blocks_for_request
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.scheduler import Scheduler
+
+    window, pool, budget = 8, 10, 16
+    # A recompute in one 204-token chunk would need 51 blocks: with a large step budget the bound
+    # is the full length, and a 10-block pool refuses the request instead of admitting a deadlock.
+    assert blocks_for_request(4, 200, 1000, BS, window, 2048) == 51
+    # With 16-token steps the recompute is chunked and the window keeps it within 7 blocks.
+    assert blocks_for_request(4, 200, 1000, BS, window, budget) == 7
+    m = KVCacheManager(pool, BS, sliding_window=window)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_model_len=1000), m)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    reqs = [req(name, [1 + i, 2, 3, 4]) for i, name in enumerate("AB")]
+    for r in reqs:
+        r.sampling_params = params
+        sched.add(r)
+
+    def step() -> None:
+        for s in sched.schedule().scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                s.request.append_output_token(7)
+                status = s.request.check_stop()
+                if status is not None:
+                    sched.finish(s.request, status)
+
+    most_held = 0
+
+    def held() -> int:
+        return max(sum(not b.is_null for b in m.get_blocks(r.request_id)) for r in reqs)
+
+    for _ in range(100):
+        step()
+        most_held = max(most_held, held())
+    # Something else (KV loads) keeps taking every free block: a request is preempted.
+    grabs = []
+    for i in range(20):
+        if m.num_free_blocks():
+            grabs.append(req(f"grab{i}", list(range(100, 100 + BS * m.num_free_blocks()))))
+            assert m.allocate_slots(grabs[-1], grabs[-1].num_tokens, trim_window=False) is not None
+        step()
+        if sched.num_preemptions:
+            break
+    assert sched.num_preemptions >= 1
+    for g in grabs:
+        m.free(g)
+    for _ in range(400):
+        step()
+        most_held = max(most_held, held())
+    assert all(r.status.finished for r in reqs), [r.status for r in reqs]
+    assert most_held <= 7  # never above the bound it was admitted under
+    assert m.num_free_blocks() == pool

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from pdserve import LLM, SamplingParams
 from pdserve.decode_worker.service import DecodeService
 from pdserve.engine.config import CacheConfig, EngineConfig
@@ -105,4 +107,28 @@ def test_handover_between_services_matches_one_engine(tiny_model: str, redis_ser
                                                                 "free_blocks": rt.pool_state()["num_blocks"]})
     finally:
         drt.close()
+        prt.close()
+
+
+def test_prefill_cancelled_right_after_the_handoff_holds_nothing(tiny_model: str, redis_server) -> None:
+    """The engine hands the request off (KV held) while the caller is being cancelled, before the
+    output reaches it: the KV must be released, not left held with no lease."""
+    prt = runtime(tiny_model, redis_server.url, unique_namespace(), "prefill-0", "prefill")
+    try:
+        spec = RequestSpec("r1", tuple(range(1, 41)), SamplingParams(max_tokens=20, ignore_eos=True))
+
+        async def run() -> None:
+            task = asyncio.ensure_future(PrefillService(prt).prefill(spec))
+            await asyncio.sleep(0)  # the request is submitted
+            # Hold the event loop until the engine has handed it off (its output not yet delivered).
+            assert wait_until(lambda: prt.engine.kv_usage().held == 1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(run())
+        assert prt.pool_state() == {**prt.pool_state(), "leases": 0, "requests": 0,
+                                    "free_blocks": prt.pool_state()["num_blocks"]}  # fmt: skip
+        prt.engine.make_request([1, 2, 3], SamplingParams(), "r1")  # the id is free again
+    finally:
         prt.close()
