@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.security import TLSConfig
 from pdserve.v1 import router_pb2 as pb
 from pdserve.v1 import router_pb2_grpc as pb_grpc
 
@@ -75,10 +76,18 @@ def generate(
     return out
 
 
+def router_channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
+    """A channel to the router: plaintext, or TLS (mutual when ``tls`` has a certificate)."""
+    if tls is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=tls.channel_options())
+
+
 def generate_via_router(
-    address: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, as_json: bool
-) -> int:
-    with grpc.insecure_channel(address) as channel:
+    address: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, as_json: bool,
+    tls: TLSConfig | None = None,
+) -> int:  # fmt: skip
+    with router_channel(address, tls) as channel:
         try:
             result = generate(pb_grpc.RouterStub(channel), build_request(prompt, params, cache_salt))
         except grpc.RpcError as e:

@@ -40,7 +40,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.router:
         from pdserve.cli.client import generate_via_router
 
-        return generate_via_router(args.router, prompt, params, args.cache_salt, args.json)
+        tls = None
+        if args.tls_ca or args.tls_cert:
+            from pdserve.security import TLSConfig
+
+            tls = TLSConfig(args.tls_cert, args.tls_key, ca_file=args.tls_ca, server_name=args.tls_server_name)
+        return generate_via_router(args.router, prompt, params, args.cache_salt, args.json, tls)
     from pdserve.cli.generate import generate_offline
 
     return generate_offline(args.model, prompt, params, args.cache_salt, args.json)
@@ -97,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--cache-salt", default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--tls-ca", default=None, help="--router over TLS: the CA that signed the router's certificate")
+    p.add_argument("--tls-cert", default=None, help="--router over mutual TLS: this client's certificate ...")
+    p.add_argument("--tls-key", default=None, help="... and its key")
+    p.add_argument("--tls-server-name", default=None, help="the name in the router's certificate, if not the host")
 
     p = sub.add_parser("stats", help="print prefix hit rates from Redis")
     p.add_argument("--redis-url", default=None)

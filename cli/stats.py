@@ -7,6 +7,7 @@ import json
 
 import redis
 
+from pdserve.cli.state import read_state
 from pdserve.kvindex.config import IndexConfig
 from pdserve.kvindex.stats import read_stats
 
@@ -30,10 +31,14 @@ def format_stats(stats: dict, tenant_names: dict[str, str] | None = None) -> str
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    # Flags override the environment (PDSERVE_REDIS_URL, PDSERVE_REDIS_NAMESPACE), as for `up`.
+    # Flags override the environment (PDSERVE_REDIS_URL, PDSERVE_REDIS_NAMESPACE), as for `up`;
+    # without either, the Redis of the `pdserve up` running on this machine (its state file).
     cfg = IndexConfig(**{k: v for k, v in (("url", args.redis_url), ("namespace", args.namespace)) if v is not None})
     if cfg.url is None:
-        raise ValueError("--redis-url is required (or set PDSERVE_REDIS_URL)")
+        state = read_state()
+        if state is None:
+            raise ValueError("--redis-url is required (or set PDSERVE_REDIS_URL, or run pdserve up on this machine)")
+        cfg = IndexConfig(state["redis_url"], namespace=args.namespace or state["namespace"])
     client = cfg.client()
     try:
         stats = read_stats(client, cfg)

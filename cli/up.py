@@ -1,14 +1,24 @@
-"""``pdserve up``: start the service and serve until SIGINT/SIGTERM."""
+"""``pdserve up``: start the service, keep it up, and drain and stop it on SIGINT/SIGTERM.
+
+While it runs it restarts what dies (the router on its port, the embedded Redis) and says so.
+On the first signal the router stops taking requests (health NOT_SERVING, new calls refused),
+those in flight get ``router.drain_timeout_s`` to finish, then everything stops; a second
+signal stops at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 
+from pdserve.cli.state import remove_state, write_state
 from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.launcher import Service
 from pdserve.kvindex.config import redact_url
+
+SUPERVISE_INTERVAL_S = 2.0
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -26,15 +36,30 @@ def run_up(args: argparse.Namespace) -> int:
     )
     stop = threading.Event()
     service = Service(config)
+
+    def on_signal(*_: object) -> None:
+        if stop.is_set():  # the second signal: no more draining
+            raise KeyboardInterrupt
+        stop.set()
+
     try:
         address, redis_url = service.start()
         # After start: ray.init installs its own SIGTERM handler, which would skip the clean stop.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, on_signal)
         print(f"router listening on {address}", flush=True)
         print(f"redis at {redact_url(redis_url)}", flush=True)
-        stop.wait()
-        print("stopping...", flush=True)
+        state = write_state({"pid": os.getpid(), "router": address, "redis_url": redis_url,
+                             "namespace": config.index.namespace})  # fmt: skip
+        print(f"state in {state} (pdserve stats reads the Redis URL there)", flush=True)
+        while not stop.wait(SUPERVISE_INTERVAL_S):
+            for note in service.supervise():
+                print(note, flush=True)
+        print(f"draining: new requests refused, up to {config.router.drain_timeout_s:.0f}s for those in flight",
+              flush=True)  # fmt: skip
+        cut = service.drain()
+        print(f"stopping{f' ({cut} requests cut off)' if cut else ''}...", flush=True)
     finally:
         service.stop()
+        remove_state(os.getpid())
     return 0

@@ -95,10 +95,11 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "", prefix: str = ""
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         hint = hints[name]
-        if dataclasses.is_dataclass(hint):
+        nested = _config_class(hint)
+        if nested is not None and not (value is None and _optional(hint)):
             if not isinstance(value, dict):
                 raise ValueError(f"{prefix}{name} must be an object{where}, got {value!r}")
-            kwargs[name] = from_dict(hint, value, where, f"{prefix}{name}.")
+            kwargs[name] = from_dict(nested, value, where, f"{prefix}{name}.")
         else:
             _check_type(prefix + name, value, hint)
             kwargs[name] = value
@@ -108,14 +109,27 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "", prefix: str = ""
         raise ValueError(f"{prefix}{e}{where}" if prefix else f"{e}{where}") from None
 
 
+def _config_class(hint: Any) -> type | None:
+    """The config class in ``hint`` (``X`` or ``X | None``), if any."""
+    for t in getattr(hint, "__args__", (hint,)):
+        if dataclasses.is_dataclass(t):
+            return t
+    return None
+
+
+def _optional(hint: Any) -> bool:
+    return type(None) in getattr(hint, "__args__", ())
+
+
 _JSON_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 def _check_type(name: str, value: Any, hint: Any) -> None:
     """ValueError unless ``value`` fits ``hint`` (a config class, or ``T``/``T | None`` of bool/int/float/str)."""
-    if dataclasses.is_dataclass(hint):
-        if not isinstance(value, hint):
-            raise ValueError(f"{name} must be a {hint.__name__}, got {value!r}")
+    nested = _config_class(hint)
+    if nested is not None:
+        if not (isinstance(value, nested) or (value is None and _optional(hint))):
+            raise ValueError(f"{name} must be a {nested.__name__}, got {value!r}")
         return
     allowed = getattr(hint, "__args__", (hint,))
     if value is None and type(None) in allowed:

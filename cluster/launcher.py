@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -16,7 +17,7 @@ from pdserve.cluster.config import ServiceConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model import ModelConfig, load_tokenizer
 from pdserve.engine.model.loader import weight_files
-from pdserve.kvindex.config import IndexConfig
+from pdserve.kvindex.config import IndexConfig, redact_url
 from pdserve.kvindex.embedded import EmbeddedRedis
 from pdserve.worker.config import WorkerConfig
 
@@ -46,8 +47,12 @@ class Service:
         self.decode: dict[str, ray.actor.ActorHandle] = {}
         self.router: ray.actor.ActorHandle | None = None
         self.port: int | None = None
+        self._kv_blocks: int | None = None
         self._started_ray = False
         self._tmp: tempfile.TemporaryDirectory | None = None
+        # The KV-transfer plane always authenticates: without a configured secret, one for this run.
+        transfer = config.transfer
+        self.transfer = transfer if transfer.cluster_secret else replace(transfer, cluster_secret=secrets.token_hex(32))
 
     def _worker_config(self, wid: str, role: str) -> WorkerConfig:
         c = self.config
@@ -57,7 +62,7 @@ class Service:
             role=role,
             engine=self.engine_config(),
             index=self.index_config(),
-            transfer=c.transfer,
+            transfer=self.transfer,
             bind_host="127.0.0.1" if local else "0.0.0.0",
         )
 
@@ -135,23 +140,68 @@ class Service:
                 )
             if not done:
                 self.progress(f"waiting for {len(pending)} worker(s) to load the model ({time.monotonic() - t0:.0f}s)")
+        self._kv_blocks = min(pool_blocks)
+        self.port = self._start_router(c.port)
+        return f"{c.host}:{self.port}", self.redis_url
+
+    def _start_router(self, port: int, attempts: int = 1) -> int:
+        """Create the router actor and serve on ``port``; returns the bound port.
+
+        The router runs on this (the head) node, where users reach its port. Ray does not restart
+        it (a restarted actor would not re-bind its port: ``start`` is a call); ``supervise`` does.
+        """
         from pdserve.router.actor import Router
 
-        # The router runs on this (the head) node, where users reach its port. It is not
-        # restarted by Ray: a restarted actor would not re-bind the port (start() is a call).
+        c = self.config
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.router = ray.remote(Router).options(
             name="pdserve-router", num_cpus=0, max_restarts=0, scheduling_strategy=here
-        ).remote(
-            c.router, self.engine_config(), self.index_config(), self.prefill, self.decode, kv_blocks=min(pool_blocks)
-        )
+        ).remote(c.router, self.engine_config(), self.index_config(), self.prefill, self.decode,
+                 kv_blocks=self._kv_blocks)  # fmt: skip
+        for attempt in range(attempts):
+            try:
+                return ray.get(self.router.start.remote(c.host, port))
+            except ray.exceptions.RayTaskError as e:
+                if not isinstance(e.cause, OSError):
+                    raise
+                if attempt == attempts - 1:  # the port is taken: say so without Ray's traceback
+                    raise OSError(str(e.cause)) from None
+                time.sleep(0.5)  # the old router's socket may linger a moment
+        raise AssertionError("unreachable")
+
+    def _router_alive(self, timeout_s: float = 10.0) -> bool:
         try:
-            self.port = ray.get(self.router.start.remote(c.host, c.port))
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, OSError):  # the port is taken: say so without Ray's traceback
-                raise OSError(str(e.cause)) from None
-            raise
-        return f"{c.host}:{self.port}", self.redis_url
+            return bool(ray.get(self.router.ping.remote(), timeout=timeout_s))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+
+    def supervise(self) -> list[str]:
+        """Restart what died: the router (on the same port) and the embedded Redis (same port and
+        password; the workers republish the index into it). One line per restart, for the log."""
+        notes: list[str] = []
+        if self.redis is not None and not self.redis.running:
+            self.redis.restart()
+            notes.append(f"redis-server had stopped: restarted at {redact_url(self.redis.url)}")
+        if self.router is not None and not self._router_alive():
+            try:
+                ray.kill(self.router, no_restart=True)  # a hung one; a dead one is already gone
+            except Exception:  # noqa: BLE001
+                pass
+            assert self.port is not None
+            self._start_router(self.port, attempts=20)
+            notes.append(f"router had stopped: restarted, listening on {self.config.host}:{self.port}")
+        return notes
+
+    def drain(self, timeout_s: float | None = None) -> int:
+        """The router stops taking requests and gives those in flight ``timeout_s`` (default
+        ``router.drain_timeout_s``) to finish; returns how many were cut off."""
+        if self.router is None:
+            return 0
+        wait = self.config.router.drain_timeout_s if timeout_s is None else timeout_s
+        try:
+            return int(ray.get(self.router.drain.remote(wait), timeout=wait + 30))
+        except Exception:  # noqa: BLE001 - a dead router has nothing to drain
+            return 0
 
     def stop(self) -> None:
         if ray.is_initialized():

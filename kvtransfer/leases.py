@@ -140,6 +140,12 @@ class LeaseTable:
         self._run_callbacks(to_release)
         return True
 
+    def release_request(self, request_id: str) -> bool:
+        """``release`` the live lease of ``request_id``, if it has one."""
+        with self._lock:
+            lease_id = self._by_request.get(request_id)
+        return lease_id is not None and self.release(lease_id)
+
     def reap(self, now: float | None = None) -> int:
         """Expire every lease past its deadline; return how many were released now."""
         now = self._clock() if now is None else now

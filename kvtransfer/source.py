@@ -82,6 +82,10 @@ class BlockSource:
     def release(self, lease_id: str) -> bool:
         return self.leases.release(lease_id)
 
+    def release_request(self, request_id: str) -> bool:
+        """End whatever this holder keeps for ``request_id``: its lease, or its held KV."""
+        return self.leases.release_request(request_id) or self.handover.release(request_id)
+
     def _free_lease(self, lease: Lease) -> None:
         self.handover.release(lease.request_id)
 

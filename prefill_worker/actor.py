@@ -25,6 +25,10 @@ class PrefillWorker:
         # Freeing takes the engine lock: not on the event loop that serves the prefills.
         return await asyncio.to_thread(self.rt.source.release, lease_id)
 
+    async def release_request(self, request_id: str) -> bool:
+        """The router gave up on ``request_id``: free what this worker holds for it."""
+        return await asyncio.to_thread(self.rt.source.release_request, request_id)
+
     async def pool_state(self) -> dict[str, int]:
         return self.rt.pool_state()
 

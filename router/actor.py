@@ -18,6 +18,11 @@ from pdserve.router.ray_workers import RayWorkers
 from pdserve.router.servicer import RouterServicer, add_router_to_server
 from pdserve.v1 import router_pb2
 
+_SERVICES = (
+    router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
+    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+)
+
 
 class Router:
     """``engine`` is the workers' engine config (model, cache, scheduler limits); ``kv_blocks``
@@ -38,32 +43,53 @@ class Router:
         self.core = RouterCore(config, engine.cache, RayWorkers(prefill, decode), PrefixLookup(index),
                                StatsRecorder(index))  # fmt: skip
         self.servicer = RouterServicer(self.core, self.tokenizer, RequestLimits.for_engine(mc, engine, kv_blocks))
+        self.config = config
         self.server: grpc.aio.Server | None = None
+        self.health: health.aio.HealthServicer | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0 = any free port); returns the bound port."""
-        # No SO_REUSEPORT: a taken port must fail to bind, not be shared with its owner.
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        options = [
+            ("grpc.so_reuseport", 0),  # no SO_REUSEPORT: a taken port must fail to bind, not be shared
+            ("grpc.max_receive_message_length", self.config.max_request_bytes),  # refused before it is read
+        ]
+        server = grpc.aio.server(options=options)
         add_router_to_server(self.servicer, server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        names = (
-            router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        )
-        reflection.enable_server_reflection(names, server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((*_SERVICES, reflection.SERVICE_NAME), server)
         try:
-            bound = server.add_insecure_port(f"{host}:{port}")
+            if self.config.tls is not None:
+                bound = server.add_secure_port(f"{host}:{port}", self.config.tls.server_credentials())
+            else:
+                bound = server.add_insecure_port(f"{host}:{port}")
         except RuntimeError as exc:  # recent grpcio raises instead of returning 0
             raise OSError(f"cannot bind the router to {host}:{port}: {exc}") from exc
         if bound == 0:
             raise OSError(f"cannot bind the router to {host}:{port}")
         await server.start()
-        await health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.server = server
         return bound
+
+    async def _set_health(self, status: int) -> None:
+        assert self.health is not None
+        for name in (*_SERVICES, ""):
+            await self.health.set(name, status)
+
+    async def ping(self) -> bool:
+        return self.server is not None
+
+    async def drain(self, timeout_s: float | None = None) -> int:
+        """Graceful stop, first half: health says NOT_SERVING, new requests are refused
+        (UNAVAILABLE), and those in flight get ``timeout_s`` (default ``drain_timeout_s``) to
+        finish. Returns how many were still running when the time was up."""
+        if self.health is not None:
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        admission = self.core.admission
+        admission.drain()
+        await admission.wait_idle(self.config.drain_timeout_s if timeout_s is None else timeout_s)
+        return admission.in_flight
 
     async def stop(self) -> None:
         """Stop serving, then write the counters still queued and close the index clients."""

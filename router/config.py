@@ -1,9 +1,14 @@
-"""RouterConfig: how the router picks workers (router/policy.py explains the formula)."""
+"""RouterConfig: how the router picks workers (router/policy.py explains the formula) and what it
+admits (router/admission.py)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from pdserve.security import TLSConfig
+
+MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -14,12 +19,28 @@ class RouterConfig:
     load_weight: float = 1.0
     # Retries on another decode worker while no decode token was sent.
     decode_retries: int = 1
+    # A request message larger than this is refused before it is read (RESOURCE_EXHAUSTED).
+    max_request_bytes: int = 1 * MiB
+    # Admission: requests running at once, of them per tenant (cache_salt), and waiting for a slot.
+    max_in_flight: int = 256
+    max_in_flight_per_tenant: int = 64
+    max_queued: int = 1024
+    queue_timeout_s: float = 30.0
+    # On SIGTERM, in-flight streams get this long to finish before the router stops.
+    drain_timeout_s: float = 30.0
+    # TLS on the router's gRPC port (and the HTTP port); None: plaintext.
+    tls: TLSConfig | None = None
 
     def __post_init__(self) -> None:
-        for name in ("local_prefill_threshold", "decode_retries"):
+        for name in ("local_prefill_threshold", "decode_retries", "max_queued"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        w = self.load_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-            raise ValueError(f"load_weight must be a finite number >= 0, got {w!r}")
+        for name in ("max_request_bytes", "max_in_flight", "max_in_flight_per_tenant"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("load_weight", "queue_timeout_s", "drain_timeout_s"):
+            w = getattr(self, name)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {w!r}")

@@ -19,6 +19,7 @@ from pdserve.engine.config import CacheConfig
 from pdserve.engine.kvcache.hashing import block_hashes
 from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.stats import StatsRecorder
+from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
 from pdserve.router.policy import pick_worker, prefill_locally
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
@@ -74,6 +75,8 @@ class RouterCore:
         self.stats = stats
         self.prefill_load = _Load()
         self.decode_load = _Load()
+        self.admission = Admission(config.max_in_flight, config.max_in_flight_per_tenant, config.max_queued,
+                                   config.queue_timeout_s)  # fmt: skip
 
     def close(self) -> None:
         self.lookup.close()
@@ -91,9 +94,16 @@ class RouterCore:
             self.prefill_load.add(p, -work)
 
     async def generate(self, spec: RequestSpec) -> AsyncIterator[StreamEvent]:
-        """Stream one request's tokens. Counters go to Redis exactly once per request, when it
-        ends (finished, failed or cancelled), credited to the worker that did the work. A lease
-        that no decode worker pulled is released when the request ends, whatever the reason."""
+        """Stream one request's tokens, once admission gives it a slot (``Overloaded`` /
+        ``Draining`` otherwise, before any work). Counters go to Redis exactly once per request,
+        when it ends (finished, failed or cancelled), credited to the worker that did the work. A
+        lease that no decode worker pulled is released when the request ends, whatever the reason."""
+        async with self.admission.slot(spec.cache_salt or ""):
+            async with contextlib.aclosing(self._generate(spec)) as events:
+                async for event in events:
+                    yield event
+
+    async def _generate(self, spec: RequestSpec) -> AsyncIterator[StreamEvent]:
         cfg = self.config
         bs = self.cache.block_size
         t0 = time.perf_counter()

@@ -12,6 +12,14 @@ from pdserve.router.core import WorkerUnavailableError
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 
 
+async def _settled(ref: ray.ObjectRef) -> None:
+    """Wait until the task behind ``ref`` is over, however it ended."""
+    try:
+        await ref
+    except Exception:  # noqa: BLE001 - cancelled or failed: over all the same
+        pass
+
+
 class RayWorkers:
     """Calls prefill/decode actors; a dead actor surfaces as WorkerUnavailableError, and a
     cancelled caller cancels the remote task (the worker then frees the request's blocks)."""
@@ -21,6 +29,7 @@ class RayWorkers:
         self.decode_handles = decode
         self.prefill_ids = list(prefill)
         self.decode_ids = list(decode)
+        self._cleanups: set[asyncio.Task[None]] = set()
 
     async def prefill(self, worker_id: str, spec: RequestSpec) -> PrefillResult:
         ref = self.prefill_handles[worker_id].prefill.remote(spec)
@@ -29,8 +38,20 @@ class RayWorkers:
         except RayActorError as exc:
             raise WorkerUnavailableError(f"prefill worker {worker_id} is unavailable: {exc}") from exc
         except asyncio.CancelledError:
+            # A prefill still running is cancelled (the worker frees its blocks); one that already
+            # finished holds its KV under a lease nobody will pull (Ray may drop its result, so the
+            # lease id may never reach us): once the task is over, free it by request id.
             ray.cancel(ref)
+            task = asyncio.ensure_future(self._release_orphan(worker_id, spec.request_id, ref))
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
             raise
+
+    async def _release_orphan(self, worker_id: str, request_id: str, ref: ray.ObjectRef) -> None:
+        await _settled(ref)
+        handle = self.prefill_handles.get(worker_id)
+        if handle is not None:
+            handle.release_request.remote(request_id)  # not awaited; idempotent
 
     def release(self, worker_id: str, lease_id: str) -> None:
         handle = self.prefill_handles.get(worker_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -10,11 +11,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 from google.protobuf import unknown_fields
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 from tokenizers import Tokenizer
 
 from pdserve.engine.limits import RequestLimits
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.admission import Draining, Overloaded
 from pdserve.router.core import RouterCore, WorkerUnavailableError
 from pdserve.router.detokenizer import IncrementalDetokenizer
 from pdserve.v1 import router_pb2 as pb
@@ -24,25 +27,63 @@ from pdserve.worker.messages import RequestSpec
 logger = logging.getLogger(__name__)
 
 
+MAX_REQUEST_ID_CHARS = 128  # echoed in every response message
+MAX_CACHE_SALT_CHARS = 256
+_WIRE_TYPES = {0: "varint", 1: "64-bit", 2: "length-delimited", 5: "32-bit"}
+
+
 class InvalidRequest(ValueError):
     pass
 
 
+def _wire_type(field: FieldDescriptor) -> int:
+    if field.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES, FieldDescriptor.TYPE_MESSAGE):
+        return 2
+    if field.is_repeated:
+        return 2  # packed
+    if field.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64):
+        return 1
+    if field.type in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_FIXED32, FieldDescriptor.TYPE_SFIXED32):
+        return 5
+    return 0
+
+
 def _check_unknown(msg: Message, where: str) -> None:
-    if len(unknown_fields.UnknownFieldSet(msg)):
-        raise InvalidRequest(f"{where}: unknown field(s) in the request (client built for a newer API?)")
+    """Protobuf keeps a field whose wire type does not match the schema as an unknown field: say
+    which field that is and what was wrong, else that the field is not in this API."""
+    unknown = unknown_fields.UnknownFieldSet(msg)
+    for item in unknown:
+        field = msg.DESCRIPTOR.fields_by_number.get(item.field_number)
+        if field is not None:
+            raise InvalidRequest(
+                f"{where}.{field.name}: wrong type on the wire ({_WIRE_TYPES.get(item.wire_type, item.wire_type)}, "
+                f"expected {_WIRE_TYPES[_wire_type(field)]}); is the client's .proto the same as the server's?"
+            )
+    if len(unknown):
+        numbers = ", ".join(str(item.field_number) for item in unknown)
+        raise InvalidRequest(f"{where}: unknown field number(s) {numbers} (client built for a newer API?)")
 
 
-def to_spec(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: RequestLimits) -> RequestSpec:
-    """Validate a GenerateRequest and convert it; InvalidRequest names the bad field."""
+def to_spec(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: RequestLimits,
+            text_tokenizer: Tokenizer | None = None) -> RequestSpec:  # fmt: skip
+    """Validate a GenerateRequest and convert it; InvalidRequest names the bad field.
+
+    Tokenizes: call it off the event loop. ``text_tokenizer`` reads special tokens in text as
+    plain text (for ``split_special_tokens``).
+    """
     _check_unknown(req, "GenerateRequest")
     s = req.sampling
     _check_unknown(s, "sampling")
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id: {len(req.request_id)} characters, at most {MAX_REQUEST_ID_CHARS}")
+    if len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest(f"cache_salt: {len(req.cache_salt)} characters, at most {MAX_CACHE_SALT_CHARS}")
     which = req.WhichOneof("prompt")
     if which is None:
         raise InvalidRequest("prompt: set text or token_ids")
     if which == "text":
-        ids = tokenizer.encode(req.text, add_special_tokens=False).ids
+        tok = text_tokenizer if req.split_special_tokens and text_tokenizer is not None else tokenizer
+        ids = tok.encode(req.text, add_special_tokens=False).ids
     else:
         _check_unknown(req.token_ids, "token_ids")
         ids = list(req.token_ids.ids)
@@ -96,6 +137,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.core = core
         self.tokenizer = tokenizer
         self.limits = limits
+        # The same tokenizer, reading special tokens in text as plain text (split_special_tokens).
+        self.text_tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        self.text_tokenizer.encode_special_tokens = True
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -103,7 +147,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         try:
             if isinstance(request, InvalidRequest):
                 raise request
-            spec = to_spec(request, self.tokenizer, self.limits)
+            # Tokenizing a long text takes a while: never on the loop that serves the other streams.
+            spec = await asyncio.to_thread(to_spec, request, self.tokenizer, self.limits, self.text_tokenizer)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
@@ -125,7 +170,9 @@ class RouterServicer(pb_grpc.RouterServicer):
                     if ev.ttft_ms is not None:
                         resp.ttft_ms = ev.ttft_ms
                     yield resp
-        except WorkerUnavailableError as e:
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except (Draining, WorkerUnavailableError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:  # a worker refused the request (e.g. it needs more KV than a pool has)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -36,5 +36,7 @@ class WorkerConfig:
             raise ValueError("engine.model: a worker needs a model")
         if self.index.url is None:
             raise ValueError("index.url: a worker needs a Redis URL")
+        if not self.transfer.cluster_secret:
+            raise ValueError("transfer.cluster_secret: a worker's KV-transfer plane always authenticates its callers")
         if not (isinstance(self.heartbeat_s, (int, float)) and math.isfinite(self.heartbeat_s) and self.heartbeat_s > 0):
             raise ValueError(f"heartbeat_s must be a finite number > 0, got {self.heartbeat_s!r}")

@@ -92,23 +92,36 @@ def test_stats_reads_ratio_of_sums_from_redis(redis_server: EmbeddedRedis) -> No
 
 
 @pytest.mark.slow
-def test_up_prints_ready_lines_serves_and_stops_on_sigterm(model_dir: str) -> None:
+def test_up_prints_ready_lines_serves_and_drains_on_sigterm(model_dir: str, tmp_path: Path) -> None:
+    env = dict(os.environ, PDSERVE_STATE_DIR=str(tmp_path / "state"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli.main", "up", "--model", model_dir, "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
     )
     try:
         assert proc.stdout is not None
         router_line = proc.stdout.readline().strip()
         redis_line = proc.stdout.readline().strip()
+        state_line = proc.stdout.readline().strip()
         assert router_line.startswith("router listening on "), router_line
-        assert redis_line.startswith("redis at redis://"), redis_line
+        assert redis_line.startswith("redis at redis://pdserve:***@127.0.0.1:"), redis_line  # password redacted
+        state = tmp_path / "state" / "up.json"
+        assert state_line == f"state in {state} (pdserve stats reads the Redis URL there)"
+        assert state.stat().st_mode & 0o777 == 0o600
         address = router_line.removeprefix("router listening on ")
         r = pdserve("generate", "--router", address, "--prompt", "hello router", "--max-tokens", "4", "--json")
         assert r.returncode == 0, r.stderr
         assert len(json.loads(r.stdout)["token_ids"]) == 4
+        # `stats` finds the embedded Redis (and its password) through the state file alone.
+        r = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "stats", "--json"], capture_output=True,
+                           text=True, timeout=120, cwd=REPO, env=env)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["cluster"]["prompt_tokens"] > 0
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=90) == 0
+        out = proc.stdout.read()
+        assert "draining: new requests refused" in out and "stopping" in out
+        assert not state.exists()
     finally:
         if proc.poll() is None:
             proc.kill()

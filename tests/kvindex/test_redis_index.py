@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import cbor2
 import pytest
@@ -69,15 +70,42 @@ def holders(client: redis.Redis, ns: str, h: bytes) -> dict[str, str]:
 def test_embedded_redis_starts_answers_and_frees_its_port() -> None:
     server = EmbeddedRedis()
     with server:
-        assert server.running and server.url == f"redis://127.0.0.1:{server.port}/0"
+        assert server.running and server.url == f"redis://pdserve:{server.password}@127.0.0.1:{server.port}/0"
         c = redis.Redis.from_url(server.url, decode_responses=True)
         assert c.ping()
-        assert c.config_get("save") == {"save": ""} and c.config_get("appendonly") == {"appendonly": "no"}
         c.close()
     assert not server.running
     server.stop()  # idempotent
     with socket.socket() as s:  # the port is free again
         s.bind(("127.0.0.1", server.port))
+
+
+def test_embedded_redis_is_locked_down() -> None:
+    """An attacker on the machine: no password, no way in; with the password, no command that
+    touches the server itself (writing files, loading modules, shutting it down, reading keys in bulk)."""
+    with running_redis() as server:
+        port = server.port
+        anyone = redis.Redis(port=port, socket_timeout=5)
+        with pytest.raises((redis.AuthenticationError, redis.ResponseError)):
+            anyone.hset("pdserve:x", "a", 1)
+        with pytest.raises((redis.AuthenticationError, redis.ResponseError)):
+            anyone.config_set("dir", "/tmp")
+        member = redis.Redis.from_url(server.url, decode_responses=True, socket_timeout=5)
+        assert member.hset("pdserve:x", "a", 1) == 1 and member.info("server")["run_id"]
+        for command in (("CONFIG", "SET", "dir", "/tmp"), ("CONFIG", "SET", "dbfilename", "x.rdb"), ("SAVE",),
+                        ("BGSAVE",), ("MODULE", "LOAD", "/tmp/x.so"), ("DEBUG", "SLEEP", "0"), ("SHUTDOWN",),
+                        ("FLUSHALL",), ("KEYS", "*"), ("ACL", "SETUSER", "evil", "on"), ("MONITOR",)):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                member.execute_command(*command)
+        assert server.running and member.ping()  # SHUTDOWN did not take it down
+        # The password is in a private config file, not on a command line every user can read.
+        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
+        assert server.password.encode() not in cmdline
+        conf = Path(server.config_path)
+        assert conf.stat().st_mode & 0o777 == 0o600 and conf.parent.stat().st_mode & 0o777 == 0o700
+        assert 'save ""' in conf.read_text() and "appendonly no" in conf.read_text()
+        member.close()
+        anyone.close()
 
 
 def test_embedded_redis_reports_a_bad_start() -> None:
@@ -133,7 +161,7 @@ def test_publisher_writes_design_keys_events_and_counters(cfg: IndexConfig, clie
     for h in (h0, h1):
         held = holders(client, ns, h)
         assert list(held) == ["prefill-0"] and t0 <= int(held["prefill-0"]) <= int(time.time() * 1000)
-    assert sorted(client.keys(f"{ns}:block:*")) == sorted(f"{ns}:block:{h.hex()}" for h in (h0, h1))
+    assert sorted(client.scan_iter(f"{ns}:block:*")) == sorted(f"{ns}:block:{h.hex()}" for h in (h0, h1))
 
     [(_, entry)] = client.xrange(f"{ns}:events")
     assert entry["type"] == "BlockStored" and entry["worker"] == "prefill-0" and entry["medium"] == "GPU"
@@ -162,7 +190,7 @@ def test_publisher_writes_design_keys_events_and_counters(cfg: IndexConfig, clie
     assert pub.held_hashes == {h0, h1}
     assert pool.reset_prefix_cache()
     assert pub.flush(5)
-    assert client.keys(f"{ns}:block:*") == [] and pub.held_hashes == set()
+    assert list(client.scan_iter(f"{ns}:block:*")) == [] and pub.held_hashes == set()
     last = client.xrevrange(f"{ns}:events", count=1)[0][1]
     assert last == {"type": "AllBlocksCleared", "worker": "prefill-0", "medium": "GPU", "ts_ms": last["ts_ms"]}
     pub.close()
@@ -209,7 +237,7 @@ def test_stats_add_up_across_workers_and_tenants(cfg: IndexConfig, client: redis
     assert stats["workers"]["prefill-0"]["prompt_tokens"] == 100 and stats["workers"]["prefill-1"]["prompt_tokens"] == 20
     ta, tb = tenant_digest("tenant-a"), tenant_digest("tenant-b")
     assert ta == xxhash.xxh3_64_hexdigest(b"tenant-a") and len(ta) == 16
-    assert client.exists(f"{ns}:stats:tenant:{ta}") and not client.keys(f"{ns}:*tenant-a*")
+    assert client.exists(f"{ns}:stats:tenant:{ta}") and not list(client.scan_iter(f"{ns}:*tenant-a*"))
     assert stats["tenants"][ta]["prefix_hit_tokens"] == 95 and stats["tenants"][tb]["prompt_tokens"] == 10
     assert stats["tenants"][ta]["transfer_failures"] == 1
     for kind in ("workers", "tenants"):
@@ -274,8 +302,8 @@ def test_namespace_isolates_keys(redis_server: EmbeddedRedis, client: redis.Redi
         assert pub.flush(5)
     assert PrefixLookup(a).longest_prefix(chain) == {"w": 2}
     assert PrefixLookup(b).longest_prefix(chain) == {}
-    assert client.keys(f"{b.namespace}:*") == []
-    assert all(k.startswith(f"{a.namespace}:") for k in client.keys(f"{a.namespace}*"))
+    assert list(client.scan_iter(f"{b.namespace}:*")) == []
+    assert all(k.startswith(f"{a.namespace}:") for k in client.scan_iter(f"{a.namespace}*"))
     assert read_stats(client, b)["cluster"]["blocks_stored"] == 0
 
 
@@ -315,7 +343,7 @@ def test_outage_never_blocks_callers_and_index_is_republished(caplog: pytest.Log
         c = redis.Redis.from_url(server.url, decode_responses=True)
         expect = set(block_hashes(list(range(32)), BS) + block_hashes(list(range(900, 932)), BS))
         assert pub.held_hashes == expect
-        assert {k.split(":")[-1] for k in c.keys("pdserve:block:*")} == {h.hex() for h in expect}
+        assert {k.split(":")[-1] for k in c.scan_iter("pdserve:block:*")} == {h.hex() for h in expect}
         assert all(list(c.hgetall(f"pdserve:block:{h.hex()}")) == ["p0"] for h in expect)
         counters = read_stats(c, cfg)["cluster"]
         assert counters["prompt_tokens"] == 2000 and counters["prefix_hit_tokens"] == 1000  # lost increments replayed
@@ -350,7 +378,7 @@ def test_quiet_restart_is_noticed_and_index_republished() -> None:
 
 def test_restart_check_without_info_permission_is_not_an_outage(caplog: pytest.LogCaptureFixture) -> None:
     """A Redis user denied INFO (ACL -@dangerous) can still publish; the restart check just turns off."""
-    with running_redis() as server:
+    with running_redis(restricted=False) as server:
         admin = redis.Redis.from_url(server.url)
         admin.execute_command("ACL", "SETUSER", "pd", "on", ">pw", "~*", "+@all", "-@dangerous")
         url = server.url.replace("redis://", "redis://pd:pw@", 1)
@@ -393,7 +421,7 @@ def test_lookup_during_a_hung_redis_costs_little() -> None:
 
 
 def test_removals_lost_in_an_outage_are_replayed_when_redis_kept_its_data() -> None:
-    with running_redis() as server:
+    with running_redis(restricted=False) as server:
         cfg = IndexConfig(server.url, namespace="pdserve", **FAST)
         pool, pub = BlockPool(4), KVEventPublisher(cfg, "p0")
         pool.add_event_sink(pub)
@@ -405,14 +433,14 @@ def test_removals_lost_in_an_outage_are_replayed_when_redis_kept_its_data() -> N
         assert wait_until(lambda: pub.outages == 1)
     # Redis returns with its old data (a partition, not a crash) but refuses the publisher
     # until the stale fields are in place: a password only the test knows.
-    with running_redis(port=server.port, password="gate") as back:
+    with running_redis(port=server.port, password="gate", restricted=False) as back:
         admin = redis.Redis(port=back.port, password="gate", decode_responses=True)
         for h in chain:
             admin.hset(f"pdserve:block:{h.hex()}", "p0", 1)
         assert not pub.flush(0.3)
         admin.config_set("requirepass", "")
         assert pub.flush(10)
-        assert admin.keys("pdserve:block:*") == [] and pub.outages == 1
+        assert list(admin.scan_iter("pdserve:block:*")) == [] and pub.outages == 1
         assert admin.hget("pdserve:stats", "blocks_evicted") == "2"
         pub.close()
         admin.close()
@@ -420,7 +448,7 @@ def test_removals_lost_in_an_outage_are_replayed_when_redis_kept_its_data() -> N
 
 def test_password_protected_redis_via_url(client: redis.Redis) -> None:
     with running_redis(password="s3cr3t") as server:
-        url = f"redis://:s3cr3t@127.0.0.1:{server.port}/0"
+        url = f"redis://pdserve:s3cr3t@127.0.0.1:{server.port}/0"
         assert server.url == url
         cfg = IndexConfig(url, namespace="pw", **FAST)
         assert "s3cr3t" not in repr(cfg)
@@ -429,7 +457,7 @@ def test_password_protected_redis_via_url(client: redis.Redis) -> None:
             pub(BlockStored(chain, None, list(range(16)), BS))
             assert pub.flush(5)
         assert PrefixLookup(cfg).longest_prefix(chain) == {"w": 1}
-        bad = PrefixLookup(IndexConfig(f"redis://:wrong@127.0.0.1:{server.port}/0", **FAST))
+        bad = PrefixLookup(IndexConfig(f"redis://pdserve:wrong@127.0.0.1:{server.port}/0", **FAST))
         assert bad.longest_prefix(chain) == {} and bad.outages == 1
 
 

@@ -12,6 +12,7 @@ from pdserve.decode_worker.service import DecodeService
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.kvindex.config import IndexConfig
 from pdserve.kvindex.stats import read_stats
+from pdserve.kvtransfer.config import TransferConfig
 from pdserve.prefill_worker.service import PrefillService
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.messages import RequestSpec
@@ -19,10 +20,12 @@ from pdserve.worker.runtime import WorkerRuntime
 from tests.support.polling import wait_until, wait_until_async
 from tests.support.redis import unique_namespace
 
+SECRET = TransferConfig(cluster_secret="worker-services-test-secret")
+
 
 def runtime(model: str, url: str, ns: str, wid: str, role: str, block_size: int = 16) -> WorkerRuntime:
     engine = EngineConfig(model, device="cpu", cache=CacheConfig(block_size, 64))
-    return WorkerRuntime(WorkerConfig(wid, role, engine, IndexConfig(url, namespace=ns), bind_host="127.0.0.1"))
+    return WorkerRuntime(WorkerConfig(wid, role, engine, IndexConfig(url, namespace=ns), SECRET, bind_host="127.0.0.1"))
 
 
 def counters(url: str, ns: str, wid: str) -> dict[str, int]:

@@ -1,0 +1,45 @@
+"""The running service's state file: what ``pdserve up`` leaves for other commands on this machine.
+
+``<state dir>/up.json`` (``PDSERVE_STATE_DIR``, default ``~/.pdserve``; the directory mode 0700,
+the file 0600, as it holds the embedded Redis's password): ``{"pid", "router", "redis_url",
+"namespace"}``. Written when ``up`` is ready, removed when it stops. ``pdserve stats`` without
+``--redis-url`` reads the Redis URL from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from pdserve import envs
+
+
+def state_file() -> Path:
+    return Path(envs.state_dir()) / "up.json"
+
+
+def write_state(state: dict[str, object]) -> Path:
+    path = state_file()
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(state, f)
+    os.replace(tmp, path)
+    return path
+
+
+def read_state() -> dict | None:
+    """The state of the ``up`` on this machine, or None when there is none (or it is unreadable)."""
+    try:
+        return json.loads(state_file().read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def remove_state(pid: int) -> None:
+    """Remove the state file if it is this process's (another ``up`` may have replaced it)."""
+    state = read_state()
+    if state is not None and state.get("pid") == pid:
+        state_file().unlink(missing_ok=True)
