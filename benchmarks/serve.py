@@ -32,8 +32,14 @@ Each side: start, warm up with 2 requests (a salt of their own, so tenants start
 measure, read worker pool states (leak check), stop. Torch's thread count inside each
 worker (Ray sets ``OMP_NUM_THREADS`` to the actor's ``num_cpus``) is probed and reported.
 
+With ``--http`` the comparison is between the two edges instead: one ``1P+1D`` service, the
+workload sent through the OpenAI-compatible HTTP API (streamed ``/v1/completions`` of the same
+token ids, with vLLM's ``continuous_usage_stats`` so every chunk says how many tokens it carries)
+and then through gRPC, each edge with tenants of its own so that both start cold.
+
 With ``--router HOST:PORT [--redis-url URL]`` the same load runs once against a running
-service (no comparison; the Redis hit rate is the delta over the run).
+service (no comparison; the Redis hit rate is the delta over the run); add ``--http`` when
+HOST:PORT is the service's HTTP API.
 
 Run: ``python -m benchmarks.serve [--quick] [--json]`` or ``pdserve bench serve``.
 """
@@ -41,6 +47,7 @@ Run: ``python -m benchmarks.serve [--quick] [--json]`` or ``pdserve bench serve`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -75,6 +82,7 @@ MODEL_KWARGS: dict[str, int] = {
 }
 KV_CACHE_BYTES = 64 * 1024**2
 DISAGG, MONO = "1P+1D", "monolithic"
+HTTP, GRPC = "HTTP", "gRPC"
 
 
 
@@ -126,12 +134,12 @@ def redis_delta(redis_url: str, namespace: str, before: dict, expect_requests: i
 # ---------------------------------------------------------------------------------------
 def measure(
     label: str, address: str, redis_url: str | None, namespace: str, workload: list[BenchRequest],
-    params: SamplingParams, timeout_s: float, warmup: int,
+    params: SamplingParams, timeout_s: float, warmup: int, http: bool = False,
 ) -> dict[str, Any]:
-    """Warm up, snapshot Redis, run the load, summarize, Redis delta."""
+    """Warm up, snapshot Redis, run the load (gRPC, or the HTTP API at ``address``), summarize, Redis delta."""
     if warmup:
         log(f"{label}: warm-up ({warmup} requests)")
-        failed = warm_up(address, params, 64, warmup, f"bench-warmup-{label}", timeout_s)
+        failed = warm_up(address, params, 64, warmup, f"bench-warmup-{label}", timeout_s, http)
         if failed:
             log(f"{label}: warning: {failed} warm-up request(s) failed")
     before = None
@@ -140,7 +148,7 @@ def measure(
         before = _read_stats(redis_url, namespace)
     load = os.getloadavg()[0]
     log(f"{label}: {len(workload)} requests over ~{workload[-1].arrival_s:.1f}s (1-min load avg {load:.2f})")
-    records, wall = run_load(address, workload, params, timeout_s, label)
+    records, wall = run_load(address, workload, params, timeout_s, label, http)
     result = summarize(records, wall)
     result["load_average_1min_before"] = load
     if redis_url and before is not None:
@@ -225,9 +233,12 @@ def _child_processes() -> list[str]:
 
 def run_service(
     label: str, model_dir: str, cpus_per_worker: float, threshold: int, workload: list[BenchRequest],
-    params: SamplingParams, timeout_s: float, warmup: int,
-) -> dict[str, Any]:
-    """Start a 1 prefill + 1 decode service, measure it, check its workers, stop it."""
+    params: SamplingParams, timeout_s: float, warmup: int, edges: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """Start a 1 prefill + 1 decode service, measure it, check its workers, stop it. Returns
+    ``{label: result}``; with ``edges``, ``{"HTTP": ..., "gRPC": ...}``: the workload through each
+    edge of the same service, one after the other, each with tenants (cache salts) of its own so
+    that both start cold."""
     from pdserve.cluster.config import ServiceConfig
     from pdserve.cluster.launcher import Service
     from pdserve.engine.config import CacheConfig, EngineConfig
@@ -235,7 +246,7 @@ def run_service(
     from pdserve.router.config import RouterConfig
 
     config = ServiceConfig(
-        prefill=1, decode=1, cpus_per_worker=cpus_per_worker, port=0,
+        prefill=1, decode=1, cpus_per_worker=cpus_per_worker, port=0, http_port=0,
         engine=EngineConfig(model=model_dir, cache=CacheConfig(kv_cache_memory_bytes=KV_CACHE_BYTES)),
         index=IndexConfig(url=None), router=RouterConfig(local_prefill_threshold=threshold),
     )
@@ -246,21 +257,29 @@ def run_service(
         address, redis_url = service.start()
         log(f"{label}: router at {address} ({time.perf_counter() - t_start:.1f}s to start)")
         checks = _worker_checks(service)
-        result = measure(label, address, redis_url, config.index.namespace, workload, params, timeout_s, warmup)
+        results: dict[str, dict[str, Any]] = {}
+        sides = [(HTTP, True), (GRPC, False)] if edges else [(label, False)]
+        for side, http in sides:
+            where = service.http_address if http else address
+            assert where is not None
+            load = [dataclasses.replace(r, tenant=f"{side}-{r.tenant}") for r in workload] if edges else workload
+            results[side] = measure(side, where, redis_url, config.index.namespace, load, params, timeout_s,
+                                    warmup, http)  # fmt: skip
         pools = _pool_states(service)
         for wid, pool in pools.items():
             checks[wid]["pool_after"] = pool
-        result["workers"] = checks
     finally:
         service.stop()
     time.sleep(1.0)
     left = sorted(set(_child_processes()) - before_children)
-    result["processes_left_after_stop"] = left
     if left:
         log(f"{label}: warning: processes still running after stop: {', '.join(left)}")
-    result["config"] = {"cpus_per_worker": cpus_per_worker, "local_prefill_threshold": threshold,
-                        "kv_cache_memory_bytes": KV_CACHE_BYTES}
-    return result
+    for result in results.values():
+        result["workers"] = checks
+        result["processes_left_after_stop"] = left
+        result["config"] = {"cpus_per_worker": cpus_per_worker, "local_prefill_threshold": threshold,
+                            "kv_cache_memory_bytes": KV_CACHE_BYTES}
+    return results
 
 
 def check_assumptions(runs: dict[str, dict[str, Any]]) -> list[str]:
@@ -363,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local-prefill-threshold", type=int, default=16,
                     help="the 1P+1D side's threshold (uncached prompt tokens prefilled on the decode worker)")
     ap.add_argument("--only", choices=["disagg", "mono"], default=None, help="run one side only")
+    ap.add_argument("--http", action="store_true",
+                    help="compare the edges instead: one 1P+1D service, the workload through the OpenAI-compatible "
+                         "HTTP API and through gRPC; with --router, HOST:PORT is a running service's HTTP API")
     ap.add_argument("--router", default=None, help="HOST:PORT of a running service (no comparison)")
     ap.add_argument("--redis-url", default=None, help="its Redis (for the hit rate; with --router)")
     ap.add_argument("--namespace", default="pdserve", help="its Redis namespace (with --router)")
@@ -393,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.router:
             result["router"] = args.router
             runs[args.router] = measure(args.router, args.router, args.redis_url, args.namespace, workload,
-                                        params, args.timeout, args.warmup)
+                                        params, args.timeout, args.warmup, args.http)
         else:
             from pdserve.engine.model import make_tiny_model
 
@@ -401,11 +423,11 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="pdserve-bench-serve-") as tmp:
                 model_dir = str(make_tiny_model(tmp, **MODEL_KWARGS))
                 sides = [(DISAGG, 1.0, args.local_prefill_threshold), (MONO, 2.0, 10**9)]
-                if args.only:
-                    sides = [s for s in sides if (s[0] == DISAGG) == (args.only == "disagg")]
+                if args.only or args.http:
+                    sides = [s for s in sides if (s[0] == DISAGG) == (args.only != "mono")]
                 for label, cpus, threshold in sides:
-                    runs[label] = run_service(label, model_dir, cpus, threshold, workload, params,
-                                              args.timeout, args.warmup)
+                    runs.update(run_service(label, model_dir, cpus, threshold, workload, params,
+                                            args.timeout, args.warmup, edges=args.http))
     except grpc.RpcError as e:
         print(f"pdserve bench serve: error: {e}", file=sys.stderr)
         return 1
@@ -421,8 +443,13 @@ def main(argv: list[str] | None = None) -> int:
             m = MODEL_KWARGS
             print(f"model: llama {m['num_layers']}L h{m['hidden_size']} {m['num_heads']}q/{m['num_kv_heads']}kv "
                   f"heads ffn{m['intermediate_size']} vocab{m['vocab_size']}, fp32 CPU")
-            print(f"{DISAGG}: 1 prefill + 1 decode worker, 1 CPU each, local-prefill threshold "
-                  f"{args.local_prefill_threshold}; {MONO}: the decode worker prefills everything, 2 CPUs")
+            if args.http:
+                print(f"one {DISAGG} service (1 CPU per worker, local-prefill threshold "
+                      f"{args.local_prefill_threshold}): the same workload through its {HTTP} API "
+                      f"(streamed /v1/completions) and through {GRPC}, tenants renamed per edge so both start cold")
+            else:
+                print(f"{DISAGG}: 1 prefill + 1 decode worker, 1 CPU each, local-prefill threshold "
+                      f"{args.local_prefill_threshold}; {MONO}: the decode worker prefills everything, 2 CPUs")
         w = result["workload"]
         print(f"workload: {w['num_requests']} requests, Poisson {w['rate']} req/s, {w['tenants']} tenants, "
               f"prompts {w['prompt_len_range'][0]}..{w['prompt_len_range'][1]} tokens, "

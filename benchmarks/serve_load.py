@@ -4,6 +4,9 @@ each request at its scheduled time and timestamps every streamed message, and th
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import json
 import math
 import random
 import statistics
@@ -14,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import httpx
 
 from pdserve.cli.client import build_request
 from pdserve.engine.sampling_params import SamplingParams
@@ -172,21 +176,76 @@ async def _send(
     return rec
 
 
+async def _send_http(
+    client: httpx.AsyncClient, model: str, req: BenchRequest, params: SamplingParams, t0: float, timeout_s: float
+) -> RequestRecord:
+    """``_send`` through the OpenAI-compatible API: a streamed completion of the same token ids.
+    vLLM's ``continuous_usage_stats`` puts the token count in every chunk (a chunk may carry
+    several tokens: text waits for whole characters)."""
+    rec = RequestRecord(req.index, req.tenant, req.arrival_s)
+    body = {"model": model, "prompt": list(req.prompt), "max_tokens": params.max_tokens,
+            "temperature": params.temperature, "ignore_eos": params.ignore_eos, "cache_salt": req.tenant,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    rec.sent_s = time.perf_counter() - t0
+    seen = 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, timeout=timeout_s) as resp:
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter() - t0
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec.error = chunk["error"]["message"]
+                    return rec
+                usage = chunk.get("usage") or {}
+                count = usage.get("completion_tokens", seen)
+                if count > seen:
+                    rec.message_times.append(now)
+                    rec.message_tokens.append(count - seen)
+                    seen = count
+                if usage:
+                    details = usage.get("prompt_tokens_details") or {}
+                    rec.usage = {"prompt_tokens": usage["prompt_tokens"], "cached_tokens": details.get("cached_tokens", 0),
+                                 "transferred_tokens": details.get("transferred_tokens", 0)}  # fmt: skip
+                for choice in chunk.get("choices", ()):
+                    rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
+        rec.done_s = time.perf_counter() - t0
+        if rec.finish_reason is None:
+            rec.error = "stream ended without a finish reason"
+        elif rec.output_tokens != params.max_tokens:
+            rec.error = f"{rec.output_tokens} tokens, expected {params.max_tokens} (ignore_eos)"
+    except Exception as e:  # noqa: BLE001 - one failed request must not stop the run
+        rec.error = repr(e)
+    return rec
+
+
 async def _run_load(
     address: str, workload: list[BenchRequest], params: SamplingParams, timeout_s: float,
-    on_done: Callable[[RequestRecord], None] | None,
+    on_done: Callable[[RequestRecord], None] | None, http: bool = False,
 ) -> tuple[list[RequestRecord], float]:
-    """Send every request at its arrival time; returns the records and the wall time."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        await asyncio.wait_for(channel.channel_ready(), timeout=30)
-        stub = pb_grpc.RouterStub(channel)
+    """Send every request at its arrival time, over gRPC or (``http``) the OpenAI-compatible API
+    at ``address``; returns the records and the wall time."""
+    async with contextlib.AsyncExitStack() as stack:
+        if http:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            client = await stack.enter_async_context(httpx.AsyncClient(base_url=f"http://{address}", limits=limits))
+            model = (await client.get("/v1/models", timeout=30)).json()["data"][0]["id"]
+            send = functools.partial(_send_http, client, model)
+        else:
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(address))
+            await asyncio.wait_for(channel.channel_ready(), timeout=30)
+            send = functools.partial(_send, pb_grpc.RouterStub(channel))
         t0 = time.perf_counter()
         tasks = []
         for req in workload:
             delay = req.arrival_s - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(_send(stub, req, params, t0, timeout_s))
+            task = asyncio.create_task(send(req, params, t0, timeout_s))
             if on_done is not None:
                 task.add_done_callback(lambda t: on_done(t.result()))
             tasks.append(task)
@@ -196,7 +255,8 @@ async def _run_load(
 
 
 def run_load(
-    address: str, workload: list[BenchRequest], params: SamplingParams, timeout_s: float, label: str
+    address: str, workload: list[BenchRequest], params: SamplingParams, timeout_s: float, label: str,
+    http: bool = False,
 ) -> tuple[list[RequestRecord], float]:
     """``_run_load`` with a progress bar on stderr."""
     bar = ProgressBar(label, len(workload))
@@ -207,22 +267,22 @@ def run_load(
         state["errors"] += rec.error is not None
         bar.update(state["done"], state["errors"])
 
-    return asyncio.run(_run_load(address, workload, params, timeout_s, on_done))
+    return asyncio.run(_run_load(address, workload, params, timeout_s, on_done, http))
 
 
-def warm_up(address: str, params: SamplingParams, prompt_len: int, n: int, salt: str, timeout_s: float) -> int:
+def warm_up(address: str, params: SamplingParams, prompt_len: int, n: int, salt: str, timeout_s: float,
+            http: bool = False) -> int:  # fmt: skip
     """``n`` sequential requests under a salt of their own; returns how many failed."""
     rng = random.Random(12345)
     reqs = [BenchRequest(i, 0.0, salt, tuple(rng.randrange(NUM_BYTE_TOKENS) for _ in range(prompt_len)))
             for i in range(n)]
 
     async def go() -> int:
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = pb_grpc.RouterStub(channel)
-            failed = 0
-            for r in reqs:
-                failed += (await _send(stub, r, params, time.perf_counter(), timeout_s)).error is not None
-            return failed
+        failed = 0
+        for r in reqs:
+            records, _ = await _run_load(address, [r], params, timeout_s, None, http)
+            failed += records[0].error is not None
+        return failed
 
     return asyncio.run(go())
 

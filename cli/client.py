@@ -39,6 +39,8 @@ def build_request(
     req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt or "")
     if isinstance(prompt, str):
         req.text = prompt
+    elif not prompt:
+        raise ValueError("prompt: must not be empty")
     else:
         req.token_ids.ids.extend(prompt)
     s = req.sampling
@@ -68,6 +70,7 @@ def generate(
             u = resp.usage
             out.usage = {
                 "prompt_tokens": u.prompt_tokens,
+                "completion_tokens": u.completion_tokens,
                 "cached_tokens": u.cached_tokens,
                 "transferred_tokens": u.transferred_tokens,
             }
@@ -93,5 +96,18 @@ def generate_via_router(
         except grpc.RpcError as e:
             print(f"pdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
-    print(json.dumps(result.to_json()) if as_json else result.text)
+    print_result(result, as_json)
     return 0
+
+
+def print_result(result: GenerateResult, as_json: bool) -> None:
+    """One JSON object, or the text followed by a line with the token ids and why it stopped
+    (the text of a random or tokenizer-less model says little; the ids always do)."""
+    if as_json:
+        print(json.dumps(result.to_json()))
+        return
+    print(result.text)
+    u = result.usage
+    print(f"[{result.finish_reason}; {len(result.token_ids)} tokens: {','.join(map(str, result.token_ids))}; "
+          f"prompt {u.get('prompt_tokens', 0)}, cached {u.get('cached_tokens', 0)}, "
+          f"transferred {u.get('transferred_tokens', 0)}]")  # fmt: skip

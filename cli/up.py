@@ -9,6 +9,7 @@ signal stops at once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import threading
@@ -27,6 +28,7 @@ def run_up(args: argparse.Namespace) -> int:
         prefill=args.prefill,
         decode=args.decode,
         port=args.port,
+        http_port=None if args.http_port == "off" else args.http_port,
         ray_address=args.ray_address,
         engine__model=args.model,
         engine__cache__hash_seed=args.hash_seed,
@@ -34,6 +36,8 @@ def run_up(args: argparse.Namespace) -> int:
         index__url=args.redis_url,
         index__namespace=args.namespace,
     )
+    if args.http_port == "off":
+        config = dataclasses.replace(config, http_port=None)
     stop = threading.Event()
     service = Service(config)
 
@@ -48,9 +52,11 @@ def run_up(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
         print(f"router listening on {address}", flush=True)
+        if service.http_address is not None:
+            print(f"http listening on {service.http_address}", flush=True)
         print(f"redis at {redact_url(redis_url)}", flush=True)
-        state = write_state({"pid": os.getpid(), "router": address, "redis_url": redis_url,
-                             "namespace": config.index.namespace})  # fmt: skip
+        state = write_state({"pid": os.getpid(), "router": address, "http": service.http_address,
+                             "redis_url": redis_url, "namespace": config.index.namespace})  # fmt: skip
         print(f"state in {state} (pdserve stats reads the Redis URL there)", flush=True)
         while not stop.wait(SUPERVISE_INTERVAL_S):
             for note in service.supervise():

@@ -38,6 +38,7 @@ class ServiceConfig:
     cpus_per_worker: float = 1.0
     host: str = "127.0.0.1"  # router bind address (0.0.0.0 on a cluster)
     port: int = 50051
+    http_port: int | None = 8000  # the OpenAI-compatible HTTP API; None: not served
     ray_address: str | None = None  # None: start a local Ray
     # engine.model None: a tiny model written to a temp dir; index.url None: an embedded redis-server.
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -50,8 +51,10 @@ class ServiceConfig:
             _check_type(f.name, getattr(self, f.name), get_type_hints(type(self))[f.name])
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"need at least 1 prefill and 1 decode worker, got {self.prefill} and {self.decode}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("port", "http_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {value}")
         if self.gpus_per_worker < 0 or self.cpus_per_worker < 0:
             raise ValueError("gpus_per_worker and cpus_per_worker must be >= 0")
 

@@ -15,18 +15,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster.config import ServiceConfig
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model import ModelConfig, load_tokenizer
-from pdserve.engine.model.loader import weight_files
+from pdserve.engine.model.loader import check_model
 from pdserve.kvindex.config import IndexConfig, redact_url
 from pdserve.kvindex.embedded import EmbeddedRedis
 from pdserve.worker.config import WorkerConfig
-
-
-def check_model_dir(model_dir: str) -> None:
-    """FileNotFoundError / ValueError naming what is missing or unsupported in ``model_dir``."""
-    ModelConfig.from_dir(model_dir)
-    weight_files(model_dir)
-    load_tokenizer(model_dir)
 
 
 def _log(msg: str) -> None:
@@ -47,6 +39,7 @@ class Service:
         self.decode: dict[str, ray.actor.ActorHandle] = {}
         self.router: ray.actor.ActorHandle | None = None
         self.port: int | None = None
+        self.http_port: int | None = None  # the OpenAI-compatible API's, once started (None: off)
         self._kv_blocks: int | None = None
         self._started_ray = False
         self._tmp: tempfile.TemporaryDirectory | None = None
@@ -86,7 +79,7 @@ class Service:
     def _start(self) -> tuple[str, str]:
         c = self.config
         if self.model_dir is not None:
-            check_model_dir(self.model_dir)  # here, not as a worker actor dying during start-up
+            check_model(self.model_dir)  # here, not as a worker actor dying during start-up
         if self.model_dir is None:
             from pdserve.engine.model import make_tiny_model
 
@@ -101,16 +94,23 @@ class Service:
                 )
             self.redis = EmbeddedRedis().start()
             self.redis_url = self.redis.url
-            self.progress(f"started embedded redis-server at {self.redis_url}")
+            self.progress(f"started embedded redis-server at {redact_url(self.redis_url)}")
+        workers = c.prefill + c.decode
         if not ray.is_initialized():
-            workers = c.prefill + c.decode
             if c.ray_address:
                 ray.init(address=c.ray_address, log_to_driver=False)
             else:
+                # Ray schedules by logical CPUs: one per worker plus one spare, even on fewer cores.
                 cpus = max(os.cpu_count() or 1, int(workers * c.cpus_per_worker) + 1)
                 ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
             self._started_ray = True
-        self.progress(f"ray: {ray.cluster_resources().get('CPU', 0):.0f} CPUs, {ray.cluster_resources().get('GPU', 0):.0f} GPUs")
+        res = ray.cluster_resources()
+        if self._started_ray and not c.ray_address:
+            auth = "on" if os.environ.get("RAY_AUTH_MODE", "token") == "token" else "off"
+            self.progress(f"ray: local cluster, {res.get('CPU', 0):.0f} scheduling slots for {workers} workers on "
+                          f"{os.cpu_count()} cores, token authentication {auth}")  # fmt: skip
+        else:
+            self.progress(f"ray: cluster with {res.get('CPU', 0):.0f} CPUs, {res.get('GPU', 0):.0f} GPUs")
         from pdserve.decode_worker.actor import DecodeWorker
         from pdserve.prefill_worker.actor import PrefillWorker
 
@@ -141,11 +141,16 @@ class Service:
             if not done:
                 self.progress(f"waiting for {len(pending)} worker(s) to load the model ({time.monotonic() - t0:.0f}s)")
         self._kv_blocks = min(pool_blocks)
-        self.port = self._start_router(c.port)
+        self.port, self.http_port = self._start_router(c.port, c.http_port)
         return f"{c.host}:{self.port}", self.redis_url
 
-    def _start_router(self, port: int, attempts: int = 1) -> int:
-        """Create the router actor and serve on ``port``; returns the bound port.
+    @property
+    def http_address(self) -> str | None:
+        return None if self.http_port is None else f"{self.config.host}:{self.http_port}"
+
+    def _start_router(self, port: int, http_port: int | None, attempts: int = 1) -> tuple[int, int | None]:
+        """Create the router actor and serve gRPC on ``port`` and HTTP on ``http_port`` (None: no
+        HTTP); returns the bound ports.
 
         The router runs on this (the head) node, where users reach its port. Ray does not restart
         it (a restarted actor would not re-bind its port: ``start`` is a call); ``supervise`` does.
@@ -158,9 +163,14 @@ class Service:
             name="pdserve-router", num_cpus=0, max_restarts=0, scheduling_strategy=here
         ).remote(c.router, self.engine_config(), self.index_config(), self.prefill, self.decode,
                  kv_blocks=self._kv_blocks)  # fmt: skip
+        bound: int | None = None
         for attempt in range(attempts):
             try:
-                return ray.get(self.router.start.remote(c.host, port))
+                if bound is None:
+                    bound = int(ray.get(self.router.start.remote(c.host, port)))
+                if http_port is None:
+                    return bound, None
+                return bound, int(ray.get(self.router.start_http.remote(c.host, http_port)))
             except ray.exceptions.RayTaskError as e:
                 if not isinstance(e.cause, OSError):
                     raise
@@ -188,7 +198,7 @@ class Service:
             except Exception:  # noqa: BLE001
                 pass
             assert self.port is not None
-            self._start_router(self.port, attempts=20)
+            self._start_router(self.port, self.http_port, attempts=20)
             notes.append(f"router had stopped: restarted, listening on {self.config.host}:{self.port}")
         return notes
 

@@ -133,7 +133,7 @@ class DecodeService:
                 if out.new_token_ids or out.finished:
                     yield DecodeEvent(
                         spec.request_id, tuple(out.new_token_ids), out.finished, out.finish_reason,
-                        local_hit, transferred, recomputed,
+                        local_hit, transferred, recomputed, None if out.logprobs is None else tuple(out.logprobs),
                     )  # fmt: skip
                 if out.finished:
                     return

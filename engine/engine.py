@@ -27,7 +27,7 @@ from pdserve.engine.limits import RequestLimits
 from pdserve.engine.model import ModelConfig, load_model, load_tokenizer
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.engine.scheduler import Scheduler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,6 +49,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     kv_handoff: HeldKV | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the params ask for them
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,11 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         dtype = _DTYPES[config.dtype] if config.dtype else None
-        self.model_config = mc = ModelConfig.from_dir(config.model)
+        self.model_config = mc = ModelConfig.from_path(config.model)
         self.tokenizer = load_tokenizer(config.model)
+        # EOS: the model config's, and generation_config.json's where it names more (Llama 3 instruct).
+        self.eos_token_ids = tuple(dict.fromkeys(
+            (*mc.eos_token_ids, *self.tokenizer.info.generation_eos_token_ids)))  # fmt: skip
         self.model = load_model(config.model, dtype=dtype, device=self.device)
         self.dtype = next(self.model.parameters()).dtype
         self.onednn = config.cpu_onednn and self.model.pack_onednn()
@@ -144,7 +148,7 @@ class LLMEngine:
         self._check_id_free(rid)
         return Request(
             rid, ids, params, self.layout.block_size, hash_seed=self.config.cache.hash_seed, cache_salt=cache_salt,
-            eos_token_ids=self.model_config.eos_token_ids, max_model_len=self.max_model_len, handoff=handoff,
+            eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, handoff=handoff,
         )  # fmt: skip
 
     def _check_id_free(self, request_id: str) -> None:
@@ -265,7 +269,7 @@ class LLMEngine:
                 return []
             block_ids = [self.kv_manager.get_block_ids(s.request.request_id) for s in out.scheduled]
             try:
-                tokens = self.runner.execute(out.scheduled, block_ids)
+                tokens, logprobs = self.runner.execute(out.scheduled, block_ids)
             except BaseException:
                 # A failed forward must not strand blocks, nor leave cached hashes on blocks
                 # whose KV it never wrote: uncache this step's blocks, abort the batch.
@@ -274,15 +278,17 @@ class LLMEngine:
                     self.abort(s.request.request_id)
                 raise
             outputs: list[RequestOutput] = []
-            sampled = iter(tokens)
+            sampled = iter(zip(tokens, logprobs))
             for s in out.scheduled:
                 req = s.request
                 req.num_computed_tokens += s.num_new_tokens
                 new: list[int] = []
                 status = None
                 held = None
+                new_logprobs = None
                 if s.samples:
-                    tok = next(sampled)
+                    tok, lp = next(sampled)
+                    new_logprobs = None if lp is None else [lp]
                     req.append_output_token(tok)
                     new.append(tok)
                     status = req.check_stop()
@@ -297,6 +303,6 @@ class LLMEngine:
                 assert req.num_cached_tokens is not None  # set when it was first scheduled
                 outputs.append(RequestOutput(
                     req.request_id, new, status is not None, status.value if status else None,
-                    req.num_prompt_tokens, req.num_cached_tokens, held,
+                    req.num_prompt_tokens, req.num_cached_tokens, held, new_logprobs,
                 ))  # fmt: skip
             return outputs

@@ -35,6 +35,21 @@ class RequestLimits:
         return blocks_for_request(num_prompt_tokens, max_tokens, self.max_model_len, self.block_size,
                                   self.sliding_window, self.max_chunk_tokens)  # fmt: skip
 
+    def max_tokens_for(self, num_prompt_tokens: int) -> int:
+        """The most tokens a prompt of this length may generate: up to ``max_model_len`` and, when
+        the pool is known, within it (at least 1; ``check`` says when even that does not fit)."""
+        hi = max(self.max_model_len - num_prompt_tokens, 1)
+        if self.kv_blocks is None or self.blocks_needed(num_prompt_tokens, hi) <= self.kv_blocks:
+            return hi
+        lo = 1  # blocks_needed grows with max_tokens: the largest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.blocks_needed(num_prompt_tokens, mid) <= self.kv_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def check(self, token_ids: Sequence[int], max_tokens: int) -> None:
         """ValueError whose message starts with the offending field, if the request cannot be served."""
         if not token_ids:

@@ -1,14 +1,17 @@
-"""Offline API: ``LLM(model, **options).generate(prompts, params)``."""
+"""Offline API: ``LLM(model, **options).generate(prompts, params)`` and ``.chat(conversations, params)``."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.detokenizer import TextStream
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
+
+Message = Mapping[str, Any]
 
 _CACHE_KEYS = {f for f in CacheConfig.__dataclass_fields__}
 _SCHED_KEYS = {f for f in SchedulerConfig.__dataclass_fields__}
@@ -22,6 +25,8 @@ class CompletionOutput:
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort" (aborted from another thread)
     num_cached_tokens: int = 0
+    stop_reason: str | None = None  # the stop string that ended the text, if one did
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the params asked for them
 
 
 def build_engine_config(model: str, **options: Any) -> EngineConfig:
@@ -48,10 +53,24 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``, special tokens added the way the tokenizer says (BOS for Llama 3)."""
+        return self.tokenizer.encode(text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def chat(
+        self,
+        conversations: Sequence[Message] | Sequence[Sequence[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[CompletionOutput]:
+        """``generate`` over conversations rendered with the model's chat template (one
+        conversation, a list of ``{"role", "content"}`` messages, or a list of them)."""
+        if conversations and isinstance(conversations[0], Mapping):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.tokenizer.encode_chat(list(c)) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params, cache_salt)
 
     def generate(
         self,
@@ -76,20 +95,30 @@ class LLM:
         if any(isinstance(p, int) for p in prompts):
             raise ValueError("prompts: each prompt is a string or a list of token ids "
                              "(wrap a single tokenized prompt in a list: [[1, 2, 3]])")
+        if any(isinstance(p, str) and not p for p in prompts):
+            raise ValueError("prompt: must not be empty")
         id_lists = [self.encode(p) if isinstance(p, str) else p for p in prompts]
         reqs = [engine.make_request(ids, p, cache_salt=cache_salt) for ids, p in zip(id_lists, plist)]
         outputs = {r.request_id: CompletionOutput(r.request_id, r.prompt_token_ids) for r in reqs}
+        texts = {r.request_id: TextStream(self.tokenizer, r.sampling_params.stop) for r in reqs}
         for r in reqs:
             engine.enqueue(r)
         try:
             while any(o.finish_reason is None for o in outputs.values()):
                 for step_out in engine.step():
                     o = outputs.get(step_out.request_id)
-                    if o is None:
+                    if o is None or o.finish_reason is not None:
                         continue
                     o.token_ids.extend(step_out.new_token_ids)
+                    if step_out.logprobs is not None:
+                        o.logprobs = (o.logprobs or []) + step_out.logprobs
                     o.num_cached_tokens = step_out.num_cached_tokens
-                    if step_out.finished:
+                    text = texts[o.request_id]
+                    o.text += text.push(step_out.new_token_ids, final=step_out.finished)
+                    if text.stopped is not None:  # a stop string: the text ends before it
+                        o.finish_reason, o.stop_reason = "stop", text.stopped
+                        engine.abort(o.request_id)
+                    elif step_out.finished:
                         o.finish_reason = step_out.finish_reason
                 # Aborted elsewhere (engine.abort from another thread): no output will come.
                 for rid, o in outputs.items():
@@ -99,6 +128,4 @@ class LLM:
             for rid in outputs:
                 engine.abort(rid)
             raise
-        for o in outputs.values():
-            o.text = self.decode(o.token_ids)
         return [outputs[r.request_id] for r in reqs]

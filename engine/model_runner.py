@@ -8,6 +8,7 @@ from pdserve.engine.kernels import plan_attention
 from pdserve.engine.kernels.metadata import AttentionMetadata
 from pdserve.engine.kv_tensor import KVTensor
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.engine.scheduler import ScheduledRequest
 
 
@@ -69,14 +70,17 @@ class ModelRunner:
         return ids, pos_t, meta, sample_rows
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest], block_ids: list[list[int]]) -> list[int]:
-        """Run one step; return the sampled token of each request with ``samples=True``."""
+    def execute(
+        self, scheduled: list[ScheduledRequest], block_ids: list[list[int]]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Run one step; return the sampled token of each request with ``samples=True`` (and its
+        log-probs, when its params ask for them)."""
         if not scheduled:
-            return []
+            return [], []
         ids, positions, meta, rows = self.prepare(scheduled, block_ids)
         hidden = self.model(ids, positions, self.kv_tensor.tensor, meta)
         if not rows:
-            return []
+            return [], []
         logits = self.model.compute_logits(hidden[rows])
         sampling = [sr for sr in scheduled if sr.samples]
         return self.sampler.sample(

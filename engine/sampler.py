@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -56,8 +56,11 @@ class Sampler:
         for _ in range(n):
             torch.multinomial(uniform, 1, generator=gen)
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        """``logits`` is float32 ``[n, vocab]``; returns one token id per row."""
+    def sample(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """``logits`` is float32 ``[n, vocab]``; returns one token id per row, and its log-probs
+        for the rows whose params ask for them (None for the others)."""
         greedy = logits.argmax(dim=-1).tolist()
         out: list[int] = []
         for i, (rid, p) in enumerate(zip(request_ids, params)):
@@ -68,4 +71,20 @@ class Sampler:
             probs = torch.softmax(row, dim=-1)
             gen = self._generator(rid, p, logits.device)
             out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
-        return out
+        return out, _logprobs(logits, out, params)
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(params)
+    if not rows:
+        return result
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)
+    k = max(params[i].logprobs or 0 for i in rows)
+    top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
+    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device)).squeeze(1).tolist()
+    for j, i in enumerate(rows):
+        n = params[i].logprobs or 0
+        top = tuple(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())) if n else ()
+        result[i] = TokenLogprobs(tokens[i], chosen[j], top)
+    return result

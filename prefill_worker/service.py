@@ -53,6 +53,7 @@ class PrefillService:
                 rt.config.worker_id,
                 out.num_prompt_tokens,
                 out.num_cached_tokens,
+                out.logprobs[0] if out.logprobs else None,
             )
         finally:
             if not leased:

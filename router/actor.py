@@ -1,8 +1,15 @@
-"""The router as a Ray actor: serves the public gRPC API (grpc.aio) on the actor's event loop."""
+"""The router as a Ray actor: serves the public gRPC API (grpc.aio) and the OpenAI-compatible HTTP
+API (uvicorn) on the actor's event loop, both over one RouterCore."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import ssl
+from pathlib import Path
+
 import grpc
+import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -14,6 +21,7 @@ from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.stats import StatsRecorder
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import RouterCore
+from pdserve.router.http import OpenAIServer, ServedModel, build_app
 from pdserve.router.ray_workers import RayWorkers
 from pdserve.router.servicer import RouterServicer, add_router_to_server
 from pdserve.v1 import router_pb2
@@ -38,14 +46,20 @@ class Router:
         kv_blocks: int | None = None,
     ) -> None:
         assert engine.model is not None
-        mc = ModelConfig.from_dir(engine.model)
+        mc = ModelConfig.from_path(engine.model)
         self.tokenizer = load_tokenizer(engine.model)
         self.core = RouterCore(config, engine.cache, RayWorkers(prefill, decode), PrefixLookup(index),
                                StatsRecorder(index))  # fmt: skip
-        self.servicer = RouterServicer(self.core, self.tokenizer, RequestLimits.for_engine(mc, engine, kv_blocks))
+        limits = RequestLimits.for_engine(mc, engine, kv_blocks)
+        self.servicer = RouterServicer(self.core, self.tokenizer, limits)
+        model = ServedModel(config.served_model_name or served_name(engine.model), frozenset({engine.model}),
+                            limits.max_model_len)  # fmt: skip
+        self.openai = OpenAIServer(self.core, self.tokenizer, limits, model, lambda: not self.core.admission.draining)
         self.config = config
         self.server: grpc.aio.Server | None = None
         self.health: health.aio.HealthServicer | None = None
+        self.http: uvicorn.Server | None = None
+        self.http_task: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0 = any free port); returns the bound port."""
@@ -72,6 +86,36 @@ class Router:
         self.server = server
         return bound
 
+    async def start_http(self, host: str, port: int) -> int:
+        """Serve the OpenAI-compatible API on ``host:port`` (0 = any free port), with the router's
+        TLS settings; returns the bound port."""
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted router re-binds at once
+        try:
+            sock.bind((host, port))  # here, so a taken port fails now and port 0 reports its pick
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"cannot bind the HTTP API to {host}:{port}: {exc}") from exc
+        tls = self.config.tls
+        config = uvicorn.Config(
+            build_app(self.openai, self.config.max_request_bytes),
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=1,
+            ssl_certfile=tls.cert_file if tls else None,
+            ssl_keyfile=tls.key_file if tls else None,
+            ssl_ca_certs=tls.ca_file if tls else None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.ca_file else ssl.CERT_NONE,
+        )
+        self.http = uvicorn.Server(config)
+        self.http_task = asyncio.create_task(self.http.serve(sockets=[sock]))
+        while not self.http.started:  # started, or failed and gone
+            if self.http_task.done():
+                self.http_task.result()
+                raise OSError(f"the HTTP API on {host}:{port} did not start")
+            await asyncio.sleep(0.01)
+        return sock.getsockname()[1]
+
     async def _set_health(self, status: int) -> None:
         assert self.health is not None
         for name in (*_SERVICES, ""):
@@ -93,7 +137,17 @@ class Router:
 
     async def stop(self) -> None:
         """Stop serving, then write the counters still queued and close the index clients."""
+        if self.http is not None and self.http_task is not None:
+            self.http.should_exit = True
+            await self.http_task
+            self.http = self.http_task = None
         if self.server is not None:
             await self.server.stop(grace=1.0)
             self.server = None
         self.core.close()
+
+
+def served_name(model: str) -> str:
+    """The name the HTTP API serves a model as, by default: its directory's or file's name."""
+    path = Path(model.rstrip("/"))
+    return path.stem if path.suffix == ".gguf" else path.name

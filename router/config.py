@@ -28,8 +28,11 @@ class RouterConfig:
     queue_timeout_s: float = 30.0
     # On SIGTERM, in-flight streams get this long to finish before the router stops.
     drain_timeout_s: float = 30.0
-    # TLS on the router's gRPC port (and the HTTP port); None: plaintext.
+    # TLS on the router's gRPC port and the HTTP port; None: plaintext.
     tls: TLSConfig | None = None
+    # The model's name in the HTTP API ("model" of a request); None: the model directory's or
+    # file's name (the path it was loaded from is accepted too).
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("local_prefill_threshold", "decode_retries", "max_queued"):

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.kvcache.hashing import block_hashes
+from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.stats import StatsRecorder
 from pdserve.router.admission import Admission
@@ -45,11 +46,15 @@ class WorkerClient(Protocol):
 
 @dataclass
 class StreamEvent:
+    """New tokens of one request. ``usage`` (prompt, cached and transferred tokens) is what is
+    known so far, final when ``finished``; ``ttft_ms`` is set on the first event with a token."""
+
     token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
     ttft_ms: float | None = None
-    usage: dict[str, int] | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the params ask for them
 
 
 @dataclass
@@ -135,10 +140,11 @@ class RouterCore:
                 usage["cached_tokens"] = front["prefix_hit_tokens"] = prefill.num_cached_tokens
                 ttft = (time.perf_counter() - t0) * 1000
                 sent = 1
+                first_lp = None if prefill.first_logprobs is None else [prefill.first_logprobs]
+                yield StreamEvent([prefill.first_token], prefill.finished, prefill.finish_reason, ttft, dict(usage),
+                                  first_lp)  # fmt: skip
                 if prefill.finished:
-                    yield StreamEvent([prefill.first_token], True, prefill.finish_reason, ttft, usage)
                     return
-                yield StreamEvent([prefill.first_token], ttft_ms=ttft, usage=dict(usage))
 
             tried: set[str] = set()
             footprint = prompt_len + spec.params.max_tokens
@@ -164,8 +170,8 @@ class RouterCore:
                             ttft = (time.perf_counter() - t0) * 1000 if sent == 0 and ev.token_ids else None
                             sent += len(ev.token_ids)
                             yield StreamEvent(
-                                list(ev.token_ids), ev.finished, ev.finish_reason, ttft,
-                                dict(usage) if ev.finished or ttft else None,
+                                list(ev.token_ids), ev.finished, ev.finish_reason, ttft, dict(usage),
+                                None if ev.logprobs is None else list(ev.logprobs),
                             )  # fmt: skip
                             if ev.finished:
                                 return

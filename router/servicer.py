@@ -5,21 +5,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 from google.protobuf import unknown_fields
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
-from tokenizers import Tokenizer
 
 from pdserve.engine.limits import RequestLimits
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import TokenLogprobs
+from pdserve.engine.tokenizer import ModelTokenizer
 from pdserve.router.admission import Draining, Overloaded
 from pdserve.router.core import RouterCore, WorkerUnavailableError
-from pdserve.router.detokenizer import IncrementalDetokenizer
+from pdserve.router.output import stream_output
+from pdserve.router.requests import InvalidRequest, Prompt, prepare, sampling_params
 from pdserve.v1 import router_pb2 as pb
 from pdserve.v1 import router_pb2_grpc as pb_grpc
 from pdserve.worker.messages import RequestSpec
@@ -28,12 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 MAX_REQUEST_ID_CHARS = 128  # echoed in every response message
-MAX_CACHE_SALT_CHARS = 256
 _WIRE_TYPES = {0: "varint", 1: "64-bit", 2: "length-delimited", 5: "32-bit"}
-
-
-class InvalidRequest(ValueError):
-    pass
 
 
 def _wire_type(field: FieldDescriptor) -> int:
@@ -64,51 +58,50 @@ def _check_unknown(msg: Message, where: str) -> None:
         raise InvalidRequest(f"{where}: unknown field number(s) {numbers} (client built for a newer API?)")
 
 
-def to_spec(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: RequestLimits,
-            text_tokenizer: Tokenizer | None = None) -> RequestSpec:  # fmt: skip
+def to_spec(req: pb.GenerateRequest, tokenizer: ModelTokenizer, limits: RequestLimits) -> RequestSpec:
     """Validate a GenerateRequest and convert it; InvalidRequest names the bad field.
 
-    Tokenizes: call it off the event loop. ``text_tokenizer`` reads special tokens in text as
-    plain text (for ``split_special_tokens``).
+    Tokenizes: call it off the event loop.
     """
     _check_unknown(req, "GenerateRequest")
     s = req.sampling
     _check_unknown(s, "sampling")
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id: {len(req.request_id)} characters, at most {MAX_REQUEST_ID_CHARS}")
-    if len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
-        raise InvalidRequest(f"cache_salt: {len(req.cache_salt)} characters, at most {MAX_CACHE_SALT_CHARS}")
     which = req.WhichOneof("prompt")
-    if which is None:
-        raise InvalidRequest("prompt: set text or token_ids")
+    add_special = req.add_special_tokens if req.HasField("add_special_tokens") else True
     if which == "text":
-        tok = text_tokenizer if req.split_special_tokens and text_tokenizer is not None else tokenizer
-        ids = tok.encode(req.text, add_special_tokens=False).ids
-    else:
+        prompt = Prompt(text=req.text, add_special_tokens=add_special, split_special_tokens=req.split_special_tokens)
+    elif which == "token_ids":
         _check_unknown(req.token_ids, "token_ids")
-        ids = list(req.token_ids.ids)
-    for name in ("temperature", "top_p"):
-        if s.HasField(name) and not math.isfinite(getattr(s, name)):
-            raise InvalidRequest(f"sampling.{name}: must be finite")
-    try:
-        params = SamplingParams(
-            max_tokens=s.max_tokens if s.HasField("max_tokens") else 16,
-            temperature=s.temperature if s.HasField("temperature") else 0.0,
-            top_p=s.top_p if s.HasField("top_p") else 1.0,
-            top_k=s.top_k if s.HasField("top_k") else 0,
-            seed=s.seed if s.HasField("seed") else None,
-            stop_token_ids=tuple(s.stop_token_ids),
-            ignore_eos=s.ignore_eos,
-        )
-    except ValueError as e:
-        raise InvalidRequest(f"sampling.{e}") from e
-    try:
-        limits.check(ids, params.max_tokens)  # the engines' own rule, before any worker spends work
-    except ValueError as e:
-        raise InvalidRequest(str(e)) from e
-    # Workers always see a fresh id: a client reusing its own id (a retry) must never share
-    # blocks or leases with an earlier request that is still held somewhere.
-    return RequestSpec(uuid.uuid4().hex, tuple(ids), params, req.cache_salt or None)
+        prompt = Prompt(token_ids=req.token_ids.ids)
+    elif which == "chat":
+        _check_unknown(req.chat, "chat")
+        for i, m in enumerate(req.chat.messages):
+            _check_unknown(m, f"chat.messages[{i}]")
+        prompt = Prompt(messages=[{"role": m.role, "content": m.content} for m in req.chat.messages])
+    else:
+        raise InvalidRequest("prompt: set text, token_ids or chat")
+    params = sampling_params(
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_p=s.top_p if s.HasField("top_p") else None,
+        top_k=s.top_k if s.HasField("top_k") else None,
+        seed=s.seed if s.HasField("seed") else None,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        stop=tuple(s.stop),
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+    )
+    return prepare(prompt, params, req.cache_salt, tokenizer, limits)
+
+
+def _logprobs_pb(lps: list[TokenLogprobs]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])  # fmt: skip
+        for lp in lps
+    ]
 
 
 def _parse_generate_request(data: bytes) -> pb.GenerateRequest | InvalidRequest:
@@ -133,13 +126,10 @@ def add_router_to_server(servicer: RouterServicer, server: grpc.aio.Server) -> N
 
 
 class RouterServicer(pb_grpc.RouterServicer):
-    def __init__(self, core: RouterCore, tokenizer: Tokenizer, limits: RequestLimits) -> None:
+    def __init__(self, core: RouterCore, tokenizer: ModelTokenizer, limits: RequestLimits) -> None:
         self.core = core
         self.tokenizer = tokenizer
         self.limits = limits
-        # The same tokenizer, reading special tokens in text as plain text (split_special_tokens).
-        self.text_tokenizer = Tokenizer.from_str(tokenizer.to_str())
-        self.text_tokenizer.encode_special_tokens = True
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -148,27 +138,29 @@ class RouterServicer(pb_grpc.RouterServicer):
             if isinstance(request, InvalidRequest):
                 raise request
             # Tokenizing a long text takes a while: never on the loop that serves the other streams.
-            spec = await asyncio.to_thread(to_spec, request, self.tokenizer, self.limits, self.text_tokenizer)
+            spec = await asyncio.to_thread(to_spec, request, self.tokenizer, self.limits)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
-        detok = IncrementalDetokenizer(self.tokenizer)
         try:
             # aclosing: a cancelled call closes the request's generators now (cancelling the
             # worker tasks, releasing leases, recording stats), not whenever they are collected.
-            async with contextlib.aclosing(self.core.generate(spec)) as events:
-                async for ev in events:
+            async with contextlib.aclosing(stream_output(self.core, spec, self.tokenizer)) as chunks:
+                async for c in chunks:
+                    u = c.usage
                     resp = pb.GenerateResponse(
                         request_id=request.request_id or spec.request_id,
-                        token_ids=ev.token_ids,
-                        text=detok.push(ev.token_ids, final=ev.finished),
-                        finished=ev.finished,
-                        finish_reason=ev.finish_reason or "",
+                        token_ids=c.token_ids,
+                        text=c.text,
+                        finished=c.finished,
+                        finish_reason=c.finish_reason or "",
+                        usage=pb.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
+                                       transferred_tokens=u.transferred_tokens,
+                                       completion_tokens=u.completion_tokens),  # fmt: skip
+                        logprobs=_logprobs_pb(c.logprobs) if c.logprobs else None,
                     )
-                    if ev.usage:
-                        resp.usage.CopyFrom(pb.Usage(**ev.usage))
-                    if ev.ttft_ms is not None:
-                        resp.ttft_ms = ev.ttft_ms
+                    if c.ttft_ms is not None:
+                        resp.ttft_ms = c.ttft_ms
                     yield resp
         except Overloaded as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

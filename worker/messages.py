@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class PrefillResult:
     worker_id: str
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens the prefill worker found in its own prefix cache
+    first_logprobs: TokenLogprobs | None = None  # when the params ask for logprobs
 
 
 @dataclass(frozen=True)
@@ -41,3 +42,4 @@ class DecodeEvent:
     num_local_hit_tokens: int = 0  # prompt tokens found in the decode worker's own cache
     num_transferred_tokens: int = 0
     num_recomputed_tokens: int = 0  # prompt tokens recomputed after a failed pull
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token, when the params ask for them

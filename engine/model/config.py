@@ -163,6 +163,15 @@ class ModelConfig:
         )
 
     @classmethod
+    def from_path(cls, path: str | Path) -> ModelConfig:
+        """From a checkpoint directory (its ``config.json``) or a ``.gguf`` file."""
+        if str(path).endswith(".gguf"):
+            from pdserve.engine.model.gguf import read_gguf_config
+
+            return cls.from_dict(read_gguf_config(path))
+        return cls.from_dir(path)
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """Read ``<model_dir>/config.json``; FileNotFoundError names the file if absent."""
         path = Path(model_dir) / "config.json"

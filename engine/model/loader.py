@@ -1,8 +1,10 @@
-"""Load a Llama-family model and its tokenizer from a local HF-style directory.
+"""Load a Llama-family model and its tokenizer from a local HF-style directory or a GGUF file.
 
-Expected layout: ``config.json``, ``tokenizer.json`` and either ``model.safetensors``
-or ``model.safetensors.index.json`` plus the shards it names. Nothing is
-downloaded; only safetensors is read (no pickle).
+Expected directory layout: ``config.json``, ``tokenizer.json`` and either ``model.safetensors``
+or ``model.safetensors.index.json`` plus the shards it names (``tokenizer_config.json``,
+``chat_template.jinja`` and ``generation_config.json`` are read when present). A ``.gguf`` file
+carries all of it (``pdserve.engine.model.gguf``). Nothing is downloaded; only safetensors and
+GGUF are read (no pickle).
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from tokenizers import Tokenizer
 
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.llama import LlamaForCausalLM
+from pdserve.engine.tokenizer import ModelTokenizer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -61,12 +63,20 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def check_model(path: str | Path) -> None:
+    """FileNotFoundError / ValueError naming what is missing or unsupported, before any weight is read."""
+    ModelConfig.from_path(path)
+    if not str(path).endswith(".gguf"):
+        weight_files(path)
+    load_tokenizer(path)
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
 ) -> LlamaForCausalLM:
-    """Build the model for ``model_dir`` and load its weights (strictly).
+    """Build the model for ``model_dir`` (a directory or a ``.gguf`` file) and load its weights (strictly).
 
     ``dtype`` defaults to float32 on CPU and bfloat16 otherwise; checkpoint tensors
     are cast to it. Returns the model in eval mode with gradients disabled.
@@ -74,10 +84,16 @@ def load_model(
     ValueError for an unsupported config or missing/unexpected/misshapen tensors.
     """
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
+    gguf = model_dir.suffix == ".gguf"
+    if not gguf and not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
-    config = ModelConfig.from_dir(model_dir)
-    files = weight_files(model_dir)
+    config = ModelConfig.from_path(model_dir)
+    if gguf:
+        from pdserve.engine.model.gguf import iter_gguf_tensors
+
+        weights = iter_gguf_tensors(model_dir)
+    else:
+        weights = _iter_tensors(weight_files(model_dir))
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     # Build on the meta device so no time is spent on random init that gets overwritten.
@@ -85,14 +101,11 @@ def load_model(
         model = LlamaForCausalLM(config)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.model.rotary_emb.rebuild()
-    model.load_weights(_iter_tensors(files))
+    model.load_weights(weights)
     model.requires_grad_(False)
     return model.eval()
 
 
-def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """Load ``<model_dir>/tokenizer.json`` (FileNotFoundError naming it if absent)."""
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"tokenizer.json not found in model directory {Path(model_dir)}")
-    return Tokenizer.from_file(str(path))
+def load_tokenizer(path: str | Path) -> ModelTokenizer:
+    """The checkpoint's tokenizer (FileNotFoundError naming ``tokenizer.json`` if a directory lacks it)."""
+    return ModelTokenizer.from_path(path)

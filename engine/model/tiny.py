@@ -1,7 +1,8 @@
 """Deterministic tiny Llama checkpoints for tests, demos and CPU-only clusters.
 
 :func:`make_tiny_model` writes an HF-compatible directory (``config.json``,
-``model.safetensors``, ``tokenizer.json``) without needing transformers. Same
+``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json`` with a chat template)
+without needing transformers. Same
 arguments -> byte-identical files, so separate processes (prefill and decode
 workers, a test and its subprocess) can each build "the same model" locally.
 """
@@ -39,6 +40,13 @@ def byte_to_unicode() -> dict[int, str]:
             mapping[b] = chr(NUM_BYTES + shifted)
             shifted += 1
     return mapping
+
+
+# A Zephyr-style template over the byte tokenizer: role tags are plain text, turns end with </s>.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def build_byte_tokenizer(vocab_size: int) -> Tokenizer:
@@ -159,4 +167,7 @@ def make_tiny_model(
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     save_file(_tiny_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+    tok_config = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "chat_template": CHAT_TEMPLATE,
+                  "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n", encoding="utf-8")
     return out

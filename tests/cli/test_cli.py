@@ -37,7 +37,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_make_tiny_model_is_deterministic(model_dir: str, tmp_path: Path) -> None:
     again = make_tiny_model(tmp_path / "again")
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (Path(model_dir) / name).read_bytes() == (again / name).read_bytes()
 
 
@@ -46,9 +46,16 @@ def test_generate_offline_json_matches_engine(model_dir: str) -> None:
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) == {"token_ids", "text", "finish_reason", "usage", "ttft_ms"}
-    assert set(out["usage"]) == {"prompt_tokens", "cached_tokens", "transferred_tokens"}
+    assert set(out["usage"]) == {"prompt_tokens", "completion_tokens", "cached_tokens", "transferred_tokens"}
     ref = LLM(model_dir, num_blocks=16).generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6))[0]
     assert out["token_ids"] == ref.token_ids and out["usage"]["prompt_tokens"] == 5
+    assert out["usage"]["completion_tokens"] == 6
+    # Without --json: the text, then a line with the token ids (a random model's text says little).
+    r = pdserve("generate", "--model", model_dir, "--prompt-ids", "5,6,7,8,9", "--max-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n").splitlines()[-1] == (
+        f"[length; 6 tokens: {','.join(map(str, ref.token_ids))}; prompt 5, cached 0, transferred 0]"
+    )
 
 
 @pytest.mark.parametrize(
@@ -95,12 +102,13 @@ def test_stats_reads_ratio_of_sums_from_redis(redis_server: EmbeddedRedis) -> No
 def test_up_prints_ready_lines_serves_and_drains_on_sigterm(model_dir: str, tmp_path: Path) -> None:
     env = dict(os.environ, PDSERVE_STATE_DIR=str(tmp_path / "state"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli.main", "up", "--model", model_dir, "--port", "0"],
+        [sys.executable, "-m", "pdserve.cli.main", "up", "--model", model_dir, "--port", "0", "--http-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
     )
     try:
         assert proc.stdout is not None
         router_line = proc.stdout.readline().strip()
+        http_line = proc.stdout.readline().strip()
         redis_line = proc.stdout.readline().strip()
         state_line = proc.stdout.readline().strip()
         assert router_line.startswith("router listening on "), router_line
@@ -112,6 +120,17 @@ def test_up_prints_ready_lines_serves_and_drains_on_sigterm(model_dir: str, tmp_
         r = pdserve("generate", "--router", address, "--prompt", "hello router", "--max-tokens", "4", "--json")
         assert r.returncode == 0, r.stderr
         assert len(json.loads(r.stdout)["token_ids"]) == 4
+        assert http_line.startswith("http listening on 127.0.0.1:"), http_line
+        # curl on the SSE stream of the OpenAI-compatible API: chunks, then "data: [DONE]".
+        http = http_line.removeprefix("http listening on ")
+        body = json.dumps({"model": Path(model_dir).name, "prompt": "hello http", "max_tokens": 3, "stream": True})
+        r = subprocess.run(["curl", "-sN", f"http://{http}/v1/completions", "-H", "Content-Type: application/json",
+                            "-d", body], capture_output=True, text=True, timeout=60)  # fmt: skip
+        events = [line.removeprefix("data: ") for line in r.stdout.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", r.stdout
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert all(c["object"] == "text_completion" for c in chunks)
         # `stats` finds the embedded Redis (and its password) through the state file alone.
         r = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "stats", "--json"], capture_output=True,
                            text=True, timeout=120, cwd=REPO, env=env)  # fmt: skip
@@ -134,8 +153,12 @@ def test_demo_runs_and_reports_hit_rates() -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     assert "cluster hit rate:" in r.stdout
     rate = float(r.stdout.split("cluster hit rate:")[1].split("%")[0])
-    assert rate > 20.0  # tenants share system prompts: a cold cache would be 0
-    assert "tenant " in r.stdout and "ttft_ms" in r.stdout
+    assert rate > 20.0  # users share system prompts, second turns extend first ones: a cold cache would be 0
+    assert "tenant " in r.stdout and "ttft_ms" in r.stdout and "cached = prompt tokens served from" in r.stdout
+    assert "Paris" in r.stdout  # the real model answers
+    assert "second turns hit the prefix cache: 6/6" in r.stdout
+    assert "cached tokens although school-a had just sent the same system prompt and question: nothing shared" \
+        in " ".join(r.stdout.split())
 
 
 def test_bad_config_and_paths_are_messages_not_tracebacks(tmp_path: Path) -> None:
@@ -157,3 +180,13 @@ def test_bad_config_and_paths_are_messages_not_tracebacks(tmp_path: Path) -> Non
         r = pdserve(*args)
         assert r.returncode == 2, (args, r.stderr)
         assert needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_bench_help_lists_the_benchmarks() -> None:
+    r = pdserve("bench", "--help")
+    assert r.returncode == 0, r.stderr
+    for name in ("kvcache", "engine", "transfer", "prefix", "serve"):
+        assert f"  {name} " in r.stdout
+    assert pdserve("bench").returncode == 2
+    r = pdserve("bench", "serve", "--help")
+    assert r.returncode == 0 and "--http" in r.stdout

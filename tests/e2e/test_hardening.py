@@ -9,8 +9,10 @@ import os
 import random
 import signal
 import threading
+from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import ray
 
@@ -35,7 +37,7 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def service(tiny_model: str):
     config = ServiceConfig.load(
-        port=0, engine__model=tiny_model, engine__cache__kv_cache_memory_bytes=16 * 1024**2,
+        port=0, http_port=0, engine__model=tiny_model, engine__cache__kv_cache_memory_bytes=16 * 1024**2,
         router__local_prefill_threshold=8, router__max_in_flight=4, router__max_in_flight_per_tenant=2,
         router__max_queued=4, transfer__lease_ttl_s=30.0,
     )  # fmt: skip
@@ -103,6 +105,12 @@ def test_a_flood_from_one_tenant_does_not_starve_another(service) -> None:
         # 2 run (the tenant's share), 4 wait, the other 6 are refused at once.
         assert wait_until(lambda: sum(c == grpc.StatusCode.RESOURCE_EXHAUSTED for c in codes.values()) == 6,
                           timeout=60)  # fmt: skip
+        # The HTTP edge shares the admission: the same tenant is refused there too (429, streaming or not).
+        for stream in (False, True):
+            r = httpx.post(f"http://{svc.http_address}/v1/completions", timeout=60, json={
+                "model": Path(svc.model_dir).name, "prompt": "more", "max_tokens": 2, "cache_salt": "flood",
+                "stream": stream})  # fmt: skip
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
         quiet = generate(stub, build_request(prompt(99, 5), SamplingParams(max_tokens=5), cache_salt="quiet"), 60)
         assert quiet.finish_reason == "length"
         assert sum(c == grpc.StatusCode.OK for c in codes.values()) < 6  # done while the flood still ran
@@ -146,6 +154,7 @@ def test_a_killed_router_is_restarted_on_its_port(service) -> None:
     assert wait_until(lambda: not svc._router_alive(timeout_s=2), timeout=30)
     notes = svc.supervise()
     assert notes == [f"router had stopped: restarted, listening on 127.0.0.1:{port}"] and svc.port == port
+    assert httpx.get(f"http://{svc.http_address}/health", timeout=30).status_code == 200  # HTTP is back too
     assert generate(stub, build_request("after a restart", GREEDY), 60).finish_reason == "length"
 
 
@@ -189,6 +198,10 @@ def test_drain_finishes_streams_in_flight_and_refuses_new_ones(service) -> None:
     drainer = threading.Thread(target=lambda: cut.append(svc.drain(timeout_s=90)))
     drainer.start()
     assert wait_until(lambda: _refused_unavailable(stub), timeout=30)
+    base = f"http://{svc.http_address}"
+    assert httpx.get(f"{base}/health", timeout=30).status_code == 503
+    r = httpx.post(f"{base}/v1/completions", json={"model": Path(svc.model_dir).name, "prompt": "hi"}, timeout=30)
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
     t.join(120)
     drainer.join(120)
     assert result == ["length"] and len(tokens) == 150 and cut == [0]

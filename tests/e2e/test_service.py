@@ -35,7 +35,7 @@ def model_dir(tiny_model: str) -> str:
 @pytest.fixture(scope="module")
 def service(model_dir: str):
     config = ServiceConfig.load(
-        port=0, engine__model=model_dir, engine__cache__kv_cache_memory_bytes=8 * 1024**2,
+        port=0, http_port=0, engine__model=model_dir, engine__cache__kv_cache_memory_bytes=8 * 1024**2,
         router__local_prefill_threshold=8, transfer__lease_ttl_s=10.0,
     )  # fmt: skip
     svc = Service(config, progress=lambda _m: None)

@@ -202,7 +202,7 @@ def test_loader_missing_and_unexpected_tensors(checkpoints: dict[str, Path], tmp
 def test_make_tiny_model_is_deterministic(tmp_path: Path) -> None:
     a, b = make_tiny_model(tmp_path / "a", seed=7), make_tiny_model(tmp_path / "b", seed=7)
     names = sorted(p.name for p in a.iterdir())
-    assert names == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert names == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     c = make_tiny_model(tmp_path / "c", seed=8)
@@ -214,17 +214,17 @@ def test_tiny_tokenizer_round_trips_utf8(tmp_path: Path) -> None:
     d = make_tiny_model(tmp_path / "tiny", vocab_size=300)
     tok = load_tokenizer(d)
     cfg = ModelConfig.from_dir(d)
-    assert tok.get_vocab_size() == cfg.vocab_size == 300
-    assert tok.token_to_id("<s>") == cfg.bos_token_id and (tok.token_to_id("</s>"),) == cfg.eos_token_ids
+    assert tok.raw.get_vocab_size() == cfg.vocab_size == 300
+    assert tok.raw.token_to_id("<s>") == cfg.bos_token_id and (tok.raw.token_to_id("</s>"),) == cfg.eos_token_ids
     for text in ["hello world", "  leading\tand\nnewlines ", "héllo wörld — 世界 🎉🚀", "\x00\x7f", ""]:
-        plain = tok.encode(text, add_special_tokens=False).ids
+        plain = tok.encode(text, add_special_tokens=False)
         assert plain == list(text.encode("utf-8"))  # byte b is token id b
         assert tok.decode(plain) == text
-        with_bos = tok.encode(text).ids
+        with_bos = tok.encode(text)
         assert with_bos == [cfg.bos_token_id, *plain]
         assert tok.decode(with_bos) == text  # specials skipped by default
     # Literal special-token text is matched as the special token (like HF tokenizers).
-    ids = tok.encode("<s>x</s>", add_special_tokens=False).ids
+    ids = tok.encode("<s>x</s>", add_special_tokens=False)
     assert ids == [cfg.bos_token_id, ord("x"), cfg.eos_token_ids[0]]
     assert tok.decode(ids, skip_special_tokens=False) == "<s>x</s>"
 
@@ -233,7 +233,7 @@ def test_hf_loads_tiny_model_and_agrees(tmp_path: Path) -> None:
     d = make_tiny_model(tmp_path / "tiny", seed=3)
     ours, ref = load_model(d), load_hf_reference(d)
     tok = load_tokenizer(d)
-    ids = tok.encode("The quick brown fox jumps over the lazy dog. Ünïcödé!").ids
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. Ünïcödé!")
     got = paged_prefill_logits(ours, ids, block_size=16)
     torch.testing.assert_close(got, hf_logits(ref, ids), **TOL)
     # Greedy continuation is not degenerate: the random weights give varied tokens.

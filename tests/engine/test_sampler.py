@@ -36,7 +36,7 @@ def test_frequencies_match_reference(temperature: float, top_k: int, top_p: floa
     params = SamplingParams(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
     sampler = Sampler()
     rows = logits.expand(n, -1).contiguous()
-    draws = sampler.sample(rows, [f"r{i}" for i in range(n)], [params] * n)
+    draws = sampler.sample(rows, [f"r{i}" for i in range(n)], [params] * n)[0]
     freq = torch.bincount(torch.tensor(draws), minlength=12).double() / n
     ref = reference_probs(logits[0], temperature, top_k, top_p)
     assert (freq[ref == 0] == 0).all(), "sampled a token outside the top-k / top-p set"
@@ -47,25 +47,25 @@ def test_greedy_and_degenerate_filters_pick_argmax() -> None:
     logits = torch.randn(4, 50)
     want = logits.argmax(-1).tolist()
     s = Sampler()
-    assert s.sample(logits, list("abcd"), [SamplingParams()] * 4) == want
-    assert s.sample(logits, list("efgh"), [SamplingParams(temperature=1.0, top_k=1, seed=1)] * 4) == want
-    assert s.sample(logits, list("ijkl"), [SamplingParams(temperature=1.0, top_p=1e-6, seed=1)] * 4) == want
+    assert s.sample(logits, list("abcd"), [SamplingParams()] * 4)[0] == want
+    assert s.sample(logits, list("efgh"), [SamplingParams(temperature=1.0, top_k=1, seed=1)] * 4)[0] == want
+    assert s.sample(logits, list("ijkl"), [SamplingParams(temperature=1.0, top_p=1e-6, seed=1)] * 4)[0] == want
 
 
 def test_seed_reproducible_regardless_of_batch() -> None:
     logits = torch.randn(3, 100)
     p = SamplingParams(temperature=1.0, seed=42)
-    alone = [Sampler().sample(logits[1:2], ["x"], [p])[0] for _ in range(1)]
+    alone = [Sampler().sample(logits[1:2], ["x"], [p])[0][0] for _ in range(1)]
     s = Sampler()
     # the same request id + seed in a different batch position draws the same first token
-    mixed = s.sample(logits[[0, 1, 2]][[1, 0, 2]], ["x", "y", "z"], [p, SamplingParams(temperature=1.0), p])
+    mixed = s.sample(logits[[0, 1, 2]][[1, 0, 2]], ["x", "y", "z"], [p, SamplingParams(temperature=1.0), p])[0]
     assert mixed[0] == alone[0]
-    a = [Sampler().sample(logits[:1], ["q"], [p])[0] for _ in range(3)]
+    a = [Sampler().sample(logits[:1], ["q"], [p])[0][0] for _ in range(3)]
     assert len(set(a)) == 1
     # successive draws of one seeded request follow its own stream
     s1, s2 = Sampler(), Sampler()
-    seq1 = [s1.sample(logits[:1], ["q"], [p])[0] for _ in range(20)]
-    seq2 = [s2.sample(logits[:1], ["q"], [p])[0] for _ in range(20)]
+    seq1 = [s1.sample(logits[:1], ["q"], [p])[0][0] for _ in range(20)]
+    seq2 = [s2.sample(logits[:1], ["q"], [p])[0][0] for _ in range(20)]
     assert seq1 == seq2 and len(set(seq1)) > 1
 
 
@@ -94,14 +94,14 @@ def test_tiny_temperature_is_greedy_not_an_overflow() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 30
     params = [SamplingParams(temperature=t, seed=1) for t in (1e-40, 9e-6, 0.0)]
     assert all(p.greedy for p in params)
-    assert Sampler().sample(logits, ["a", "b", "c"], params) == logits.argmax(dim=-1).tolist()
+    assert Sampler().sample(logits, ["a", "b", "c"], params)[0] == logits.argmax(dim=-1).tolist()
     assert not SamplingParams(temperature=1e-5).greedy
 
 
 def test_extreme_seeds_are_accepted() -> None:
     logits = torch.zeros(2, 10)
     params = [SamplingParams(temperature=1.0, seed=2**64 - 1), SamplingParams(temperature=1.0, seed=-(2**63))]
-    out = Sampler().sample(logits, ["a", "b"], params)
+    out = Sampler().sample(logits, ["a", "b"], params)[0]
     assert all(0 <= t < 10 for t in out)
 
 
@@ -110,5 +110,28 @@ def test_top_k_keeps_exactly_k_tokens_on_ties() -> None:
     logits = torch.tensor([[3.0, 3.0, 3.0, 3.0, 3.0, 0.0, -1.0]])
     params = SamplingParams(temperature=1.0, top_k=2, seed=0)
     sampler = Sampler()
-    seen = {sampler.sample(logits, ["r"], [params])[0] for _ in range(200)}
+    seen = {sampler.sample(logits, ["r"], [params])[0][0] for _ in range(200)}
     assert len(seen) == 2 and seen <= {0, 1, 2, 3, 4}
+
+
+def test_logprobs_are_the_models_raw_distribution() -> None:
+    """log_softmax of the logits (before temperature and top-k/top-p), the sampled token's and the
+    top alternatives, best first; rows that do not ask get None."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3)) * 4
+    params = [SamplingParams(logprobs=3), SamplingParams(), SamplingParams(temperature=0.7, top_k=5, seed=2, logprobs=0)]
+    tokens, logprobs = Sampler().sample(logits, ["a", "b", "c"], params)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert logprobs[1] is None
+    for row in (0, 2):
+        lp = logprobs[row]
+        assert lp is not None and lp.token_id == tokens[row]
+        assert lp.logprob == pytest.approx(ref[row, tokens[row]].item(), abs=1e-5)
+    top = ref[0].topk(3)
+    assert [t for t, _ in logprobs[0].top] == top.indices.tolist()
+    assert [v for _, v in logprobs[0].top] == pytest.approx(top.values.tolist(), abs=1e-5)
+    assert logprobs[2].top == ()
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=("",))
+    assert SamplingParams(stop="x").stop == ("x",)

@@ -79,16 +79,16 @@ def test_request_fields_are_bounded_and_wire_errors_say_what_is_wrong(tiny_model
 
 def test_special_tokens_in_text_are_special_unless_split(tiny_model: str) -> None:
     """As in transformers and vLLM, "</s>" typed in a prompt is the EOS token; split_special_tokens
-    reads it as the four characters."""
-    from pdserve.router.servicer import RouterServicer
-
+    reads it as the four characters. Text gets the tokenizer's special tokens (the tiny model's
+    post-processor adds BOS <s> = 256) unless add_special_tokens is false."""
     tok = load_tokenizer(tiny_model)
     limits = RequestLimits(vocab_size=258, max_model_len=1024, block_size=16)
-    plain = RouterServicer(None, tok, limits)  # type: ignore[arg-type] - only its tokenizers are used
-    special = to_spec(pb.GenerateRequest(text="hi </s>"), tok, limits, plain.text_tokenizer)
-    split = to_spec(pb.GenerateRequest(text="hi </s>", split_special_tokens=True), tok, limits, plain.text_tokenizer)
-    assert special.prompt_token_ids == (104, 105, 32, 257)
-    assert split.prompt_token_ids == (104, 105, 32, *b"</s>")
+    special = to_spec(pb.GenerateRequest(text="hi </s>"), tok, limits)
+    split = to_spec(pb.GenerateRequest(text="hi </s>", split_special_tokens=True), tok, limits)
+    bare = to_spec(pb.GenerateRequest(text="hi </s>", add_special_tokens=False), tok, limits)
+    assert special.prompt_token_ids == (256, 104, 105, 32, 257)
+    assert split.prompt_token_ids == (256, 104, 105, 32, *b"</s>")
+    assert bare.prompt_token_ids == (104, 105, 32, 257)
 
 
 def test_router_refuses_oversized_messages_keeps_answering_while_tokenizing_and_drains(tiny_model: str) -> None:

@@ -7,8 +7,8 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model import load_tokenizer, make_tiny_model
-from pdserve.router.detokenizer import IncrementalDetokenizer
 
 
 def metaspace_tokenizer() -> Tokenizer:
@@ -34,7 +34,7 @@ def stream(tok: Tokenizer, ids: list[int], chunk_sizes: list[int]) -> str:
 def test_byte_level_utf8_split_across_tokens(tmp_path, seed: int) -> None:
     tok = load_tokenizer(make_tiny_model(tmp_path / "m"))
     text = "héllo € wörld 😀 naïve ☃ " * 3
-    ids = tok.encode(text, add_special_tokens=False).ids
+    ids = tok.encode(text, add_special_tokens=False)
     rng = random.Random(seed)
     sizes = [rng.randint(1, 3) for _ in ids]
     assert stream(tok, ids, sizes) == tok.decode(ids) == text
@@ -51,7 +51,7 @@ def test_sentencepiece_style_spaces_survive() -> None:
 
 def test_incomplete_tail_flushed_when_final(tmp_path) -> None:
     tok = load_tokenizer(make_tiny_model(tmp_path / "m"))
-    ids = tok.encode("€", add_special_tokens=False).ids  # 3 bytes
+    ids = tok.encode("€", add_special_tokens=False)  # 3 bytes
     d = IncrementalDetokenizer(tok)
     assert d.push(ids[:2]) == ""  # held back: not a whole character yet
     assert d.push([], final=True) == tok.decode(ids[:2])

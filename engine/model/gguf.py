@@ -1,0 +1,185 @@
+"""GGUF checkpoints (llama.cpp's single-file format) for the Llama family, read with ``gguf``.
+
+A GGUF file holds the model's hyperparameters, its tokenizer (vocabulary, merges, special
+tokens, chat template) and its tensors, often quantized. pdserve reads all three the way
+transformers does (``from_pretrained(dir, gguf_file=...)``), so that both produce the same tokens:
+
+- the config becomes a Hugging Face ``config.json`` dict (``read_gguf_config``);
+- each tensor is dequantized to float32 (``gguf.quants.dequantize``), renamed to its Hugging Face
+  name and, for ``attn_q``/``attn_k``, un-permuted (llama.cpp's converter interleaves the rotary
+  halves of each head; ``iter_gguf_tensors``);
+- the tokenizer becomes a byte-level BPE ``tokenizers.Tokenizer`` with the file's control tokens as
+  special tokens, and the chat template and BOS/EOS come from the metadata (``read_gguf_tokenizer``).
+
+Supported: ``general.architecture == "llama"`` (Llama, Mistral, SmolLM) with a byte-level BPE
+vocabulary (``tokenizer.ggml.model == "gpt2"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from pdserve.engine.model.tiny import byte_to_unicode
+from pdserve.engine.tokenizer import TokenizerInfo
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+# The pre-tokenizer split of Llama 3's vocabulary (tiktoken's cl100k pattern); other byte-level
+# vocabularies use GPT-2's, which the ByteLevel pre-tokenizer applies by itself.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "smaug-bpe"}
+
+
+@lru_cache(maxsize=4)
+def _reader(path: str):  # noqa: ANN202 - gguf.GGUFReader
+    from gguf import GGUFReader
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+
+
+def _metadata(path: str | Path) -> dict[str, Any]:
+    return {name: field.contents() for name, field in _reader(str(path)).fields.items()}
+
+
+def _arch(meta: dict[str, Any], path: str | Path) -> str:
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    return arch
+
+
+def read_gguf_config(path: str | Path) -> dict[str, Any]:
+    """The model's hyperparameters as a Hugging Face ``config.json`` dict."""
+    meta = _metadata(path)
+    a = _arch(meta, path)
+    if f"{a}.rope.scaling.type" in meta or any(t.name == "rope_freqs.weight" for t in _reader(str(path)).tensors):
+        raise ValueError(f"{path}: rope scaling in GGUF files is not supported")
+    heads = int(meta[f"{a}.attention.head_count"])
+    hidden = int(meta[f"{a}.embedding_length"])
+    tensors = {t.name: t for t in _reader(str(path)).tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path}: no token_embd.weight tensor")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        # The embedding's rows are the vocabulary the model was trained with.
+        "vocab_size": int(meta.get(f"{a}.vocab_size") or tensors["token_embd.weight"].shape[-1]),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta[f"{a}.feed_forward_length"]),
+        "num_hidden_layers": int(meta[f"{a}.block_count"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{a}.attention.head_count_kv") or heads),
+        "head_dim": int(meta.get(f"{a}.attention.key_length") or hidden // heads),
+        "rms_norm_eps": float(meta[f"{a}.attention.layer_norm_rms_epsilon"]),
+        "rope_theta": float(meta.get(f"{a}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get(f"{a}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "hidden_act": "silu",
+    }
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's rotary interleave of a q/k projection (rows grouped by head)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(name: str) -> str | None:
+    stem, _, kind = name.rpartition(".")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    return None
+
+
+def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(Hugging Face name, float32 tensor)`` for every weight, dequantized one at a time."""
+    from gguf.quants import dequantize
+
+    config = read_gguf_config(path)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for t in _reader(str(path)).tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            raise ValueError(f"{path}: unexpected tensor {t.name!r}")
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if name.endswith("q_proj.weight"):
+            w = _unpermute(w, heads)
+        elif name.endswith("k_proj.weight"):
+            w = _unpermute(w, kv_heads)
+        w = np.ascontiguousarray(w)
+        yield name, torch.from_numpy(w if w.flags.writeable else w.copy())  # an F32 tensor is a read-only map
+
+
+def read_gguf_tokenizer(path: str | Path) -> tuple[Tokenizer, TokenizerInfo]:
+    """The file's byte-level BPE tokenizer, special tokens and chat template."""
+    meta = _metadata(path)
+    _arch(meta, path)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{path}: GGUF tokenizer {kind!r} is not supported (only byte-level BPE, 'gpt2')")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [])
+    spelling = byte_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+             for i, t in enumerate(tokens)}  # fmt: skip
+    merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges") or []]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    if meta.get("tokenizer.ggml.pre") in _LLAMA3_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])  # fmt: skip
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>) stay whole and are special; user-defined ones stay whole too.
+    control = [t for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    user = [t for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab]
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+    def token(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    add_eos = meta.get("tokenizer.ggml.add_eos_token")
+    info = TokenizerInfo(
+        chat_template=meta.get("tokenizer.chat_template"),
+        special_tokens={"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+                        "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")},
+        add_bos_token=bool(add_bos) if add_bos is not None else None,
+        add_eos_token=bool(add_eos) if add_eos is not None else None,
+    )  # fmt: skip
+    return tok, info

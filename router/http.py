@@ -1,0 +1,271 @@
+"""The OpenAI-compatible HTTP edge (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, /health.
+
+Like the gRPC edge it converts at the edge and iterates the router core (``stream_output``);
+neither edge knows the other. A request with ``n`` choices (or several prompts) runs as that many
+router requests, merged into one response. Errors are OpenAI error objects: 400 bad input, 404
+an unknown model, 413 a body over ``max_request_bytes``, 429 overload, 503 draining or no worker.
+A client that disconnects cancels its requests (streaming or not): their KV is released at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.engine.limits import RequestLimits
+from pdserve.engine.tokenizer import ModelTokenizer
+from pdserve.router.admission import Draining, Overloaded
+from pdserve.router.body_limit import BodyLimit
+from pdserve.router.core import RouterCore, WorkerUnavailableError
+from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest, _Common
+from pdserve.router.openai_responses import (
+    ChoiceState,
+    LogprobFormat,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    completion_chunk,
+    error_body,
+    new_id,
+    now,
+    request_usage,
+    usage_chunk,
+)  # fmt: skip
+from pdserve.router.output import Chunk, stream_output
+from pdserve.router.requests import InvalidRequest, Prompt, make_spec, tokenize
+from pdserve.worker.messages import RequestSpec
+
+logger = logging.getLogger(__name__)
+
+
+def _error(status: int, message: str, type_: str, code: int | str | None = None, param: str | None = None) -> Response:
+    return JSONResponse(error_body(message, type_, code if code is not None else status, param), status_code=status)
+
+
+def _error_for(exc: BaseException) -> Response:
+    if isinstance(exc, InvalidRequest):
+        return _error(400, str(exc), "invalid_request_error", 400, str(exc).split(":", 1)[0])
+    if isinstance(exc, Overloaded):
+        return _error(429, str(exc), "rate_limit_error", "rate_limit_exceeded")
+    if isinstance(exc, (Draining, WorkerUnavailableError)):
+        return _error(503, str(exc), "service_unavailable_error", 503)
+    if isinstance(exc, ValueError):  # a worker refused the request
+        return _error(400, str(exc), "invalid_request_error", 400)
+    logger.error("request failed", exc_info=exc)
+    return _error(500, f"request failed: {exc}", "internal_error", 500)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str  # what clients send as "model"
+    aliases: frozenset[str]  # also accepted (the path the model was loaded from)
+    max_model_len: int
+
+
+async def _merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """Chunks of several streams as they come, tagged with the stream's index. The first failure
+    ends it (raised here); closing it cancels every stream still running."""
+    queue: asyncio.Queue[tuple[int, Chunk | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for chunk in stream:
+                    await queue.put((i, chunk))
+            await queue.put((i, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class OpenAIServer:
+    def __init__(self, core: RouterCore, tokenizer: ModelTokenizer, limits: RequestLimits, model: ServedModel,
+                 is_serving: Callable[[], bool]) -> None:  # fmt: skip
+        self.core = core
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.model = model
+        self.is_serving = is_serving
+        self.fmt = LogprobFormat(tokenizer)
+
+    def _check_model(self, name: str) -> Response | None:
+        if name == self.model.name or name in self.model.aliases:
+            return None
+        return _error(404, f"The model `{name}` does not exist; this server serves `{self.model.name}`",
+                      "invalid_request_error", "model_not_found", "model")  # fmt: skip
+
+    def _specs(self, req: _Common, prompts: list[Prompt], max_tokens: int | None, logprobs: int | None) -> list[RequestSpec]:
+        """Tokenize and check every choice of every prompt (runs off the event loop)."""
+        specs = []
+        for prompt in prompts:
+            ids = tokenize(prompt, self.tokenizer)
+            mt = max_tokens if max_tokens is not None else self.limits.max_tokens_for(len(ids))
+            specs += [make_spec(ids, req.params(mt, logprobs, j), req.cache_salt, self.limits) for j in range(req.n)]
+        return specs
+
+    async def models(self) -> dict:
+        card = {"id": self.model.name, "object": "model", "created": now(), "owned_by": "pdserve",
+                "root": self.model.name, "max_model_len": self.model.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, req: CompletionRequest, http: Request) -> Response:
+        return await self._serve(req, http, lambda: req.prompts(), req.max_tokens, req.logprobs, chat=False)
+
+    async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
+        return await self._serve(req, http, lambda: [req.prompt()], req.requested_max_tokens, req.num_logprobs,
+                                 chat=True)  # fmt: skip
+
+    async def _serve(self, req: _Common, http: Request, prompts: Callable[[], list[Prompt]], max_tokens: int | None,
+                     logprobs: int | None, chat: bool) -> Response:  # fmt: skip
+        if (bad := self._check_model(req.model)) is not None:
+            return bad
+        try:
+            specs = await asyncio.to_thread(self._specs, req, prompts(), max_tokens, logprobs)
+        except InvalidRequest as e:
+            return _error_for(e)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        merged = _merged([stream_output(self.core, s, self.tokenizer) for s in specs])
+        states = [ChoiceState() for _ in specs]
+        if req.stream:
+            return await self._stream(req, http, rid, merged, states, logprobs is not None, chat)
+        return await self._collect(req, http, rid, merged, states, logprobs is not None, chat)
+
+    async def _collect(self, req: _Common, http: Request, rid: str, merged: AsyncIterator[tuple[int, Chunk]],
+                       states: list[ChoiceState], logprobs: bool, chat: bool) -> Response:  # fmt: skip
+        async def run() -> None:
+            async with contextlib.aclosing(merged):  # type: ignore[type-var]
+                async for i, chunk in merged:
+                    states[i].add(chunk)
+
+        try:
+            if not await _until_disconnected(http, run()):
+                return Response(status_code=499)  # nobody is there to read it
+        except Exception as e:  # noqa: BLE001 - answered as an error object
+            return _error_for(e)
+        body = (chat_body if chat else completion_body)(rid, req.model, states, req.n, self.fmt, logprobs)
+        return JSONResponse(body)
+
+    async def _stream(self, req: _Common, http: Request, rid: str, merged: AsyncIterator[tuple[int, Chunk]],
+                      states: list[ChoiceState], logprobs: bool, chat: bool) -> Response:  # fmt: skip
+        # The first chunk decides the status: a request refused before it started (overload,
+        # no worker) gets a proper 4xx/5xx, not a 200 stream that carries an error.
+        try:
+            first = await anext(merged)
+        except StopAsyncIteration:
+            first = None
+        except Exception as e:  # noqa: BLE001
+            await merged.aclose()  # type: ignore[attr-defined]
+            return _error_for(e)
+        make = chat_chunk if chat else completion_chunk
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        continuous = req.continuous_usage
+
+        async def events() -> AsyncIterator[str]:
+            async with contextlib.aclosing(merged):  # type: ignore[type-var]
+                try:
+                    pending = [first] if first is not None else []
+                    async for item in _chain(pending, merged):
+                        i, chunk = item
+                        states[i].add(chunk)
+                        if continuous and chunk.token_ids:
+                            body = make(rid, req.model, i, states[i], chunk, self.fmt, logprobs)
+                            yield _sse({**body, "usage": request_usage(states, req.n)})
+                        elif chunk.text or chunk.finished or chunk.logprobs or (chat and not states[i].started):
+                            yield _sse(make(rid, req.model, i, states[i], chunk, self.fmt, logprobs))
+                    if req.include_usage:
+                        yield _sse(usage_chunk(rid, req.model, obj, request_usage(states, req.n)))
+                except Exception as e:  # noqa: BLE001 - the status is sent: report it in the stream
+                    logger.warning("stream %s failed: %s", rid, e)
+                    yield _sse(json.loads(_error_for(e).body))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _chain(first: list[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    for x in first:
+        yield x
+    async for x in rest:
+        yield x
+
+
+async def _until_disconnected(http: Request, work: Any) -> bool:
+    """Run ``work`` to its end (True; its exception propagates), or cancel it when the client goes
+    away first (False): its requests end and their KV is freed now."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return False
+    task.result()
+    return True
+
+
+def build_app(server: OpenAIServer, max_request_bytes: int) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg", "invalid request"))
+        return _error(400, msg, "invalid_request_error", 400, loc or None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if server.is_serving() else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return await server.models()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, http: Request) -> Response:
+        return await server.completions(req, http)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, http: Request) -> Response:
+        return await server.chat(req, http)
+
+    return BodyLimit(app, max_request_bytes)  # type: ignore[return-value]
