@@ -89,7 +89,11 @@ class Router:
     async def start_http(self, host: str, port: int) -> int:
         """Serve the OpenAI-compatible API on ``host:port`` (0 = any free port), with the router's
         TLS settings; returns the bound port."""
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP spelled out: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets
+        # whose proto says TCP, and with it on, each streamed event after the headers would wait for
+        # the client's delayed ACK (40 ms).
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted router re-binds at once
         try:
             sock.bind((host, port))  # here, so a taken port fails now and port 0 reports its pick
