@@ -11,6 +11,7 @@ GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**64)
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 256  # checked against every generated token
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class SamplingParams:
         ):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if len(stop) > MAX_STOP_STRINGS or not all(isinstance(x, str) and x for x in stop):
             raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")

@@ -124,20 +124,13 @@ class ModelTokenizer:
         return ids
 
     def _apply_bos_eos(self, ids: list[int]) -> list[int]:
-        """A GGUF file's ``add_bos_token`` / ``add_eos_token`` flags."""
+        """A GGUF file's ``add_bos_token`` / ``add_eos_token`` flags (its tokenizer has no
+        post-processor): add what they ask for, never remove a token the text itself wrote."""
         bos, eos, info = self.bos_token_id, self.eos_token_id, self.info
-        if bos is not None and info.add_bos_token is not None:
-            has = bool(ids) and ids[0] == bos
-            if info.add_bos_token and not has:
-                ids = [bos, *ids]
-            elif not info.add_bos_token and has:
-                ids = ids[1:]
-        if eos is not None and info.add_eos_token is not None:
-            has = bool(ids) and ids[-1] == eos
-            if info.add_eos_token and not has:
-                ids = [*ids, eos]
-            elif not info.add_eos_token and has:
-                ids = ids[:-1]
+        if bos is not None and info.add_bos_token and not (ids and ids[0] == bos):
+            ids = [bos, *ids]
+        if eos is not None and info.add_eos_token and not (ids and ids[-1] == eos):
+            ids = [*ids, eos]
         return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

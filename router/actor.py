@@ -4,8 +4,10 @@ API (uvicorn) on the actor's event loop, both over one RouterCore."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -22,6 +24,7 @@ from pdserve.kvindex.stats import StatsRecorder
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import RouterCore
 from pdserve.router.http import OpenAIServer, ServedModel, build_app
+from pdserve.router.openai_protocol import MAX_PROMPTS
 from pdserve.router.ray_workers import RayWorkers
 from pdserve.router.servicer import RouterServicer, add_router_to_server
 from pdserve.v1 import router_pb2
@@ -51,10 +54,14 @@ class Router:
         self.core = RouterCore(config, engine.cache, RayWorkers(prefill, decode), PrefixLookup(index),
                                StatsRecorder(index))  # fmt: skip
         limits = RequestLimits.for_engine(mc, engine, kv_blocks)
-        self.servicer = RouterServicer(self.core, self.tokenizer, limits)
+        # Tokenization (and chat rendering) of both edges runs here: bounded, and apart from the
+        # default executor that serves the prefix lookups, so long prompts cannot delay those.
+        self.tokenize_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="pdserve-tokenize")
+        self.servicer = RouterServicer(self.core, self.tokenizer, limits, self.tokenize_pool)
         model = ServedModel(config.served_model_name or served_name(engine.model), frozenset({engine.model}),
                             limits.max_model_len)  # fmt: skip
-        self.openai = OpenAIServer(self.core, self.tokenizer, limits, model, lambda: not self.core.admission.draining)
+        self.openai = OpenAIServer(self.core, self.tokenizer, limits, model, lambda: not self.core.admission.draining,
+                                   self.tokenize_pool, min(MAX_PROMPTS, config.max_in_flight_per_tenant))  # fmt: skip
         self.config = config
         self.server: grpc.aio.Server | None = None
         self.health: health.aio.HealthServicer | None = None
@@ -100,6 +107,13 @@ class Router:
         except OSError as exc:
             sock.close()
             raise OSError(f"cannot bind the HTTP API to {host}:{port}: {exc}") from exc
+        try:
+            return await self._serve_http(sock, host, port)
+        except BaseException:
+            sock.close()
+            raise
+
+    async def _serve_http(self, sock: socket.socket, host: str, port: int) -> int:
         tls = self.config.tls
         config = uvicorn.Config(
             build_app(self.openai, self.config.max_request_bytes),
@@ -128,6 +142,10 @@ class Router:
     async def ping(self) -> bool:
         return self.server is not None
 
+    async def admission_state(self) -> dict[str, int]:
+        """Requests running and waiting for a slot (both edges together)."""
+        return {"in_flight": self.core.admission.in_flight, "queued": self.core.admission.queued}
+
     async def drain(self, timeout_s: float | None = None) -> int:
         """Graceful stop, first half: health says NOT_SERVING, new requests are refused
         (UNAVAILABLE), and those in flight get ``timeout_s`` (default ``drain_timeout_s``) to
@@ -141,14 +159,23 @@ class Router:
 
     async def stop(self) -> None:
         """Stop serving, then write the counters still queued and close the index clients."""
-        if self.http is not None and self.http_task is not None:
-            self.http.should_exit = True
-            await self.http_task
-            self.http = self.http_task = None
-        if self.server is not None:
-            await self.server.stop(grace=1.0)
-            self.server = None
-        self.core.close()
+        try:
+            if self.http is not None and self.http_task is not None:
+                self.http.should_exit = True
+                with contextlib.suppress(Exception):  # a server that failed has nothing left to stop
+                    await self.http_task
+                self.http = self.http_task = None
+        finally:
+            await self._stop_grpc()
+
+    async def _stop_grpc(self) -> None:
+        try:
+            if self.server is not None:
+                await self.server.stop(grace=1.0)
+                self.server = None
+        finally:
+            self.core.close()
+            self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def served_name(model: str) -> str:

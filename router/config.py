@@ -17,6 +17,9 @@ class RouterConfig:
     local_prefill_threshold: int = 32
     # score = overlap_tokens - load_weight * queued_tokens
     load_weight: float = 1.0
+    # A decode worker's queued tokens count each request's prompt and at most this many of its
+    # max_tokens (an upper bound, often the whole context, that would drown the prefix overlap).
+    max_output_load_tokens: int = 512
     # Retries on another decode worker while no decode token was sent.
     decode_retries: int = 1
     # A request message larger than this is refused before it is read (RESOURCE_EXHAUSTED).
@@ -28,6 +31,8 @@ class RouterConfig:
     queue_timeout_s: float = 30.0
     # On SIGTERM, in-flight streams get this long to finish before the router stops.
     drain_timeout_s: float = 30.0
+    # Threads that tokenize requests (text, chat templates) for both edges.
+    tokenizer_threads: int = 2
     # TLS on the router's gRPC port and the HTTP port; None: plaintext.
     tls: TLSConfig | None = None
     # The model's name in the HTTP API ("model" of a request); None: the model directory's or
@@ -39,7 +44,8 @@ class RouterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        for name in ("max_request_bytes", "max_in_flight", "max_in_flight_per_tenant"):
+        for name in ("max_request_bytes", "max_in_flight", "max_in_flight_per_tenant", "max_output_load_tokens",
+                     "tokenizer_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -147,7 +147,7 @@ class RouterCore:
                     return
 
             tried: set[str] = set()
-            footprint = prompt_len + spec.params.max_tokens
+            footprint = prompt_len + min(spec.params.max_tokens, cfg.max_output_load_tokens)
             while True:
                 cur = d
                 tried.add(cur)

@@ -13,13 +13,16 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from pdserve.engine.limits import RequestLimits
 from pdserve.engine.tokenizer import ModelTokenizer
@@ -38,6 +41,7 @@ from pdserve.router.openai_responses import (
     new_id,
     now,
     request_usage,
+    usage_body,
     usage_chunk,
 )  # fmt: skip
 from pdserve.router.output import Chunk, stream_output
@@ -51,17 +55,27 @@ def _error(status: int, message: str, type_: str, code: int | str | None = None,
     return JSONResponse(error_body(message, type_, code if code is not None else status, param), status_code=status)
 
 
+_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*)(?::| must | has )")
+
+
+def _bad_request(message: str) -> Response:
+    field = _FIELD.match(message)
+    return _error(400, message, "invalid_request_error", 400, field.group(1) if field else None)
+
+
 def _error_for(exc: BaseException) -> Response:
     if isinstance(exc, InvalidRequest):
-        return _error(400, str(exc), "invalid_request_error", 400, str(exc).split(":", 1)[0])
+        return _bad_request(str(exc))
     if isinstance(exc, Overloaded):
         return _error(429, str(exc), "rate_limit_error", "rate_limit_exceeded")
     if isinstance(exc, (Draining, WorkerUnavailableError)):
         return _error(503, str(exc), "service_unavailable_error", 503)
-    if isinstance(exc, ValueError):  # a worker refused the request
-        return _error(400, str(exc), "invalid_request_error", 400)
-    logger.error("request failed", exc_info=exc)
-    return _error(500, f"request failed: {exc}", "internal_error", 500)
+    if isinstance(exc, ValueError):  # a worker refused the request: its message, not a remote traceback
+        return _bad_request(str(exc).strip().splitlines()[-1])
+    # Details (paths, hosts, tracebacks) go to the log, not to the client.
+    ref = new_id("err")
+    logger.error("request failed (%s)", ref, exc_info=exc)
+    return _error(500, f"internal error ({ref}; the server log has the details)", "internal_error", 500)
 
 
 @dataclass(frozen=True)
@@ -71,19 +85,30 @@ class ServedModel:
     max_model_len: int
 
 
-async def _merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
-    """Chunks of several streams as they come, tagged with the stream's index. The first failure
-    ends it (raised here); closing it cancels every stream still running."""
+async def _merged(streams: list[AsyncIterator[Chunk]], leaders: list[int | None]) -> AsyncIterator[tuple[int, Chunk]]:
+    """Chunks of several streams as they come, tagged with the stream's index. Stream ``i`` starts
+    once stream ``leaders[i]`` sent its first chunk (None: at once): the n choices of one prompt
+    wait for the first one's prefill and find its blocks cached instead of computing them n times.
+    The first failure ends it (raised here); closing it cancels every stream still running."""
     queue: asyncio.Queue[tuple[int, Chunk | BaseException | None]] = asyncio.Queue()
+    started = [asyncio.Event() for _ in streams]
 
     async def pump(i: int, stream: AsyncIterator[Chunk]) -> None:
+        end: BaseException | None = None
         try:
+            if (leader := leaders[i]) is not None:
+                await started[leader].wait()
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for chunk in stream:
+                    started[i].set()
                     await queue.put((i, chunk))
-            await queue.put((i, None))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            await queue.put((i, e))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, whatever it is
+            end = e
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            started[i].set()  # a failed leader must not leave its followers waiting
+            queue.put_nowait((i, end))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
@@ -93,7 +118,7 @@ async def _merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[in
             if item is None:
                 running -= 1
             elif isinstance(item, BaseException):
-                raise item
+                raise item if isinstance(item, Exception) else RuntimeError(f"choice {i} ended: {item!r}")
             else:
                 yield i, item
     finally:
@@ -107,9 +132,14 @@ def _sse(body: dict) -> str:
 
 
 class OpenAIServer:
+    """``executor`` tokenizes (off the event loop, in bounded threads of its own); ``max_choices``
+    caps prompts x n of one request (each choice is a request that takes an admission slot)."""
+
     def __init__(self, core: RouterCore, tokenizer: ModelTokenizer, limits: RequestLimits, model: ServedModel,
-                 is_serving: Callable[[], bool]) -> None:  # fmt: skip
+                 is_serving: Callable[[], bool], executor: Executor, max_choices: int) -> None:  # fmt: skip
         self.core = core
+        self.executor = executor
+        self.max_choices = max_choices
         self.tokenizer = tokenizer
         self.limits = limits
         self.model = model
@@ -148,11 +178,17 @@ class OpenAIServer:
         if (bad := self._check_model(req.model)) is not None:
             return bad
         try:
-            specs = await asyncio.to_thread(self._specs, req, prompts(), max_tokens, logprobs)
+            plist = prompts()
+            if len(plist) * req.n > self.max_choices:
+                raise InvalidRequest(f"n: {len(plist)} prompt(s) x n={req.n} choices, at most {self.max_choices} "
+                                     "in one request")  # fmt: skip
+            loop = asyncio.get_running_loop()
+            specs = await loop.run_in_executor(self.executor, self._specs, req, plist, max_tokens, logprobs)
         except InvalidRequest as e:
             return _error_for(e)
         rid = new_id("chatcmpl" if chat else "cmpl")
-        merged = _merged([stream_output(self.core, s, self.tokenizer) for s in specs])
+        leaders = [None if i % req.n == 0 else i - i % req.n for i in range(len(specs))]
+        merged = _merged([stream_output(self.core, s, self.tokenizer) for s in specs], leaders)
         states = [ChoiceState() for _ in specs]
         if req.stream:
             return await self._stream(req, http, rid, merged, states, logprobs is not None, chat)
@@ -166,7 +202,8 @@ class OpenAIServer:
                     states[i].add(chunk)
 
         try:
-            if not await _until_disconnected(http, run()):
+            done, _ = await _unless_disconnected(http, run())
+            if not done:
                 return Response(status_code=499)  # nobody is there to read it
         except Exception as e:  # noqa: BLE001 - answered as an error object
             return _error_for(e)
@@ -178,12 +215,13 @@ class OpenAIServer:
         # The first chunk decides the status: a request refused before it started (overload,
         # no worker) gets a proper 4xx/5xx, not a 200 stream that carries an error.
         try:
-            first = await anext(merged)
-        except StopAsyncIteration:
-            first = None
+            done, first = await _unless_disconnected(http, anext(merged, None))
         except Exception as e:  # noqa: BLE001
             await merged.aclose()  # type: ignore[attr-defined]
             return _error_for(e)
+        if not done:  # gone while it waited for a slot or its prefill: end the request now
+            await merged.aclose()  # type: ignore[attr-defined]
+            return Response(status_code=499)
         make = chat_chunk if chat else completion_chunk
         obj = "chat.completion.chunk" if chat else "text_completion"
         continuous = req.continuous_usage
@@ -195,9 +233,9 @@ class OpenAIServer:
                     async for item in _chain(pending, merged):
                         i, chunk = item
                         states[i].add(chunk)
-                        if continuous and chunk.token_ids:
+                        if continuous and chunk.token_ids:  # vLLM's: this choice's usage so far
                             body = make(rid, req.model, i, states[i], chunk, self.fmt, logprobs)
-                            yield _sse({**body, "usage": request_usage(states, req.n)})
+                            yield _sse({**body, "usage": usage_body([chunk.usage], chunk.usage.completion_tokens)})
                         elif chunk.text or chunk.finished or chunk.logprobs or (chat and not states[i].started):
                             yield _sse(make(rid, req.model, i, states[i], chunk, self.fmt, logprobs))
                     if req.include_usage:
@@ -217,9 +255,9 @@ async def _chain(first: list[Any], rest: AsyncIterator[Any]) -> AsyncIterator[An
         yield x
 
 
-async def _until_disconnected(http: Request, work: Any) -> bool:
-    """Run ``work`` to its end (True; its exception propagates), or cancel it when the client goes
-    away first (False): its requests end and their KV is freed now."""
+async def _unless_disconnected(http: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """``(True, result)`` once ``work`` is done (its exception propagates), or ``(False, None)``
+    with ``work`` cancelled when the client goes away first: its requests end, their KV is freed."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -236,9 +274,8 @@ async def _until_disconnected(http: Request, work: Any) -> bool:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     if task.cancelled():
-        return False
-    task.result()
-    return True
+        return False, None
+    return True, task.result()
 
 
 def build_app(server: OpenAIServer, max_request_bytes: int) -> FastAPI:
@@ -250,7 +287,15 @@ def build_app(server: OpenAIServer, max_request_bytes: int) -> FastAPI:
         first = errors[0] if errors else {}
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg", "invalid request"))
-        return _error(400, msg, "invalid_request_error", 400, loc or None)
+        return _error(400, msg, "invalid_request_error", 400, loc or None)  # not FastAPI's 422
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, exc: HTTPException) -> Response:  # unknown route, wrong method
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error", exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(_request: Request, exc: Exception) -> Response:
+        return _error_for(exc)
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,9 +1,10 @@
 """The OpenAI-compatible request bodies (pydantic) and their conversion to router requests.
 
 Fields follow OpenAI's API and vLLM's extensions to it (``cache_salt``, ``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``add_special_tokens``, ``add_generation_prompt``). Fields
-this server cannot honour are refused by name (400) instead of being silently ignored; fields it
-does not know are ignored, as OpenAI's clients send more over time.
+``ignore_eos``, ``stop_token_ids``, ``add_special_tokens``, ``add_generation_prompt``). Fields of
+either API that would change the output and that this server cannot honour are refused by name
+(400) when set to anything but their neutral value (``UNSUPPORTED``); fields it does not know at
+all are ignored, as OpenAI's clients send more over time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,28 @@ OPENAI_TEMPERATURE = 1.0  # OpenAI's default (pdserve's gRPC API defaults to gre
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
 
+# Fields of OpenAI's or vLLM's API that change the output, with their neutral values: any other
+# value is refused (never silently ignored).
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "prompt_logprobs": (None,),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "truncate_prompt_tokens": (None,),
+}
+
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
@@ -28,7 +51,7 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept in model_extra, to refuse UNSUPPORTED ones by name
 
     model: StrictStr
     n: StrictInt = Field(1, ge=1, le=MAX_N)
@@ -41,17 +64,13 @@ class _Common(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    logit_bias: dict[str, Number] | None = None
     cache_salt: StrictStr | None = None
 
     def _refuse_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequest(f"{name}: not supported by this server (send 0 or leave it out)")
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias: not supported by this server")
+        extra = self.model_extra or {}
+        for name, neutral in UNSUPPORTED.items():
+            if name in extra and not any(type(extra[name]) is type(v) and extra[name] == v for v in neutral):
+                raise InvalidRequest(f"{name}: not supported by this server (leave it out or send {neutral[-1]!r})")
 
     def params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
         """The sampling parameters of choice ``choice`` (of ``n``): with a seed, choice i samples
@@ -62,7 +81,7 @@ class _Common(BaseModel):
             max_tokens=max_tokens,
             temperature=OPENAI_TEMPERATURE if self.temperature is None else self.temperature,
             top_p=self.top_p,
-            top_k=self.top_k,
+            top_k=0 if self.top_k == -1 else self.top_k,  # -1: vLLM's "off"
             seed=None if self.seed is None else self.seed + choice,
             stop=tuple(stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),

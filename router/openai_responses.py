@@ -81,7 +81,10 @@ class LogprobFormat:
         body = {
             "tokens": tokens,
             "token_logprobs": [_lp(lp.logprob) for lp in lps],
-            "top_logprobs": [{self.token(t): _lp(v) for t, v in lp.top} for lp in lps],
+            # As OpenAI's and vLLM's: the sampled token and the top alternatives.
+            "top_logprobs": [
+                {self.token(lp.token_id): _lp(lp.logprob), **{self.token(t): _lp(v) for t, v in lp.top}} for lp in lps
+            ],
             "text_offset": offsets,
         }
         return body, offset

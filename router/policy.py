@@ -7,7 +7,7 @@ tokens the router has sent to ``w`` that are not done yet. Cached tokens are wor
 saved, queued tokens are work waiting, both in tokens, so the weight is unit-free;
 ``load_weight = 1`` trades one cached token for one queued token.
 
-Decode worker ``w``: the same formula with ``queued = sum(prompt_len + max_tokens)``
+Decode worker ``w``: the same formula with ``queued = sum(prompt_len + min(max_tokens, max_output_load_tokens))``
 of its live requests (the KV it must hold), so a worker with the prompt's prefix wins
 unless it is more loaded than the prefix is worth. Ties go to the lower load, then to
 the first worker in registration order (deterministic).

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 
 import grpc
 from google.protobuf import unknown_fields
@@ -126,10 +127,14 @@ def add_router_to_server(servicer: RouterServicer, server: grpc.aio.Server) -> N
 
 
 class RouterServicer(pb_grpc.RouterServicer):
-    def __init__(self, core: RouterCore, tokenizer: ModelTokenizer, limits: RequestLimits) -> None:
+    """``executor`` tokenizes (None: asyncio's default executor)."""
+
+    def __init__(self, core: RouterCore, tokenizer: ModelTokenizer, limits: RequestLimits,
+                 executor: Executor | None = None) -> None:  # fmt: skip
         self.core = core
         self.tokenizer = tokenizer
         self.limits = limits
+        self.executor = executor
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -138,7 +143,8 @@ class RouterServicer(pb_grpc.RouterServicer):
             if isinstance(request, InvalidRequest):
                 raise request
             # Tokenizing a long text takes a while: never on the loop that serves the other streams.
-            spec = await asyncio.to_thread(to_spec, request, self.tokenizer, self.limits)
+            loop = asyncio.get_running_loop()
+            spec = await loop.run_in_executor(self.executor, to_spec, request, self.tokenizer, self.limits)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return

@@ -79,7 +79,7 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
     meta = _metadata(path)
     a = _arch(meta, path)
     if f"{a}.rope.scaling.type" in meta or any(t.name == "rope_freqs.weight" for t in _reader(str(path)).tensors):
-        raise ValueError(f"{path}: rope scaling in GGUF files is not supported")
+        raise ValueError(f"{path}: rope scaling in GGUF files is not supported yet; use the Hugging Face checkpoint")
     heads = int(meta[f"{a}.attention.head_count"])
     hidden = int(meta[f"{a}.embedding_length"])
     tensors = {t.name: t for t in _reader(str(path)).tensors}
@@ -146,7 +146,8 @@ def read_gguf_tokenizer(path: str | Path) -> tuple[Tokenizer, TokenizerInfo]:
     _arch(meta, path)
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"{path}: GGUF tokenizer {kind!r} is not supported (only byte-level BPE, 'gpt2')")
+        raise ValueError(f"{path}: GGUF tokenizer {kind!r} is not supported yet (only byte-level BPE, 'gpt2'); "
+                         "use the Hugging Face checkpoint")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [])
     spelling = byte_to_unicode()

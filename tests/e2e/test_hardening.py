@@ -5,9 +5,11 @@ graceful drain. Each test performs the attack and checks it fails and the servic
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import random
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -120,6 +122,41 @@ def test_a_flood_from_one_tenant_does_not_starve_another(service) -> None:
         for t in threads:
             t.join(60)
     assert wait_until(lambda: all_idle(svc), timeout=60)
+
+
+def test_http_clients_that_leave_while_queued_give_their_places_back(service) -> None:
+    """A tenant at its share (2 running) queues more requests; streaming HTTP clients that hang up
+    while queued are dropped from the queue at once, not when a slot frees or the queue times out."""
+    svc, stub = service
+    long_params = SamplingParams(max_tokens=1500, ignore_eos=True)
+    running = [stub.Generate(build_request(prompt(40 + i, 20), long_params, cache_salt="patient"), timeout=120)
+               for i in range(2)]  # fmt: skip
+    try:
+        for call in running:
+            next(call)  # both run: the tenant's share is used up
+        body = {"model": Path(svc.model_dir).name, "prompt": "queued", "max_tokens": 4, "cache_salt": "patient",
+                "stream": True}  # fmt: skip
+        socks = [_raw_post(svc.http_address, "/v1/completions", body) for _ in range(2)]
+        state = lambda: ray.get(svc.router.admission_state.remote(), timeout=30)  # noqa: E731
+        assert wait_until(lambda: state()["queued"] == 2, timeout=30)
+        for sock in socks:
+            sock.close()
+        assert wait_until(lambda: state()["queued"] == 0, timeout=30)
+        # ... while the two that hold the tenant's share still run: nothing else let them go.
+        assert state()["in_flight"] == 2 and not any(call.done() for call in running)
+    finally:
+        for call in running:
+            call.cancel()
+    assert wait_until(lambda: all_idle(svc), timeout=60)
+
+
+def _raw_post(address: str, path: str, body: dict) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
+    return sock
 
 
 def test_cancellation_storm_leaves_no_lease_or_block_behind(service) -> None:

@@ -157,6 +157,19 @@ def test_logprobs_match_transformers(client: openai.OpenAI, tiny_model: str) -> 
             ids.append(int(top.indices[0]))
 
 
+def test_completion_logprobs_list_the_sampled_token_and_alternatives(client: openai.OpenAI, tiny_model: str) -> None:
+    out = client.completions.create(model=model_name(tiny_model), prompt="abc", max_tokens=5, temperature=0,
+                                    logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == out.choices[0].text or len(out.choices[0].text) < len("".join(lp.tokens))
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3
+        if "\ufffd" not in token:  # bytes that are not whole characters all read "\ufffd" and collide as keys
+            assert top[token] == value and max(top.values()) == value  # greedy: the sampled token is the best
+    assert lp.text_offset[0] == 0
+
+
 def test_n_choices_are_seeded_and_reproducible(client: openai.OpenAI, tiny_model: str) -> None:
     kw = dict(model=model_name(tiny_model), prompt="Pick a letter:", max_tokens=8, temperature=1.0, n=3, seed=7,
               extra_body={"ignore_eos": True})  # fmt: skip
@@ -185,6 +198,10 @@ def test_errors_are_openai_error_objects(service: Service, client: openai.OpenAI
         ({"model": name, "prompt": "hi", "n": 100}, "n"),
         ({"model": name, "prompt": "hi", "cache_salt": "x" * 300}, "cache_salt"),
         ({"model": name, "prompt": "x" * 5000}, "max_model_len"),
+        ({"model": name, "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"model": name, "prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens"),
+        ({"model": name, "prompt": "hi", "stop_token_ids": list(range(300))}, "stop_token_ids"),
+        ({"model": name, "prompt": ["a", "b", "c", "d", "e"], "n": 16}, "at most 64"),  # 80 choices: > a tenant's share
     ]
     for body, needle in bad:
         r = httpx.post(f"{url}/completions", json=body)
@@ -200,6 +217,13 @@ def test_errors_are_openai_error_objects(service: Service, client: openai.OpenAI
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
     r = httpx.post(f"{url}/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
+    r = httpx.get(f"{url}/no-such-route")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(f"{url}/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    ok = httpx.post(f"{url}/completions", json={"model": name, "prompt": "hi", "max_tokens": 2, "top_k": -1,
+                                                 "presence_penalty": 0, "repetition_penalty": 1.0})  # fmt: skip
+    assert ok.status_code == 200, ok.text  # vLLM's "off" values are fine
     r = httpx.post(f"{url}/completions", json={"model": name, "prompt": "y" * 300_000})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert client.completions.create(model=name, prompt="still serving", max_tokens=2).choices[0].text is not None

@@ -14,7 +14,7 @@ from pdserve.engine.tokenizer import ModelTokenizer
 from tests.support.gguf_files import smollm2_path, write_gguf
 from tests.support.models import make_hf_checkpoint
 
-TEXTS = ["Hello world 12345", "  spaces\tand\nnewlines  ", "ünïcödé — 世界 😀", "a</s>b<s>", "What's the time?"]
+TEXTS = ["<|im_start|>user\nHi<|im_end|>", "Hello world 12345", "  spaces\tand\nnewlines  ", "ünïcödé — 世界 😀", "a</s>b<s>", "What's the time?"]
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name a prime number."}],
