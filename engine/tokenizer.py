@@ -99,7 +99,7 @@ class ModelTokenizer:
     def from_path(cls, path: str | Path) -> ModelTokenizer:
         """From a checkpoint directory or a ``.gguf`` file."""
         if str(path).endswith(".gguf"):
-            from pdserve.engine.model.gguf import read_gguf_tokenizer
+            from pdserve.engine.model.gguf_tokenizer import read_gguf_tokenizer
 
             return cls(*read_gguf_tokenizer(path))
         return cls(*read_tokenizer_dir(path))

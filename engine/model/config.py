@@ -76,6 +76,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
     sliding_window: int | None = None
+    # A GGUF file's ``rope_freqs.weight``: one divisor per rotary frequency (llama.cpp's form of
+    # llama3 rope scaling, computed by its converter); None: none.
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -160,6 +163,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             torch_dtype=None if dtype is None else str(dtype),
             sliding_window=None if sliding is None else int(sliding),
+            rope_freq_factors=_freq_factors(cfg.get("rope_freq_factors"), int(cfg.get("head_dim") or hidden // heads)),
         )
 
     @classmethod
@@ -213,6 +217,15 @@ def _unsupported_msg(arch: object) -> str:
     return (
         f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
+
+
+def _freq_factors(value: Any, head_dim: int) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    factors = tuple(float(f) for f in value)
+    if len(factors) != head_dim // 2 or not all(f > 0 for f in factors):
+        raise ValueError(f"rope_freqs: {len(factors)} factors, expected {head_dim // 2} positive ones")
+    return factors
 
 
 def _parse_rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:

@@ -8,11 +8,13 @@ transformers does (``from_pretrained(dir, gguf_file=...)``), so that both produc
 - each tensor is dequantized to float32 (``gguf.quants.dequantize``), renamed to its Hugging Face
   name and, for ``attn_q``/``attn_k``, un-permuted (llama.cpp's converter interleaves the rotary
   halves of each head; ``iter_gguf_tensors``);
-- the tokenizer becomes a byte-level BPE ``tokenizers.Tokenizer`` with the file's control tokens as
-  special tokens, and the chat template and BOS/EOS come from the metadata (``read_gguf_tokenizer``).
+- the tokenizer, special tokens and chat template come from the metadata
+  (``pdserve.engine.model.gguf_tokenizer``).
 
-Supported: ``general.architecture == "llama"`` (Llama, Mistral, SmolLM) with a byte-level BPE
-vocabulary (``tokenizer.ggml.model == "gpt2"``).
+Supported: ``general.architecture == "llama"`` (Llama 2 and 3, Mistral, SmolLM, TinyLlama), with
+llama3 rope scaling as llama.cpp stores it (``rope_freqs.weight``, a divisor per frequency; it
+becomes ``ModelConfig.rope_freq_factors``). transformers' GGUF reader drops ``rope_freqs``: for
+such files the reference is the checkpoint they were converted from.
 """
 
 from __future__ import annotations
@@ -24,10 +26,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
-from pdserve.engine.model.tiny import byte_to_unicode
-from pdserve.engine.tokenizer import TokenizerInfo
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -41,14 +39,6 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
-# The pre-tokenizer split of Llama 3's vocabulary (tiktoken's cl100k pattern); other byte-level
-# vocabularies use GPT-2's, which the ByteLevel pre-tokenizer applies by itself.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "smaug-bpe"}
 
 
 @lru_cache(maxsize=4)
@@ -63,11 +53,11 @@ def _reader(path: str):  # noqa: ANN202 - gguf.GGUFReader
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
 
 
-def _metadata(path: str | Path) -> dict[str, Any]:
+def metadata(path: str | Path) -> dict[str, Any]:
     return {name: field.contents() for name, field in _reader(str(path)).fields.items()}
 
 
-def _arch(meta: dict[str, Any], path: str | Path) -> str:
+def check_arch(meta: dict[str, Any], path: str | Path) -> str:
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
@@ -76,13 +66,15 @@ def _arch(meta: dict[str, Any], path: str | Path) -> str:
 
 def read_gguf_config(path: str | Path) -> dict[str, Any]:
     """The model's hyperparameters as a Hugging Face ``config.json`` dict."""
-    meta = _metadata(path)
-    a = _arch(meta, path)
-    if f"{a}.rope.scaling.type" in meta or any(t.name == "rope_freqs.weight" for t in _reader(str(path)).tensors):
-        raise ValueError(f"{path}: rope scaling in GGUF files is not supported yet; use the Hugging Face checkpoint")
+    meta = metadata(path)
+    a = check_arch(meta, path)
+    scaling = meta.get(f"{a}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"{path}: rope scaling {scaling!r} in GGUF files is not supported (llama3's rope_freqs is)")
     heads = int(meta[f"{a}.attention.head_count"])
     hidden = int(meta[f"{a}.embedding_length"])
     tensors = {t.name: t for t in _reader(str(path)).tensors}
+    freqs = tensors.get("rope_freqs.weight")  # llama3 rope scaling, as one divisor per frequency
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{path}: no token_embd.weight tensor")
     return {
@@ -102,6 +94,7 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu",
+        "rope_freq_factors": None if freqs is None else np.asarray(freqs.data, dtype=np.float32).tolist(),
     }
 
 
@@ -127,6 +120,8 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     config = read_gguf_config(path)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for t in _reader(str(path)).tensors:
+        if t.name == "rope_freqs.weight":  # read into the config (rope_freq_factors), not a weight
+            continue
         name = _hf_name(t.name)
         if name is None:
             raise ValueError(f"{path}: unexpected tensor {t.name!r}")
@@ -138,49 +133,3 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             w = _unpermute(w, kv_heads)
         w = np.ascontiguousarray(w)
         yield name, torch.from_numpy(w if w.flags.writeable else w.copy())  # an F32 tensor is a read-only map
-
-
-def read_gguf_tokenizer(path: str | Path) -> tuple[Tokenizer, TokenizerInfo]:
-    """The file's byte-level BPE tokenizer, special tokens and chat template."""
-    meta = _metadata(path)
-    _arch(meta, path)
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"{path}: GGUF tokenizer {kind!r} is not supported yet (only byte-level BPE, 'gpt2'); "
-                         "use the Hugging Face checkpoint")
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [])
-    spelling = byte_to_unicode()
-    alphabet = set(spelling.values())
-    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
-             for i, t in enumerate(tokens)}  # fmt: skip
-    merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges") or []]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    if meta.get("tokenizer.ggml.pre") in _LLAMA3_PRE:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])  # fmt: skip
-    else:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>) stay whole and are special; user-defined ones stay whole too.
-    control = [t for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    user = [t for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab]
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-
-    def token(key: str) -> str | None:
-        i = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-    add_bos = meta.get("tokenizer.ggml.add_bos_token")
-    add_eos = meta.get("tokenizer.ggml.add_eos_token")
-    info = TokenizerInfo(
-        chat_template=meta.get("tokenizer.chat_template"),
-        special_tokens={"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
-                        "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")},
-        add_bos_token=bool(add_bos) if add_bos is not None else None,
-        add_eos_token=bool(add_eos) if add_eos is not None else None,
-    )  # fmt: skip
-    return tok, info

@@ -22,12 +22,16 @@ from pdserve.engine.model.linear import Linear, OneDNNWeights, onednn_supported,
 
 
 # ----------------------------------------------------------------------------- rope
-def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> torch.Tensor:
-    """float32 ``[head_dim // 2]`` inverse frequencies, with llama3 scaling applied."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None,
+                  factors: tuple[float, ...] | None = None) -> torch.Tensor:  # fmt: skip
+    """float32 ``[head_dim // 2]`` inverse frequencies, with llama3 scaling applied, as parameters
+    (``scaling``) or as a GGUF file's per-frequency divisors (``factors``)."""
     # Same expression as HF so the float32 tables agree bit for bit. Explicit CPU:
     # the model may be built under a meta-device context, the tables never are.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
+    if factors is not None:
+        return inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
     if scaling is None:
         return inv_freq
     old_ctx = scaling.original_max_position_embeddings
@@ -64,7 +68,7 @@ class RotaryEmbedding(nn.Module):
 
     def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, c.rope_freq_factors)
         pos = torch.arange(c.max_position_embeddings, dtype=torch.int64, device="cpu").float()
         freqs = torch.outer(pos, inv_freq)  # float32 [max_pos, head_dim // 2]
         return freqs.cos(), freqs.sin()

@@ -65,6 +65,47 @@ def test_tiny_gguf_matches_transformers(tiny_gguf: Path) -> None:
         assert o.token_ids == hf_greedy(ref, p, 12)
 
 
+@pytest.fixture(scope="module")
+def spm_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("gguf-spm")
+    hf = make_hf_checkpoint(d / "hf", "llama_gqa", seed=6)
+    return write_gguf(hf, d / "spm.gguf", tokenizer="llama")
+
+
+SPM_TEXTS = ["hello world", "Hello  the world\nis it?", " leading space", "ünïcödé 世界 😀", "the</s>end<s>", "a\tb", ""]
+
+
+def test_sentencepiece_gguf_matches_transformers(spm_gguf: Path) -> None:
+    """A SentencePiece vocabulary (Llama 2, Mistral, TinyLlama): merges recovered from the scores,
+    byte fallback for characters outside it, BOS added, text decoded back."""
+    d, name = spm_gguf.parent, spm_gguf.name
+    ours, hf = ModelTokenizer.from_path(spm_gguf), hf_tokenizer(d, name)
+    for text in SPM_TEXTS:
+        ids = ours.encode(text)
+        assert ids == hf(text).input_ids, text
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+    assert ours.encode("the") == [1, 274]  # <s> ▁the: ▁+t, then h+e, then ▁t+he, best score first
+    llm, ref = LLM(str(spm_gguf), num_blocks=64, block_size=8), hf_model(d, name)
+    prompts = [ours.encode(t) for t in SPM_TEXTS[:4]]
+    for p, o in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))):
+        assert o.token_ids == hf_greedy(ref, p, 10)
+
+
+def test_llama3_rope_scaling_from_rope_freqs_matches_the_checkpoint(tmp_path: Path) -> None:
+    """A Llama 3.1-style file carries its rope scaling as ``rope_freqs`` (llama.cpp's divisors), which
+    transformers' GGUF reader drops: the reference is transformers on the checkpoint it came from."""
+    from tests.support.models import load_hf_reference
+
+    hf_dir = make_hf_checkpoint(tmp_path / "hf", "llama3_rope", seed=7)
+    path = write_gguf(hf_dir, tmp_path / "llama3.gguf", quantize=())
+    cfg = ModelConfig.from_path(path)
+    assert cfg.rope_freq_factors is not None and max(cfg.rope_freq_factors) == 8.0 and min(cfg.rope_freq_factors) == 1
+    llm, ref = LLM(str(path), num_blocks=64, block_size=8), load_hf_reference(hf_dir)
+    prompts = [[5, 6, 7] * 15, list(range(40, 100))]  # past the original 32-token context
+    for p, o in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))):
+        assert o.token_ids == hf_greedy(ref, p, 16)
+
+
 def test_unsupported_and_broken_files_are_named(tmp_path: Path, tiny_gguf: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file at all")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +49,45 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_LAYER[module]}.{kind}"
 
 
-def write_gguf(hf_dir: Path, out: Path, quantize: tuple[str, ...] = ("ffn_up", "attn_v")) -> Path:
-    """A GGUF of the HF checkpoint in ``hf_dir`` (one safetensors file, byte-level tokenizer)."""
+# A SentencePiece vocabulary: pieces best first (their score is minus their rank), "▁" for a space.
+SPM_PIECES = ["\u2581", "e", "t", "a", "o", "n", "h", "l", "r", "s", "d", "i", "w", "\u2581t", "he", "\u2581the", "in",
+              "\u2581a", "ll", "\u2581h", "\u2581w", "or", "\u2581wor", "ld", "\u2581world", "el", "lo", "\u2581hel",
+              "\u2581hello", "er", "on", "an", "at", "es", "\u2581s", "\u2581o", "ed", "\u2581in", "is", "\u2581is", "it"]
+
+
+def _spm_vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
+    """<unk>, <s>, </s>, the 256 byte tokens, then SPM_PIECES: tokens, scores and token types."""
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *SPM_PIECES]
+    assert len(tokens) == vocab_size, (len(tokens), vocab_size)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(SPM_PIECES)]  # unknown, control, byte, normal
+    return tokens, scores, types
+
+
+def _llama3_rope_factors(cfg: dict) -> np.ndarray:
+    """llama.cpp's converter's ``rope_freqs``: a divisor per frequency for llama3 rope scaling."""
+    rope = cfg.get("rope_scaling") or cfg["rope_parameters"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    base, factor = cfg.get("rope_theta") or rope["rope_theta"], rope["factor"]
+    low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(hf_dir: Path, out: Path, quantize: tuple[str, ...] = ("ffn_up", "attn_v"),
+               tokenizer: str = "gpt2") -> Path:  # fmt: skip
+    """A GGUF of the HF checkpoint in ``hf_dir`` (one safetensors file), with a byte-level BPE
+    vocabulary (``"gpt2"``, from the checkpoint's tokenizer) or a SentencePiece one (``"llama"``,
+    ``SPM_PIECES``; the checkpoint must have 300 embedding rows)."""
     import gguf
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -61,23 +99,37 @@ def write_gguf(hf_dir: Path, out: Path, quantize: tuple[str, ...] = ("ffn_up", "
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    writer.add_rope_freq_base(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_dimension_count(cfg["hidden_size"] // heads)
-    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    tokens = [t for t, _ in sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])]
-    specials = {t.content for t in tok.get_added_tokens_decoder().values()}
-    padding = [f"<|pad_{i}|>" for i in range(cfg["vocab_size"] - len(tokens))]  # one token per embedding row
-    tokens += padding
-    specials.update(padding)
-    # The last two unused ids become merged tokens, so that the file has BPE merges to apply.
-    tokens[-2:] = ["he", "ll"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in specials else 1 for t in tokens])
-    writer.add_token_merges(["h e", "l l"])
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], int) else cfg["eos_token_id"][0])
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}  # transformers v4 / v5
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))
+    if tokenizer == "llama":
+        tokens, scores, types = _spm_vocab(cfg["vocab_size"])
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+    else:
+        tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+        tokens = [t for t, _ in sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])]
+        specials = {t.content for t in tok.get_added_tokens_decoder().values()}
+        padding = [f"<|pad_{i}|>" for i in range(cfg["vocab_size"] - len(tokens))]  # one token per embedding row
+        tokens += padding
+        specials.update(padding)
+        # The last two unused ids become merged tokens, so that the file has BPE merges to apply.
+        tokens[-2:] = ["he", "ll"]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if t in specials else 1 for t in tokens])
+        writer.add_token_merges(["h e", "l l"])
+        writer.add_bos_token_id(cfg["bos_token_id"])
+        eos = cfg["eos_token_id"]
+        writer.add_eos_token_id(eos if isinstance(eos, int) else eos[0])
     writer.add_chat_template(CHAT_TEMPLATE)
     for name, w in load_file(str(hf_dir / "model.safetensors")).items():
         w = w.astype(np.float32)
