@@ -9,7 +9,6 @@ import json
 import os
 import random
 import signal
-import socket
 import threading
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from pdserve.kvtransfer.errors import AuthError
 from pdserve.v1 import kvtransfer_pb2 as kpb
 from pdserve.v1 import kvtransfer_pb2_grpc as kpb_grpc
 from tests.support.polling import wait_until
-from tests.support.service import all_idle, stub_for
+from tests.support.service import all_idle, raw_post, stub_for
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +65,6 @@ def test_kv_blocks_cannot_be_read_without_the_clusters_secret(service) -> None:
     assert keys
     hashes = [bytes.fromhex(k.rsplit(":", 1)[1]) for k in keys]
     workers = svc.index_config().client().hgetall(f"{svc.index_config().namespace}:workers")
-    import json
 
     address = json.loads(workers["prefill-0"])["grpc_address"]
     with KVTransferClient(address, TransferConfig(cluster_secret=None)) as outsider:
@@ -136,7 +134,7 @@ def test_http_clients_that_leave_while_queued_give_their_places_back(service) ->
             next(call)  # both run: the tenant's share is used up
         body = {"model": Path(svc.model_dir).name, "prompt": "queued", "max_tokens": 4, "cache_salt": "patient",
                 "stream": True}  # fmt: skip
-        socks = [_raw_post(svc.http_address, "/v1/completions", body) for _ in range(2)]
+        socks = [raw_post(svc.http_address, "/v1/completions", body) for _ in range(2)]
         state = lambda: ray.get(svc.router.admission_state.remote(), timeout=30)  # noqa: E731
         assert wait_until(lambda: state()["queued"] == 2, timeout=30)
         for sock in socks:
@@ -148,15 +146,6 @@ def test_http_clients_that_leave_while_queued_give_their_places_back(service) ->
         for call in running:
             call.cancel()
     assert wait_until(lambda: all_idle(svc), timeout=60)
-
-
-def _raw_post(address: str, path: str, body: dict) -> socket.socket:
-    host, port = address.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)))
-    data = json.dumps(body).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
-    return sock
 
 
 def test_cancellation_storm_leaves_no_lease_or_block_behind(service) -> None:

@@ -4,8 +4,6 @@ and transformers."""
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.launcher import Service
 from pdserve.engine.tokenizer import ModelTokenizer
 from tests.support.polling import wait_until
-from tests.support.service import all_idle, pool_states
+from tests.support.service import all_idle, pool_states, raw_post
 
 pytestmark = pytest.mark.slow
 
@@ -229,15 +227,6 @@ def test_errors_are_openai_error_objects(service: Service, client: openai.OpenAI
     assert client.completions.create(model=name, prompt="still serving", max_tokens=2).choices[0].text is not None
 
 
-def _raw_post(address: str, path: str, body: dict) -> socket.socket:
-    host, port = address.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)))
-    data = json.dumps(body).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
-    return sock
-
-
 def _decoding(service: Service) -> bool:
     return any(s["requests"] > 0 for s in pool_states(service).values())
 
@@ -254,7 +243,7 @@ def test_a_client_that_disconnects_cancels_its_request(service: Service, tiny_mo
     full_s = time.perf_counter() - t0
     assert full.json()["usage"]["completion_tokens"] == 1500
     assert wait_until(lambda: all_idle(service), timeout=30)
-    sock = _raw_post(service.http_address, "/v1/completions", body)
+    sock = raw_post(service.http_address, "/v1/completions", body)
     assert wait_until(lambda: _decoding(service), timeout=30)
     t0 = time.perf_counter()
     sock.close()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import socket
+
 import grpc
 import ray
 
@@ -26,3 +29,14 @@ def all_idle(service: Service) -> bool:
     except Exception:  # noqa: BLE001 - a restarting worker is not idle yet
         return False
     return all(s["free_blocks"] == s["num_blocks"] and s["leases"] == 0 and s["requests"] == 0 for s in states.values())
+
+
+def raw_post(address: str, path: str, body: dict) -> socket.socket:
+    """Send a JSON POST over a plain socket and return it unread: closing it is a client that
+    hangs up mid-request."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
+    return sock
