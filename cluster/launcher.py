@@ -102,6 +102,9 @@ class Service:
             else:
                 # Ray schedules by logical CPUs: one per worker plus one spare, even on fewer cores.
                 cpus = max(os.cpu_count() or 1, int(workers * c.cpus_per_worker) + 1)
+                # Ray starts its workers at nice 15; serving workers must not yield to every other
+                # process on the machine (unless the operator says otherwise).
+                os.environ.setdefault("RAY_worker_niceness", "0")
                 ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
             self._started_ray = True
         res = ray.cluster_resources()
