@@ -147,7 +147,8 @@ def conclusions(turns: list[Turn]) -> list[str]:
 def run_demo(args: argparse.Namespace) -> int:
     model = args.model or demo_model()
     engine = EngineConfig(model=model, cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2))
-    service = Service(ServiceConfig(port=0, http_port=None, engine=engine))
+    # Warnings only: the demo tells its own story (no access log, no workers' start-up lines).
+    service = Service(ServiceConfig(port=0, http_port=None, engine=engine, log_level="WARNING"))
     try:
         address, redis_url = service.start()
         print(f"model: {Path(model).name}; router listening on {address}")

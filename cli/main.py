@@ -7,6 +7,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # as pdserve.cluster.config (not imported: slow)
+
 
 def _parse_ids(text: str) -> list[int]:
     try:
@@ -106,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hash-seed", default=None, help="cluster hash seed (default $PDSERVE_HASH_SEED or '0')")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--namespace", default=None, help="Redis key prefix (default $PDSERVE_REDIS_NAMESPACE or 'pdserve')")
+    p.add_argument("--kv-transfer-ports", default=None, metavar="LO-HI",
+                   help="the workers' KV-transfer ports: the first free one of this range (default: any)")
+    p.add_argument("--log-level", type=str.upper, default=None, choices=LOG_LEVELS,
+                   help="log level of every process (default INFO; access-log lines are INFO)")
+    p.add_argument("--log-json", action="store_true", default=None, help="log one JSON object per line")
     p.add_argument("--config", default=None, help="service config file (JSON); flags override it")
 
     p = sub.add_parser("generate", help="generate via a running router or offline with --model")
@@ -127,9 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", default=None, help="... and its key")
     p.add_argument("--tls-server-name", default=None, help="the name in the router's certificate, if not the host")
 
-    p = sub.add_parser("stats", help="print prefix hit rates from Redis")
+    p = sub.add_parser("stats", help="print prefix hit rates from Redis: lifetime totals and recent rates")
     p.add_argument("--redis-url", default=None)
     p.add_argument("--namespace", default=None)
+    p.add_argument("--window", type=int, action="append", metavar="SECONDS",
+                   help="rates over the last SECONDS (repeatable; default 60 and 300; at most 3600)")
+    p.add_argument("--tenant", action="append", metavar="NAME=SALT",
+                   help="show the tenant whose cache_salt is SALT as NAME (repeatable; visible to ps: "
+                        "prefer --tenant-file)")  # fmt: skip
+    p.add_argument("--tenant-file", action="append", metavar="FILE", help="NAME=SALT lines")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("make-tiny-model", help="write a deterministic tiny Llama checkpoint")

@@ -1,33 +1,74 @@
-"""``pdserve stats``: prefix hit rates (ratios of sums) per cluster, worker and tenant, from Redis alone."""
+"""``pdserve stats``: prefix hit rates (ratios of sums) per cluster, worker and tenant, from Redis
+alone: lifetime totals, and rates over recent windows next to them."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import redis
 
 from pdserve.cli.state import read_state
-from pdserve.kvindex.config import IndexConfig
-from pdserve.kvindex.stats import read_stats
+from pdserve.kvindex.config import IndexConfig, tenant_digest
+from pdserve.kvindex.stats import hit_rate, read_stats, read_window
+
+DEFAULT_WINDOWS = (60, 300)
+
+
+def tenant_names(pairs: list[str], files: list[str]) -> dict[str, str]:
+    """Salt digest -> name, from ``NAME=SALT`` pairs (flags, or lines of files)."""
+    lines = list(pairs)
+    for f in files:
+        try:
+            lines += [ln.strip() for ln in Path(f).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+        except OSError as e:
+            raise ValueError(f"cannot read tenant file {f}: {e}") from e
+    names: dict[str, str] = {}
+    for line in lines:
+        name, sep, salt = line.partition("=")
+        if not sep or not name or not salt:
+            raise ValueError(f"a tenant is NAME=SALT, got {line.split('=')[0]!r}...")  # never echo a salt
+        names[tenant_digest(salt)] = name
+    return names
+
+
+def _line(name: str, c: dict) -> str:
+    prompt = c.get("prompt_tokens", 0)
+    return (
+        f"{name:<24} requests={c.get('requests', 0):<6} prompt_tokens={prompt:<8} "
+        f"prefix_hit_tokens={c.get('prefix_hit_tokens', 0):<8} hit_rate={hit_rate(c):.1%} "
+        f"transferred={c.get('transferred_tokens', 0)} recomputed={c.get('recomputed_tokens', 0)}"
+    )
+
+
+def _rate_line(window: dict, c: dict) -> str:
+    secs = window["seconds"]
+    return (
+        f"{'':<4}last {window['window']}s: {c.get('requests', 0) / secs:.2f} req/s, "
+        f"{c.get('prompt_tokens', 0) / secs:.1f} prompt tok/s, hit_rate={hit_rate(c):.1%}, "
+        f"{c.get('transferred_tokens', 0) / secs:.1f} transferred tok/s"
+    )
 
 
 def format_stats(stats: dict, tenant_names: dict[str, str] | None = None) -> str:
-    """Human-readable lines; ``tenant_names`` maps salt digests to names the caller knows."""
-    def line(name: str, c: dict) -> str:
-        prompt = c.get("prompt_tokens", 0)
-        rate = c.get("prefix_hit_tokens", 0) / prompt if prompt else 0.0
-        return (
-            f"{name:<24} requests={c.get('requests', 0):<6} prompt_tokens={prompt:<8} "
-            f"prefix_hit_tokens={c.get('prefix_hit_tokens', 0):<8} hit_rate={rate:.1%} "
-            f"transferred={c.get('transferred_tokens', 0)} recomputed={c.get('recomputed_tokens', 0)}"
-        )
-
-    rows = [line("cluster", stats["cluster"])]
-    rows += [line(f"worker {w}", c) for w, c in sorted(stats["workers"].items())]
+    """Human-readable lines; ``tenant_names`` maps salt digests to names the caller knows. Each
+    row's lifetime totals are followed by its rates over each window in ``stats["windows"]``."""
     names = tenant_names or {}
-    rows += [line(f"tenant {names.get(t, t)}", c) for t, c in sorted(stats["tenants"].items())]
-    return "\n".join(rows)
+    windows = stats.get("windows", {})
+
+    def rows(label: str, lifetime: dict, pick) -> list[str]:  # noqa: ANN001
+        out = [_line(label, lifetime)]
+        for w in windows.values():
+            out.append(_rate_line(w, pick(w) or {}))
+        return out
+
+    lines = rows("cluster", stats["cluster"], lambda w: w["cluster"])
+    for wid, c in sorted(stats["workers"].items()):
+        lines += rows(f"worker {wid}", c, lambda w, wid=wid: w["workers"].get(wid))
+    for t, c in sorted(stats["tenants"].items(), key=lambda kv: (kv[0] not in names, names.get(kv[0], kv[0]))):
+        lines += rows(f"tenant {names.get(t, t)}", c, lambda w, t=t: w["tenants"].get(t))
+    return "\n".join(lines)
 
 
 def run_stats(args: argparse.Namespace) -> int:
@@ -39,10 +80,19 @@ def run_stats(args: argparse.Namespace) -> int:
         if state is None:
             raise ValueError("--redis-url is required (or set PDSERVE_REDIS_URL, or run pdserve up on this machine)")
         cfg = IndexConfig(state["redis_url"], namespace=args.namespace or state["namespace"])
+    names = tenant_names(args.tenant or [], args.tenant_file or [])
+    windows = args.window or list(DEFAULT_WINDOWS)
+    if any(w < 1 for w in windows):
+        raise ValueError("--window must be a number of seconds >= 1")
     client = cfg.client()
     try:
         stats = read_stats(client, cfg)
+        stats["windows"] = {}
+        for w in windows:
+            stats["windows"][str(w)] = {"window": w, **read_window(client, cfg, w)}
     except redis.RedisError as e:
         raise ValueError(f"cannot read stats from {cfg.redacted_url}: {e}") from e
-    print(json.dumps(stats, indent=2, sort_keys=True) if args.json else format_stats(stats))
+    if names:
+        stats["tenant_names"] = {d: n for d, n in names.items() if d in stats["tenants"]}
+    print(json.dumps(stats, indent=2, sort_keys=True) if args.json else format_stats(stats, names))
     return 0

@@ -35,6 +35,9 @@ def run_up(args: argparse.Namespace) -> int:
         engine__cache__block_size=args.block_size,
         index__url=args.redis_url,
         index__namespace=args.namespace,
+        transfer__port_range=args.kv_transfer_ports,
+        log_level=args.log_level,
+        log_json=args.log_json,
     )
     if args.http_port == "off":
         config = dataclasses.replace(config, http_port=None)
@@ -54,6 +57,7 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"router listening on {address}", flush=True)
         if service.http_address is not None:
             print(f"http listening on {service.http_address}", flush=True)
+            print(f"metrics at http://{service.http_address}/metrics", flush=True)
         print(f"redis at {redact_url(redis_url)}", flush=True)
         state = write_state({"pid": os.getpid(), "router": address, "http": service.http_address,
                              "redis_url": redis_url, "namespace": config.index.namespace})  # fmt: skip

@@ -27,6 +27,8 @@ from pdserve.kvindex.config import IndexConfig
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.router.config import RouterConfig
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 @dataclass(frozen=True)
 class ServiceConfig:
@@ -40,6 +42,8 @@ class ServiceConfig:
     port: int = 50051
     http_port: int | None = 8000  # the OpenAI-compatible HTTP API; None: not served
     ray_address: str | None = None  # None: start a local Ray
+    log_level: str = "INFO"  # every process's (the driver, the router and the workers)
+    log_json: bool = False  # one JSON object per log line (Ray's JSON encoding, with its context fields)
     # engine.model None: a tiny model written to a temp dir; index.url None: an embedded redis-server.
     engine: EngineConfig = field(default_factory=EngineConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
@@ -55,6 +59,8 @@ class ServiceConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.gpus_per_worker < 0 or self.cpus_per_worker < 0:
             raise ValueError("gpus_per_worker and cpus_per_worker must be >= 0")
 

@@ -97,15 +97,21 @@ class Service:
             self.progress(f"started embedded redis-server at {redact_url(self.redis_url)}")
         workers = c.prefill + c.decode
         if not ray.is_initialized():
+            # Every process of this job logs at the chosen level, in text or JSON, and its lines
+            # are streamed to this driver's stderr (each also stays in its Ray log file).
+            logging_config = ray.LoggingConfig(encoding="JSON" if c.log_json else "TEXT", log_level=c.log_level,
+                                               additional_log_standard_attrs=["name"])  # fmt: skip
+            # Ray folds similar lines of different processes into one; every access-log line counts.
+            os.environ.setdefault("RAY_DEDUP_LOGS", "0")
             if c.ray_address:
-                ray.init(address=c.ray_address, log_to_driver=False)
+                ray.init(address=c.ray_address, logging_config=logging_config)
             else:
                 # Ray schedules by logical CPUs: one per worker plus one spare, even on fewer cores.
                 cpus = max(os.cpu_count() or 1, int(workers * c.cpus_per_worker) + 1)
                 # Ray starts its workers at nice 15; serving workers must not yield to every other
                 # process on the machine (unless the operator says otherwise).
                 os.environ.setdefault("RAY_worker_niceness", "0")
-                ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+                ray.init(num_cpus=cpus, include_dashboard=False, logging_config=logging_config)
             self._started_ray = True
         res = ray.cluster_resources()
         if self._started_ray and not c.ray_address:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from prometheus_client.metrics_core import Metric
+
 from pdserve.decode_worker.service import DecodeService
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
@@ -22,6 +24,10 @@ class DecodeWorker:
         """Streaming (call with ``.options(num_returns="streaming")``)."""
         async for event in self.service.generate(spec, prefill):
             yield event
+
+    async def metrics(self) -> list[Metric]:
+        """This worker's Prometheus metric families (the router merges every worker's)."""
+        return self.rt.metrics.families()
 
     async def pool_state(self) -> dict[str, int]:
         return self.rt.pool_state()

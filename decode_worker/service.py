@@ -51,7 +51,8 @@ class DecodeService:
             try:
                 client = rt.client(prefill.address)
                 used.append(client)
-                pull_kv(client, rt.engine.handover.kv_tensor, load, lease_id=prefill.lease_id)
+                pulled = pull_kv(client, rt.engine.handover.kv_tensor, load, lease_id=prefill.lease_id)
+                rt.metrics.transfer_done(pulled.num_bytes, pulled.num_blocks, pulled.seconds)
                 ok = True
             finally:
                 rt.loop.finish_load(spec.request_id, ok)
@@ -64,10 +65,12 @@ class DecodeService:
             if isinstance(exc, (PeerUnavailableError, LayoutMismatchError)):
                 rt.drop_client(prefill.address, used[0] if used else None)
             rt.stats.record({"transfer_failures": 1}, spec.cache_salt)
+            rt.metrics.transfer_failed()
             return False
         except Exception:  # noqa: BLE001 - a bug in the pull must not fail the request
             logger.exception("pull of %s from %s failed; recomputing", spec.request_id, prefill.address)
             rt.stats.record({"transfer_failures": 1}, spec.cache_salt)
+            rt.metrics.transfer_failed()
             return False
         assert prefill.lease_id is not None
         # The KV is here: give the lease back now (a failure only means it expires on its own).

@@ -62,6 +62,25 @@ class KVUsage:
     held: int  # handed-off requests whose blocks await release
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """Gauges and lifetime counters for metrics. Prefix-cache queries and hits are prompt tokens
+    looked up and found (each request counted once, when first admitted)."""
+
+    num_blocks: int
+    free_blocks: int
+    running: int  # scheduled in the running batch
+    waiting: int  # queued or preempted, and handed-over requests waiting for a slot
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the pool's blocks in use (cached free blocks count as free: they can be evicted)."""
+        return 1.0 - self.free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
 def _token_ids(prompt_token_ids: Sequence[int]) -> list[int]:
     """Plain ints from any integer sequence (numpy and 0-d tensor ids too); bools are refused."""
     if isinstance(prompt_token_ids, (str, bytes)):
@@ -260,6 +279,14 @@ class LLMEngine:
         with self.lock:
             m = self.kv_manager
             return KVUsage(m.num_blocks, m.num_free_blocks(), len(m.req_to_blocks), self.handover.num_held)
+
+    def stats(self) -> EngineStats:
+        with self.lock:
+            m, sched = self.kv_manager, self.scheduler
+            return EngineStats(
+                m.num_blocks, m.num_free_blocks(), len(sched.running), len(sched.waiting) + len(sched.handed_over),
+                sched.num_preemptions, m.stats.queries, m.stats.hits,
+            )  # fmt: skip
 
     # -- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -63,6 +63,9 @@ class IndexConfig:
     max_queue: int = 100_000  # queued writes beyond this are dropped (and covered by a republish)
     retry_initial_s: float = 0.05
     retry_max_s: float = 2.0
+    # Windowed counters (``pdserve stats --window``): per-bucket hashes, kept this long.
+    stats_bucket_s: int = 10
+    stats_retention_s: int = 3600
 
     def __post_init__(self) -> None:
         if self.url is not None and urlsplit(self.url).scheme not in ("redis", "rediss", "unix"):
@@ -75,6 +78,9 @@ class IndexConfig:
         for name in ("socket_timeout_s", "lookup_timeout_s", "restart_check_s", "retry_initial_s", "retry_max_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.stats_bucket_s < 1 or self.stats_retention_s < self.stats_bucket_s:
+            raise ValueError("stats_bucket_s must be >= 1 and stats_retention_s >= stats_bucket_s, got "
+                             f"{self.stats_bucket_s} and {self.stats_retention_s}")  # fmt: skip
         if self.retry_initial_s > self.retry_max_s:
             raise ValueError("retry_initial_s must be <= retry_max_s")
 
@@ -125,6 +131,10 @@ class IndexConfig:
 
     def tenant_stats_key(self, cache_salt: str) -> str:
         return f"{self.namespace}:stats:tenant:{tenant_digest(cache_salt)}"
+
+    def stats_window_key(self, bucket_start_s: int) -> str:
+        """The counters recorded in the bucket of ``stats_bucket_s`` seconds starting at this unix time."""
+        return f"{self.namespace}:stats:window:{bucket_start_s}"
 
     def stats_key_prefix(self, kind: str) -> str:
         """``{ns}:stats:worker:`` or ``{ns}:stats:tenant:``."""

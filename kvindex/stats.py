@@ -7,12 +7,13 @@ The hit rate is always ``prefix_hit_tokens / prompt_tokens`` of summed counters.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import redis
 
-from pdserve.kvindex.config import IndexConfig
+from pdserve.kvindex.config import IndexConfig, tenant_digest
 from pdserve.kvindex.writer import BackgroundWriter
 
 STATS_FIELDS: tuple[str, ...] = (
@@ -50,8 +51,11 @@ class StatsRecorder(BackgroundWriter):
     client_retries = 0
     client_timeout_s = 5.0
 
-    def __init__(self, config: IndexConfig, worker_id: str | None = None) -> None:
+    def __init__(self, config: IndexConfig, worker_id: str | None = None,
+                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+        """``clock``: unix time, which files each increment in its time bucket."""
         self.worker_id = worker_id
+        self._clock = clock
         self._lost: Counter[tuple[str, str]] = Counter()
         super().__init__(config, f"stats[{worker_id or 'cluster'}]")
 
@@ -71,6 +75,12 @@ class StatsRecorder(BackgroundWriter):
             keys.append(cfg.tenant_stats_key(cache_salt))
         incr = Counter({(k, name): int(n) for k in keys for name, n in counters.items() if n})
         if incr:
+            # The same increments in this time bucket, for rates over recent windows.
+            bucket = int(self._clock()) // cfg.stats_bucket_s * cfg.stats_bucket_s
+            wkey = cfg.stats_window_key(bucket)
+            scopes = ["cluster", *([f"worker:{wid}"] if wid else []),
+                      *([f"tenant:{tenant_digest(cache_salt)}"] if cache_salt is not None else [])]  # fmt: skip
+            incr.update({(wkey, f"{scope}:{name}"): int(n) for scope in scopes for name, n in counters.items() if n})
             with self._cv:
                 self._enqueue(incr)
 
@@ -79,8 +89,15 @@ class StatsRecorder(BackgroundWriter):
         for incr in batch:
             total.update(incr)
         pipe.multi()  # all counters of a batch or none: sums stay consistent across keys
+        self._queue_increments(pipe, total)
+
+    def _queue_increments(self, pipe: redis.client.Pipeline, total: Counter[tuple[str, str]]) -> None:
+        window_prefix = self.config.stats_window_key(0)[:-1]
         for (key, name), n in total.items():
             pipe.hincrby(key, name, n)
+        for key in {key for key, _ in total if key.startswith(window_prefix)}:
+            # Every write sets it again: a bucket written late (after an outage) expires too.
+            pipe.expire(key, self.config.stats_retention_s + self.config.stats_bucket_s)
 
     def _dropped(self, batch: list) -> None:
         for incr in batch:
@@ -92,8 +109,7 @@ class StatsRecorder(BackgroundWriter):
         try:
             if lost:
                 pipe = client.pipeline(transaction=True)
-                for (key, name), n in lost.items():
-                    pipe.hincrby(key, name, n)
+                self._queue_increments(pipe, lost)
                 pipe.execute()
         except BaseException:
             with self._cv:
@@ -126,4 +142,39 @@ def read_stats(client: redis.Redis, index: IndexConfig) -> dict:
             pipe.hgetall(key)
         for key, raw in zip(keys, pipe.execute() if keys else []):
             out[f"{kind}s"][key[len(prefix) :]] = counters(raw)
+    return out
+
+
+def read_window(client: redis.Redis, index: IndexConfig, seconds: int, now: float | None = None) -> dict:
+    """The counters recorded in the last ``seconds`` (whole buckets of ``stats_bucket_s``, the
+    current partial one included), as ``{"seconds": the time the buckets cover up to now, "cluster": {...}, "hit_rate": float,
+    "workers": {id: {...}}, "tenants": {digest: {...}}}``; ``seconds`` is capped at the retention.
+    Increments are filed by the time they were recorded (a request counts when it ends)."""
+    if seconds < 1:
+        raise ValueError(f"a stats window must be >= 1 second, got {seconds}")
+    step = index.stats_bucket_s
+    seconds = min(seconds, index.stats_retention_s)
+    last = int(time.time() if now is None else now) // step * step  # the current (partial) bucket
+    buckets = range(last - (-(-seconds // step) - 1) * step, last + 1, step)
+    pipe = client.pipeline(transaction=False)
+    for b in buckets:
+        pipe.hgetall(index.stats_window_key(b))
+    t_now = time.time() if now is None else now
+    out: dict = {"seconds": max(t_now - buckets[0], 1.0), "cluster": dict.fromkeys(STATS_FIELDS, 0), "workers": {},
+                 "tenants": {}}  # fmt: skip
+    for raw in pipe.execute():
+        for field_name, value in raw.items():
+            field_name = field_name.decode() if isinstance(field_name, bytes) else field_name
+            scope, _, name = field_name.rpartition(":")
+            kind, _, ident = scope.partition(":")
+            if name not in STATS_FIELDS:
+                continue
+            if kind == "cluster":
+                target = out["cluster"]
+            elif kind in ("worker", "tenant"):
+                target = out[f"{kind}s"].setdefault(ident, dict.fromkeys(STATS_FIELDS, 0))
+            else:
+                continue
+            target[name] += int(value)
+    out["hit_rate"] = hit_rate(out["cluster"])
     return out

@@ -54,8 +54,12 @@ class TransferConfig:
     shutdown_grace_s: float = 1.0
     cluster_secret: str | None = field(default_factory=envs.cluster_secret, repr=False)
     tls: TLSConfig | None = None
+    # Where a worker's transfer server listens: "LO-HI" (the first free port of the range, so a
+    # firewall can name them); None: any free port.
+    port_range: str | None = None
 
     def __post_init__(self) -> None:
+        self.ports()  # validates port_range
         if not isinstance(self.chunk_bytes, int) or not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be an integer in [1, {MAX_CHUNK_BYTES}], got {self.chunk_bytes!r}")
         if not isinstance(self.max_blocks_per_chunk, int) or not 1 <= self.max_blocks_per_chunk <= 1 << 20:
@@ -71,6 +75,19 @@ class TransferConfig:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if not isinstance(self.shutdown_grace_s, (int, float)) or not 0 <= self.shutdown_grace_s < math.inf:
             raise ValueError(f"shutdown_grace_s must be a finite number >= 0, got {self.shutdown_grace_s!r}")
+
+    def ports(self) -> range:
+        """The ports a transfer server may take, in the order tried (``range(0, 1)``: any free port)."""
+        if self.port_range is None:
+            return range(0, 1)
+        lo, sep, hi = str(self.port_range).partition("-")
+        try:
+            first, last = int(lo), int(hi)
+        except ValueError:
+            first = last = -1
+        if not sep or not 1 <= first <= last <= 65535:
+            raise ValueError(f"port_range must be LO-HI with 1 <= LO <= HI <= 65535, got {self.port_range!r}")
+        return range(first, last + 1)
 
     @property
     def max_message_bytes(self) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from prometheus_client.metrics_core import Metric
+
 from pdserve.prefill_worker.service import PrefillService
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.messages import PrefillResult, RequestSpec
@@ -28,6 +30,10 @@ class PrefillWorker:
     async def release_request(self, request_id: str) -> bool:
         """The router gave up on ``request_id``: free what this worker holds for it."""
         return await asyncio.to_thread(self.rt.source.release_request, request_id)
+
+    async def metrics(self) -> list[Metric]:
+        """This worker's Prometheus metric families (the router merges every worker's)."""
+        return self.rt.metrics.families()
 
     async def pool_state(self) -> dict[str, int]:
         return self.rt.pool_state()

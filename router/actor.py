@@ -14,6 +14,7 @@ import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.limits import RequestLimits
@@ -21,6 +22,7 @@ from pdserve.engine.model import ModelConfig, load_tokenizer
 from pdserve.kvindex.config import IndexConfig
 from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.stats import StatsRecorder
+from pdserve.metrics import merge_families, redis_outages, render
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import RouterCore
 from pdserve.router.http import OpenAIServer, ServedModel, build_app
@@ -28,6 +30,9 @@ from pdserve.router.openai_protocol import MAX_PROMPTS
 from pdserve.router.ray_workers import RayWorkers
 from pdserve.router.servicer import RouterServicer, add_router_to_server
 from pdserve.v1 import router_pb2
+
+# A scrape waits this long for the workers; Prometheus' default scrape timeout is 10 s.
+METRICS_SCRAPE_TIMEOUT_S = 3.0
 
 _SERVICES = (
     router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
@@ -51,8 +56,8 @@ class Router:
         assert engine.model is not None
         mc = ModelConfig.from_path(engine.model)
         self.tokenizer = load_tokenizer(engine.model)
-        self.core = RouterCore(config, engine.cache, RayWorkers(prefill, decode), PrefixLookup(index),
-                               StatsRecorder(index))  # fmt: skip
+        self.workers = RayWorkers(prefill, decode)
+        self.core = RouterCore(config, engine.cache, self.workers, PrefixLookup(index), StatsRecorder(index))
         limits = RequestLimits.for_engine(mc, engine, kv_blocks)
         # Tokenization (and chat rendering) of both edges runs here: bounded, and apart from the
         # default executor that serves the prefix lookups, so long prompts cannot delay those.
@@ -116,7 +121,7 @@ class Router:
     async def _serve_http(self, sock: socket.socket, host: str, port: int) -> int:
         tls = self.config.tls
         config = uvicorn.Config(
-            build_app(self.openai, self.config.max_request_bytes),
+            build_app(self.openai, self.config.max_request_bytes, self.metrics_text),
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=1,
@@ -141,6 +146,20 @@ class Router:
 
     async def ping(self) -> bool:
         return self.server is not None
+
+    async def metrics_families(self) -> list[Metric]:
+        """The whole cluster's metric families: the router's own and every worker's (asked over
+        Ray at once), with ``pdserve_worker_up`` saying which workers answered."""
+        scraped = await self.workers.scrape(METRICS_SCRAPE_TIMEOUT_S)
+        up = GaugeMetricFamily("pdserve_worker_up", "1 when the worker answered this scrape.", labels=["worker"])
+        for wid, fams in scraped.items():
+            up.add_metric([wid], 0.0 if fams is None else 1.0)
+        own = [*self.core.metrics.families(), redis_outages("router", self.core.redis_outages()), up]
+        return merge_families([own, *(f for f in scraped.values() if f is not None)])
+
+    async def metrics_text(self) -> bytes:
+        """``metrics_families`` in the Prometheus text format (``GET /metrics``)."""
+        return render(await self.metrics_families())
 
     async def admission_state(self) -> dict[str, int]:
         """Requests running and waiting for a slot (both edges together)."""

@@ -38,6 +38,8 @@ class RouterConfig:
     # The model's name in the HTTP API ("model" of a request); None: the model directory's or
     # file's name (the path it was loaded from is accepted too).
     served_model_name: str | None = None
+    # One line per request on the logger "pdserve.access" (at INFO).
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         for name in ("local_prefill_threshold", "decode_retries", "max_queued"):

@@ -18,14 +18,17 @@ from typing import Protocol
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.kvcache.hashing import block_hashes
 from pdserve.engine.sampling_params import TokenLogprobs
+from pdserve.kvindex.config import tenant_digest
 from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.stats import StatsRecorder
-from pdserve.router.admission import Admission
+from pdserve.router.admission import Admission, Draining, Overloaded
 from pdserve.router.config import RouterConfig
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import pick_worker, prefill_locally
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 
 logger = logging.getLogger(__name__)
+access_log = logging.getLogger("pdserve.access")
 
 
 class WorkerUnavailableError(RuntimeError):
@@ -71,7 +74,7 @@ class RouterCore:
 
     def __init__(
         self, config: RouterConfig, cache: CacheConfig, workers: WorkerClient, lookup: PrefixLookup,
-        stats: StatsRecorder,
+        stats: StatsRecorder, metrics: RouterMetrics | None = None,
     ) -> None:  # fmt: skip
         self.config = config
         self.cache = cache
@@ -82,6 +85,12 @@ class RouterCore:
         self.decode_load = _Load()
         self.admission = Admission(config.max_in_flight, config.max_in_flight_per_tenant, config.max_queued,
                                    config.queue_timeout_s)  # fmt: skip
+        self.metrics = metrics or RouterMetrics()
+        self.metrics.watch_admission(lambda: self.admission.in_flight, lambda: self.admission.queued)
+
+    def redis_outages(self) -> list[tuple[str, int]]:
+        """(client, lifetime outages) of the router's Redis clients."""
+        return [("prefix-lookup", self.lookup.outages), ("stats", self.stats.outages)]
 
     def close(self) -> None:
         self.lookup.close()
@@ -103,15 +112,49 @@ class RouterCore:
         ``Draining`` otherwise, before any work). Counters go to Redis exactly once per request,
         when it ends (finished, failed or cancelled), credited to the worker that did the work. A
         lease that no decode worker pulled is released when the request ends, whatever the reason."""
-        async with self.admission.slot(spec.cache_salt or ""):
-            async with contextlib.aclosing(self._generate(spec)) as events:
+        t_arrive = time.perf_counter()
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                await stack.enter_async_context(self.admission.slot(spec.cache_salt or ""))
+            except (Overloaded, Draining) as exc:
+                reason = "overloaded" if isinstance(exc, Overloaded) else "draining"
+                self.metrics.rejected.labels(reason=reason).inc()
+                self._access(spec, f"rejected:{reason}", {}, 0, None, t_arrive, t_arrive)
+                raise
+            t_admit = time.perf_counter()
+            self.metrics.queue.observe(t_admit - t_arrive)
+            async with contextlib.aclosing(self._generate(spec, t_arrive, t_admit)) as events:
                 async for event in events:
                     yield event
 
-    async def _generate(self, spec: RequestSpec) -> AsyncIterator[StreamEvent]:
+    def _access(self, spec: RequestSpec, status: str, usage: dict[str, int], generated: int, ttft_ms: float | None,
+                t_arrive: float, t_admit: float) -> None:  # fmt: skip
+        """One access-log line per request (logger ``pdserve.access``); its fields are record
+        attributes, which a JSON log shows as keys. No prompt text: the tenant is a digest."""
+        if not (self.config.access_log and access_log.isEnabledFor(logging.INFO)):
+            return
+        now = time.perf_counter()
+        fields = {
+            "request_id": spec.request_id,
+            "tenant": tenant_digest(spec.cache_salt) if spec.cache_salt is not None else "-",
+            "status": status,
+            "prompt_tokens": len(spec.prompt_token_ids),
+            "cached_tokens": usage.get("cached_tokens", 0),
+            "transferred_tokens": usage.get("transferred_tokens", 0),
+            "generated_tokens": generated,
+            "ttft_ms": None if ttft_ms is None else round(ttft_ms, 2),
+            "queue_ms": round((t_admit - t_arrive) * 1000, 2),
+            "e2e_ms": round((now - t_arrive) * 1000, 2),
+        }
+        access_log.info("request %s %s", spec.request_id, status, extra=fields)
+
+    async def _generate(self, spec: RequestSpec, t0: float, t_admit: float) -> AsyncIterator[StreamEvent]:
         cfg = self.config
         bs = self.cache.block_size
-        t0 = time.perf_counter()
+        m = self.metrics
+        status = "abort"  # until it finishes or fails
+        first_ms: float | None = None
+        last_t = t0
         prompt_len = len(spec.prompt_token_ids)
         usage = {"prompt_tokens": prompt_len, "cached_tokens": 0, "transferred_tokens": 0}
         front = {"requests": 1, "prompt_tokens": prompt_len, "prefix_hit_tokens": 0}  # who computed the prompt
@@ -138,8 +181,12 @@ class RouterCore:
             if prefill is not None:
                 front_worker = prefill.worker_id
                 usage["cached_tokens"] = front["prefix_hit_tokens"] = prefill.num_cached_tokens
-                ttft = (time.perf_counter() - t0) * 1000
+                last_t = time.perf_counter()
+                ttft = first_ms = (last_t - t0) * 1000
+                m.ttft.observe(ttft / 1000)
                 sent = 1
+                if prefill.finished:
+                    status = prefill.finish_reason or "stop"
                 first_lp = None if prefill.first_logprobs is None else [prefill.first_logprobs]
                 yield StreamEvent([prefill.first_token], prefill.finished, prefill.finish_reason, ttft, dict(usage),
                                   first_lp)  # fmt: skip
@@ -167,8 +214,19 @@ class RouterCore:
                                     "decode_local_hit_tokens": ev.num_local_hit_tokens,
                                 }
                             usage["transferred_tokens"] = ev.num_transferred_tokens
-                            ttft = (time.perf_counter() - t0) * 1000 if sent == 0 and ev.token_ids else None
+                            ttft = None
+                            if ev.token_ids:
+                                now = time.perf_counter()
+                                if sent == 0:
+                                    ttft = first_ms = (now - t0) * 1000
+                                    m.ttft.observe(ttft / 1000)
+                                    m.observe_token_gap(now - last_t, len(ev.token_ids) - 1)
+                                else:
+                                    m.observe_token_gap(now - last_t, len(ev.token_ids))
+                                last_t = now
                             sent += len(ev.token_ids)
+                            if ev.finished:
+                                status = ev.finish_reason or "stop"
                             yield StreamEvent(
                                 list(ev.token_ids), ev.finished, ev.finish_reason, ttft, dict(usage),
                                 None if ev.logprobs is None else list(ev.logprobs),
@@ -189,7 +247,16 @@ class RouterCore:
                     d = nxt
                 finally:
                     self.decode_load.add(cur, -footprint)
+        except (GeneratorExit, asyncio.CancelledError):
+            raise  # the client left: "abort", unless its last event was already sent
+        except BaseException:
+            if status == "abort":
+                status = "error"
+            raise
         finally:
+            m.observe_end(status, prompt_len, sent,
+                          usage["cached_tokens"], usage["transferred_tokens"], time.perf_counter() - t0)
+            self._access(spec, status, usage, sent, first_ms, t0, t_admit)
             if prefill is not None and prefill.lease_id and not back:
                 # No decode worker reported pulling it (cancelled, failed, or never started):
                 # release it now. Idempotent, and deferred while a pull still streams.

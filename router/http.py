@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 
 from pdserve.engine.limits import RequestLimits
 from pdserve.engine.tokenizer import ModelTokenizer
+from pdserve.metrics import CONTENT_TYPE_LATEST
 from pdserve.router.admission import Draining, Overloaded
 from pdserve.router.body_limit import BodyLimit
 from pdserve.router.core import RouterCore, WorkerUnavailableError
@@ -278,7 +279,9 @@ async def _unless_disconnected(http: Request, work: Awaitable[Any]) -> tuple[boo
     return True, task.result()
 
 
-def build_app(server: OpenAIServer, max_request_bytes: int) -> FastAPI:
+def build_app(server: OpenAIServer, max_request_bytes: int,
+              metrics: Callable[[], Awaitable[bytes]] | None = None) -> FastAPI:  # fmt: skip
+    """The HTTP API; with ``metrics`` (the Prometheus exposition of the cluster) also ``GET /metrics``."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(RequestValidationError)
@@ -300,6 +303,12 @@ def build_app(server: OpenAIServer, max_request_bytes: int) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if server.is_serving() else 503)
+
+    if metrics is not None:
+
+        @app.get("/metrics")
+        async def prometheus() -> Response:
+            return Response(await metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import ray
+from prometheus_client.metrics_core import Metric
 from ray.exceptions import RayActorError
 
 from pdserve.router.core import WorkerUnavailableError
@@ -73,3 +74,17 @@ class RayWorkers:
         finally:
             if not finished:
                 ray.cancel(gen)
+
+    async def scrape(self, timeout_s: float) -> dict[str, list[Metric] | None]:
+        """Every worker's metric families (``metrics`` of its actor), asked of all at once; None
+        for a worker that failed or did not answer within ``timeout_s``."""
+        handles = {**self.prefill_handles, **self.decode_handles}
+
+        async def one(handle: ray.actor.ActorHandle) -> list[Metric] | None:
+            try:
+                return await asyncio.wait_for(handle.metrics.remote(), timeout_s)
+            except Exception:  # noqa: BLE001 - dead, restarting or slow: shown as down
+                return None
+
+        results = await asyncio.gather(*(one(h) for h in handles.values()))
+        return dict(zip(handles, results))

@@ -19,9 +19,10 @@ from pdserve.kvindex.publisher import KVEventPublisher, remove_worker_blocks
 from pdserve.kvindex.registry import WorkerRegistry
 from pdserve.kvindex.stats import StatsRecorder
 from pdserve.kvtransfer.client import KVTransferClient
-from pdserve.kvtransfer.server import start_transfer_server
+from pdserve.kvtransfer.server import TransferServer, start_transfer_server
 from pdserve.kvtransfer.source import BlockSource
 from pdserve.worker.config import WorkerConfig
+from pdserve.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,19 @@ def _forget_blocks(index: IndexConfig, worker_id: str) -> None:
         logger.info("cleared %d block holder fields of %s", removed, worker_id)
 
 
+def _bind_transfer_server(source: BlockSource, config: WorkerConfig) -> TransferServer:
+    """The transfer server on the first free port of ``transfer.port_range`` (any port without one)."""
+    ports = config.transfer.ports()
+    for port in ports:
+        try:
+            return start_transfer_server(source, config.transfer, host=config.bind_host, port=port)
+        except OSError:
+            if port == ports[-1]:
+                raise OSError(f"no free KV-transfer port in {config.transfer.port_range} on {config.bind_host} "
+                              "(one per worker on this node)") from None  # fmt: skip
+    raise AssertionError("unreachable")
+
+
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -60,13 +74,20 @@ class WorkerRuntime:
         self.stats = StatsRecorder(config.index, config.worker_id)
         self.engine = LLMEngine(config.engine, event_sink=self.publisher)
         self.loop = EngineLoop(self.engine)
+        self.metrics = WorkerMetrics(config.worker_id, config.role, self.engine.stats, self._redis_outages)
         self.source = BlockSource(
             self.engine.handover,
             model_fingerprint=self.engine.model_config.fingerprint,
             worker_id=config.worker_id,
             config=config.transfer,
         )
-        self.server = start_transfer_server(self.source, config.transfer, host=config.bind_host, port=0)
+        try:
+            self.server = _bind_transfer_server(self.source, config)
+        except BaseException:
+            self.loop.stop()
+            self.publisher.close()
+            self.stats.close()
+            raise
         host = config.advertise_host or ("127.0.0.1" if config.bind_host in ("127.0.0.1", "localhost") else _node_ip())
         self.address = f"{host}:{self.server.port}"
         self._clients: dict[str, KVTransferClient] = {}
@@ -74,6 +95,10 @@ class WorkerRuntime:
         self.registry = WorkerRegistry(config.index)
         self.registry.start_heartbeat(config.worker_id, self.info, config.heartbeat_s)
         logger.info("%s worker %s ready, KV transfer at %s", config.role, config.worker_id, self.address)
+
+    def _redis_outages(self) -> list[tuple[str, int]]:
+        clients = [("events", self.publisher), ("stats", self.stats), ("registry", getattr(self, "registry", None))]
+        return [(name, c.outages) for name, c in clients if c is not None]
 
     def info(self) -> dict[str, object]:
         usage = self.engine.kv_usage()

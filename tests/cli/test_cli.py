@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.model import make_tiny_model
-from pdserve.kvindex.config import IndexConfig
+from pdserve.kvindex.config import IndexConfig, tenant_digest
 from pdserve.kvindex.embedded import EmbeddedRedis
 from pdserve.kvindex.stats import StatsRecorder
 from tests.support import REPO
@@ -89,8 +90,15 @@ def test_stats_reads_ratio_of_sums_from_redis(redis_server: EmbeddedRedis) -> No
     stats = json.loads(r.stdout)
     assert stats["hit_rate"] == pytest.approx(90 / 400)  # not the mean of 0.9 and 0.0
     assert stats["workers"]["w1"]["prompt_tokens"] == 400 and len(stats["tenants"]) == 2
-    text = pdserve("stats", "--redis-url", redis_server.url, "--namespace", ns)
+    text = pdserve("stats", "--redis-url", redis_server.url, "--namespace", ns, "--tenant", "acme=a")
     assert "hit_rate=22.5%" in text.stdout
+    # Rates over the last minute and five minutes follow each row's totals; a tenant whose salt
+    # was given is shown by name (the other by its digest).
+    assert "tenant acme " in text.stdout and f"tenant {tenant_digest('b')} " in text.stdout
+    assert text.stdout.count("last 60s:") == 4 and text.stdout.count("last 300s:") == 4
+    w = json.loads(pdserve("stats", "--redis-url", redis_server.url, "--namespace", ns, "--json", "--window",
+                           "30").stdout)["windows"]["30"]  # fmt: skip
+    assert w["cluster"]["prompt_tokens"] == 400 and w["hit_rate"] == pytest.approx(90 / 400)
     # The namespace can come from the environment, as it does for `pdserve up`.
     env = dict(os.environ, PDSERVE_REDIS_NAMESPACE=ns, PDSERVE_REDIS_URL=redis_server.url)
     r = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "stats", "--json"], capture_output=True, text=True,
@@ -101,14 +109,17 @@ def test_stats_reads_ratio_of_sums_from_redis(redis_server: EmbeddedRedis) -> No
 @pytest.mark.slow
 def test_up_prints_ready_lines_serves_and_drains_on_sigterm(model_dir: str, tmp_path: Path) -> None:
     env = dict(os.environ, PDSERVE_STATE_DIR=str(tmp_path / "state"))
+    log = tmp_path / "stderr.log"  # a file, not a pipe: the log stream must never block the service
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli.main", "up", "--model", model_dir, "--port", "0", "--http-port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
-    )
+        [sys.executable, "-m", "pdserve.cli.main", "up", "--model", model_dir, "--port", "0", "--http-port", "0",
+         "--log-json"],
+        stdout=subprocess.PIPE, stderr=log.open("w"), text=True, cwd=REPO, env=env,
+    )  # fmt: skip
     try:
         assert proc.stdout is not None
         router_line = proc.stdout.readline().strip()
         http_line = proc.stdout.readline().strip()
+        metrics_line = proc.stdout.readline().strip()
         redis_line = proc.stdout.readline().strip()
         state_line = proc.stdout.readline().strip()
         assert router_line.startswith("router listening on "), router_line
@@ -131,6 +142,12 @@ def test_up_prints_ready_lines_serves_and_drains_on_sigterm(model_dir: str, tmp_
         chunks = [json.loads(e) for e in events[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert all(c["object"] == "text_completion" for c in chunks)
+        # One scrape shows the router's and both workers' metrics.
+        assert metrics_line == f"metrics at http://{http}/metrics", metrics_line
+        scrape = subprocess.run(["curl", "-s", f"http://{http}/metrics"], capture_output=True, text=True, timeout=60)
+        fams = {f.name: f for f in text_string_to_metric_families(scrape.stdout)}
+        assert sum(s.value for s in fams["pdserve_requests"].samples if s.name == "pdserve_requests_total") == 2
+        assert {s.labels["worker"] for s in fams["pdserve_num_requests_running"].samples} == {"prefill-0", "decode-0"}
         # `stats` finds the embedded Redis (and its password) through the state file alone.
         r = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "stats", "--json"], capture_output=True,
                            text=True, timeout=120, cwd=REPO, env=env)  # fmt: skip
@@ -141,6 +158,13 @@ def test_up_prints_ready_lines_serves_and_drains_on_sigterm(model_dir: str, tmp_
         out = proc.stdout.read()
         assert "draining: new requests refused" in out and "stopping" in out
         assert not state.exists()
+        # --log-json: every process logs JSON lines to up's stderr, one access-log line per request.
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        access = [r for r in records if r.get("name") == "pdserve.access"]
+        assert len(access) == 2, log.read_text()[-3000:]
+        assert {a["status"] for a in access} == {"length"} and {a["generated_tokens"] for a in access} == {4, 3}
+        assert all(a["tenant"] == "-" and a["ttft_ms"] > 0 and "request_id" in a for a in access)
+        assert any(r.get("name", "").startswith("pdserve.worker") for r in records)  # the workers' lines too
     finally:
         if proc.poll() is None:
             proc.kill()

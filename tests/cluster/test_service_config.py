@@ -60,6 +60,6 @@ def test_the_shipped_config_files_load() -> None:
     from tests.support import REPO
 
     gpu = ServiceConfig.load(REPO / "deploy" / "service.json")
-    assert gpu.engine.dtype == "bfloat16" and gpu.index.url and gpu.prefill == 2
+    assert gpu.engine.dtype == "bfloat16" and gpu.prefill == 2 and gpu.transfer.port_range == "50100-50115"
     cpu = ServiceConfig.load(REPO / "deploy" / "service-cpu.json")
     assert cpu.engine.model is None and cpu.index.url is None

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.config import ServiceConfig
@@ -110,6 +111,56 @@ def test_repeated_system_prompt_is_cached_per_tenant(client: openai.OpenAI, tiny
     assert again.prompt_tokens_details.cached_tokens >= 144  # the system prompt's full blocks
     other = ask("And two plus two?", "tenant-b")  # same text, another tenant: nothing shared
     assert other.prompt_tokens_details.cached_tokens == 0
+
+
+def scrape(service: Service) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    r = httpx.get(f"http://{service.http_address}/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=")
+    families = list(text_string_to_metric_families(r.text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names))  # one family per name, whichever process reported it
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+
+def test_one_scrape_shows_the_router_and_every_worker(service: Service, client: openai.OpenAI,
+                                                      tiny_model: str) -> None:  # fmt: skip
+    def ask(question: str) -> None:
+        client.chat.completions.create(
+            model=model_name(tiny_model), max_tokens=5, temperature=0, extra_body={"ignore_eos": True,
+            "cache_salt": "metrics-tenant"}, messages=[{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": question}],
+        )  # fmt: skip
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    wait_until(lambda: all_idle(service), timeout=60)
+    before = scrape(service)
+    ask("What is one plus one?")
+    ask("And two plus two?")
+    wait_until(lambda: all_idle(service), timeout=60)
+    after = scrape(service)
+    assert delta("pdserve_requests_total", finish_reason="length") == 2
+    assert delta("pdserve_time_to_first_token_seconds_count") == 2
+    assert delta("pdserve_inter_token_latency_seconds_count") == 2 * 4
+    assert delta("pdserve_generation_tokens_total") == 10
+    prompt = delta("pdserve_prompt_tokens_total")
+    assert prompt > 300
+    # The second request found the system prompt in the prefill worker's cache: the workers'
+    # hits (tokens) add up to what the router reports as cached.
+    hits = delta("pdserve_prefix_cache_hits_total", worker="prefill-0", role="prefill")
+    assert hits >= 144 and hits == delta("pdserve_request_cached_tokens_total")
+    assert delta("pdserve_prefix_cache_queries_total", worker="prefill-0", role="prefill") == prompt
+    # Both prompts' KV went to the decode worker over the transfer plane.
+    assert delta("pdserve_kv_transfer_seconds_count", worker="decode-0") == 2
+    assert delta("pdserve_kv_transfer_bytes_total", worker="decode-0") > 0
+    assert delta("pdserve_kv_transfer_failures_total", worker="decode-0") == 0
+    for w, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        assert after[("pdserve_worker_up", (("worker", w),))] == 1
+        assert after[("pdserve_num_requests_running", (("role", role), ("worker", w)))] == 0
+        assert 0 <= after[("pdserve_kv_cache_usage_ratio", (("role", role), ("worker", w)))] < 1
+    assert after[("pdserve_redis_outages_total", (("client", "stats"), ("process", "router")))] == 0
 
 
 def test_stop_strings_cut_the_text_and_end_the_request(client: openai.OpenAI, tiny_model: str) -> None:

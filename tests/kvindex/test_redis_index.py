@@ -25,7 +25,7 @@ from pdserve.kvindex.embedded import EmbeddedRedis
 from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.publisher import KVEventPublisher, remove_worker_blocks
 from pdserve.kvindex.registry import WorkerRegistry
-from pdserve.kvindex.stats import STATS_FIELDS, StatsRecorder, read_stats
+from pdserve.kvindex.stats import STATS_FIELDS, StatsRecorder, read_stats, read_window
 from tests.support.polling import wait_until
 from tests.support.redis import running_redis, unique_namespace
 
@@ -244,6 +244,34 @@ def test_stats_add_up_across_workers_and_tenants(cfg: IndexConfig, client: redis
         assert sum(d["prompt_tokens"] for d in stats[kind].values()) == stats["cluster"]["prompt_tokens"]
     a.close()
     b.close()
+
+
+def test_windowed_stats_count_only_recent_increments_and_expire(cfg: IndexConfig, client: redis.Redis) -> None:
+    now = 1_800_000_000.0
+    clock = iter([now - 7200, now - 100, now - 30, now - 5, now - 5]).__next__
+    rec = StatsRecorder(cfg, "decode-0", clock=clock)
+    rec.record({"requests": 1, "prompt_tokens": 1000, "prefix_hit_tokens": 1000})  # two hours ago
+    rec.record({"requests": 1, "prompt_tokens": 100, "prefix_hit_tokens": 0})  # 100 s ago
+    rec.record({"requests": 1, "prompt_tokens": 50, "prefix_hit_tokens": 25}, cache_salt="tenant-a")  # 30 s ago
+    rec.record({"requests": 2, "prompt_tokens": 30, "prefix_hit_tokens": 30}, cache_salt="tenant-a")  # 5 s ago
+    rec.record({"transferred_tokens": 16}, worker_id="prefill-0")  # 5 s ago, credited to another worker
+    assert rec.flush(5)
+    rec.close()
+    last_min = read_window(client, cfg, 60, now=now)
+    assert 50 <= last_min["seconds"] <= 60
+    assert last_min["cluster"]["requests"] == 3 and last_min["cluster"]["prompt_tokens"] == 80
+    assert last_min["hit_rate"] == pytest.approx(55 / 80)  # a ratio of sums over the window
+    assert last_min["workers"]["decode-0"]["prompt_tokens"] == 80
+    assert last_min["workers"]["prefill-0"]["transferred_tokens"] == 16
+    assert last_min["tenants"] == {tenant_digest("tenant-a"): {**dict.fromkeys(STATS_FIELDS, 0), "requests": 3,
+                                                               "prompt_tokens": 80, "prefix_hit_tokens": 55}}
+    assert read_window(client, cfg, 300, now=now)["cluster"]["prompt_tokens"] == 180
+    # The lifetime totals have everything; every bucket expires by itself (a TTL is set on each write).
+    assert read_stats(client, cfg)["cluster"]["prompt_tokens"] == 1180
+    keys = list(client.scan_iter(f"{cfg.namespace}:stats:window:*"))
+    assert len(keys) == 4 and all(0 < client.ttl(k) <= cfg.stats_retention_s + cfg.stats_bucket_s for k in keys)
+    with pytest.raises(ValueError, match="window"):
+        read_window(client, cfg, 0)
 
 
 # -- lookup, registry, namespaces ---------------------------------------------------------------

@@ -4,6 +4,8 @@ driven directly: the Ray actors are thin shells around these objects."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import socket
 
 import pytest
 
@@ -23,9 +25,34 @@ from tests.support.redis import unique_namespace
 SECRET = TransferConfig(cluster_secret="worker-services-test-secret")
 
 
-def runtime(model: str, url: str, ns: str, wid: str, role: str, block_size: int = 16) -> WorkerRuntime:
+def runtime(model: str, url: str, ns: str, wid: str, role: str, block_size: int = 16,
+            transfer: TransferConfig = SECRET) -> WorkerRuntime:  # fmt: skip
     engine = EngineConfig(model, device="cpu", cache=CacheConfig(block_size, 64))
-    return WorkerRuntime(WorkerConfig(wid, role, engine, IndexConfig(url, namespace=ns), SECRET, bind_host="127.0.0.1"))
+    return WorkerRuntime(WorkerConfig(wid, role, engine, IndexConfig(url, namespace=ns), transfer,
+                                      bind_host="127.0.0.1"))  # fmt: skip
+
+
+def metric(rt: WorkerRuntime, sample: str) -> float:
+    return sum(s.value for f in rt.metrics.families() for s in f.samples if s.name == sample)
+
+
+def test_transfer_servers_take_ports_from_the_configured_range(tiny_model: str, redis_server) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    transfer = dataclasses.replace(SECRET, port_range=f"{port}-{port + 1}")
+    ns = unique_namespace()
+    a = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill", transfer=transfer)
+    b = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode", transfer=transfer)
+    try:
+        assert {a.address, b.address} == {f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"}
+        with pytest.raises(OSError, match=f"no free KV-transfer port in {port}-{port + 1}"):
+            runtime(tiny_model, redis_server.url, ns, "decode-1", "decode", transfer=transfer)
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(ValueError, match="port_range must be LO-HI"):
+        TransferConfig(port_range="50100-50000")
 
 
 def counters(url: str, ns: str, wid: str) -> dict[str, int]:
@@ -60,6 +87,13 @@ def test_failed_pull_releases_the_lease_at_once_and_counts_the_recompute(tiny_mo
         assert counters(redis_server.url, ns, "decode-0")["recomputed_tokens"] == 40
         assert counters(redis_server.url, ns, "decode-0")["prefill_computed_tokens"] == 0
         assert counters(redis_server.url, ns, "prefill-0")["prefill_computed_tokens"] == 40
+        # The metrics say so too: one failed transfer, no bytes moved, the prompt computed twice.
+        assert metric(drt, "pdserve_kv_transfer_failures_total") == 1
+        assert metric(drt, "pdserve_kv_transfer_bytes_total") == 0
+        # Each admission looks up the local prefix cache: the handed-over request (prompt + first
+        # token) before its pull, then the recompute (the prompt).
+        assert metric(prt, "pdserve_prefix_cache_queries_total") == 40
+        assert metric(drt, "pdserve_prefix_cache_queries_total") == 41 + 40
     finally:
         drt.close()
         prt.close()
