@@ -60,6 +60,7 @@ BENCHMARKS = {
     "transfer": ("pdserve.benchmarks.transfer", "KV pull over gRPC vs a raw TCP socket"),
     "prefix": ("pdserve.benchmarks.prefix", "TTFT with a cached long prefix vs cold"),
     "serve": ("pdserve.benchmarks.serve", "open-loop load on 1P+1D vs monolithic; --http: via the OpenAI API"),
+    "kvquant": ("pdserve.benchmarks.kv_quant", "FP8 KV cache vs unquantized: perplexity, greedy agreement, bytes"),
 }
 
 
@@ -108,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hash-seed", default=None, help="cluster hash seed (default $PDSERVE_HASH_SEED or '0')")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--namespace", default=None, help="Redis key prefix (default $PDSERVE_REDIS_NAMESPACE or 'pdserve')")
+    p.add_argument("--kv-cache-dtype", default=None, choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                   help="KV cache storage (default auto: the model's dtype; fp8: one byte per value)")
     p.add_argument("--kv-transfer-ports", default=None, metavar="LO-HI",
                    help="the workers' KV-transfer ports: the first free one of this range (default: any)")
     p.add_argument("--log-level", type=str.upper, default=None, choices=LOG_LEVELS,

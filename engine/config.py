@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from pdserve import envs
 
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # engine.kernels.quant maps them
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -17,8 +19,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Root of every block-hash chain (docs/block-hashes.md); the same on every process of a cluster.
     hash_seed: str = field(default_factory=envs.hash_seed)
+    # vLLM's names: "auto" (the model's dtype), "fp8" (= "fp8_e4m3") or "fp8_e5m2": KV stored in
+    # one byte per value with per-layer scales (the checkpoint's k_scale/v_scale, else 1.0).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, "
+                             f"got {self.kv_cache_dtype!r}")  # fmt: skip
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kernels.quant import KV_CACHE_DTYPES, is_fp8
 from pdserve.engine.kv_handover import HeldKV, KVHandover, KVLoad, RemotePrefill
 from pdserve.engine.kv_tensor import KVLayout, KVTensor
 from pdserve.engine.kvcache.events import EventSink
@@ -124,7 +125,15 @@ class LLMEngine:
         self.dtype = next(self.model.parameters()).dtype
         self.onednn = config.cpu_onednn and self.model.pack_onednn()
         cc = config.cache
-        layout = KVLayout(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cc.block_size, self.dtype)
+        # An FP8 cache stores one byte per value (KV_CACHE_DTYPES), read back with per-layer scales.
+        cache_dtype = KV_CACHE_DTYPES[cc.kv_cache_dtype] or self.dtype
+        if cache_dtype == torch.float8_e4m3fn and self.device.type == "cuda" \
+                and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError(f"kv_cache_dtype {cc.kv_cache_dtype!r} (e4m3) needs a GPU of compute capability 8.9 or "
+                             "newer (Ada, Hopper); use 'fp8_e5m2' on this one")  # fmt: skip
+        scales = self.model.kv_scales(quantized=is_fp8(cache_dtype))
+        layout = KVLayout(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cc.block_size, cache_dtype,
+                          scales)  # fmt: skip
         num_blocks = cc.num_blocks or max(1, layout.num_blocks_for_budget(cc.kv_cache_memory_bytes))
         self.limits = RequestLimits.for_engine(mc, config, num_blocks)
         self.max_model_len = self.limits.max_model_len

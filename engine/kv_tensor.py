@@ -21,12 +21,24 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # what the cache stores: the model's dtype, or an FP8 format
+    # An FP8 cache's scales, (k_scale, v_scale) of each layer in turn: stored value * scale is
+    # the K or V value. Empty for a float cache. Part of the layout: bytes written under one
+    # set of scales mean something else under another.
+    kv_scales: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_scales and len(self.kv_scales) != 2 * self.num_layers:
+            raise ValueError(f"kv_scales must hold 2 per layer ({2 * self.num_layers}), got {len(self.kv_scales)}")
+
+    def layer_scales(self, layer: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of one layer (1.0, 1.0 for a float cache)."""
+        if not self.kv_scales:
+            return 1.0, 1.0
+        return self.kv_scales[2 * layer], self.kv_scales[2 * layer + 1]
 
     @property
     def block_numel(self) -> int:

@@ -17,6 +17,7 @@ def layout_to_proto(spec: LayoutSpec) -> pb.KVLayoutSpec:
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         block_nbytes=spec.block_nbytes,
+        kv_scales=spec.kv_scales,
     )
 
 
@@ -28,6 +29,7 @@ def layout_from_proto(msg: pb.KVLayoutSpec) -> LayoutSpec:
         num_kv_heads=msg.num_kv_heads,
         head_dim=msg.head_dim,
         block_nbytes=msg.block_nbytes,
+        kv_scales=tuple(msg.kv_scales),
     )
 
 

@@ -45,6 +45,7 @@ class LayoutSpec:
     num_kv_heads: int
     head_dim: int
     block_nbytes: int
+    kv_scales: tuple[float, ...] = ()  # an FP8 cache's scales: the bytes mean nothing without them
 
     @classmethod
     def from_layout(cls, layout: KVLayout) -> LayoutSpec:
@@ -55,11 +56,12 @@ class LayoutSpec:
             num_kv_heads=layout.num_kv_heads,
             head_dim=layout.head_dim,
             block_nbytes=layout.block_nbytes,
+            kv_scales=tuple(layout.kv_scales),
         )
 
     def diff(self, remote: LayoutSpec) -> dict[str, tuple[object, object]]:
         """Fields that differ, as ``name -> (self's value, remote's value)``; empty if equal."""
-        names = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "block_nbytes")
+        names = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "block_nbytes", "kv_scales")
         return {n: (getattr(self, n), getattr(remote, n)) for n in names if getattr(self, n) != getattr(remote, n)}
 
 

@@ -38,6 +38,7 @@ DIVISIBLE_BY_16 = {"stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h", "stri
 # Shared memory one thread block may use (opt-in maximum), by compute capability.
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
+E4M3_MIN_ARCH = 89
 # (query heads per KV head, head_dim): MHA, Llama-3-8B, Llama-3-70B, Qwen2-7B (28/4), Phi-3.
 SHAPES = [(1, 64), (4, 128), (8, 128), (7, 128), (1, 96)]
 QUICK_SHAPES = [(4, 128), (7, 128)]
@@ -66,31 +67,41 @@ def configs(quick: bool) -> list[tuple[str, triton.JITFunction, dict[str, str], 
     out = []
     shapes = QUICK_SHAPES if quick else SHAPES
     dtypes = ["bf16", "fp32"] if quick else list(DTYPES)
-    for dt, (group, head_dim) in itertools.product(dtypes, shapes):
+    # (activation dtype, KV-cache dtype): float caches, and the FP8 caches of kv_cache_dtype.
+    pairs = [(dt, dt) for dt in dtypes] + [("bf16", "fp8e4nv"), ("bf16", "fp8e5")]
+    for (dt, cache), (group, head_dim) in itertools.product(pairs, shapes):
         pad = max(16, triton.next_power_of_2(head_dim))
         kv_heads = 8
-        consts = dict(BLOCK_SIZE=16, HEAD_DIM=head_dim, HEADS_PAD=kv_heads, HEAD_DIM_PAD=pad)
-        ptrs = {n: f"*{dt}" for n in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")}
+        fp8 = cache.startswith("fp8")
+        mant, min_exp = {"fp8e4nv": (3, -6), "fp8e5": (2, -14)}.get(cache, (0, 0))
+        consts = dict(BLOCK_SIZE=16, HEAD_DIM=head_dim, HEADS_PAD=kv_heads, HEAD_DIM_PAD=pad,
+                      FP8_MAX={"fp8e4nv": 448.0, "fp8e5": 57344.0}.get(cache, 0.0), FP8_MANT_BITS=mant,
+                      FP8_MIN_EXP=min_exp)  # fmt: skip
+        ptrs = {n: f"*{dt}" for n in ("key_ptr", "value_ptr")}
+        ptrs.update({n: f"*{cache}" for n in ("k_cache_ptr", "v_cache_ptr")})
         ptrs["slot_mapping_ptr"] = "*i64"
-        sig = _signature(tk._write_kv_kernel, ptrs, ("stride_kc_b", "stride_vc_b"), (), consts)
-        out.append((f"write_kv {dt} hd{head_dim}", tk._write_kv_kernel, sig, consts))
+        sig = _signature(tk._write_kv_kernel, ptrs, ("stride_kc_b", "stride_vc_b"), ("k_scale", "v_scale"), consts)
+        kv_label = f" kv-{cache}" if fp8 else ""
+        out.append((f"write_kv {dt}{kv_label} hd{head_dim}", tk._write_kv_kernel, sig, consts))
         for max_query_len, segments, window in ((1, 1, False), (1, 4, False), (512, 1, False), (1, 4, True),
                                                 (512, 1, True)):
             block_m, block_n = tk.attention_tile_sizes(group, head_dim, DTYPES[dt], max_query_len)
             consts = dict(GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=block_n, BLOCK_SIZE=16,
                           HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, NUM_SEGMENTS=segments, HAS_WINDOW=window,
-                          DOT_F32=False)
-            ptrs = {n: f"*{dt}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+                          DOT_F32=False, KV_FP8=fp8)
+            ptrs = {n: f"*{dt}" for n in ("q_ptr", "out_ptr")}
+            ptrs.update({n: f"*{cache}" for n in ("k_cache_ptr", "v_cache_ptr")})
             ptrs.update(acc_part_ptr="*fp32", ml_part_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
                         query_start_loc_ptr="*i32")
-            sig = _signature(tk._paged_attention_kernel, ptrs, ("stride_kc_b", "stride_vc_b"), ("qk_scale",), consts)
+            sig = _signature(tk._paged_attention_kernel, ptrs, ("stride_kc_b", "stride_vc_b"), ("qk_scale", "v_scale"),
+                             consts)  # fmt: skip
             kind = "decode" if max_query_len == 1 else "prefill"
-            label = (f"attention {dt} group{group} hd{head_dim} {kind} m{block_m} n{block_n} seg{segments}"
+            label = (f"attention {dt}{kv_label} group{group} hd{head_dim} {kind} m{block_m} n{block_n} seg{segments}"
                      + (" sliding-window" if window else ""))
             out.append((label, tk._paged_attention_kernel, sig, consts))
         consts = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, NUM_SEGMENTS=4)
         ptrs = dict(out_ptr=f"*{dt}", acc_part_ptr="*fp32", ml_part_ptr="*fp32", query_start_loc_ptr="*i32")
-        sig = _signature(tk._merge_segments_kernel, ptrs, (), (), consts)
+        sig = _signature(tk._merge_segments_kernel, ptrs, (), ("v_scale",), consts)
         out.append((f"merge {dt} hd{head_dim}", tk._merge_segments_kernel, sig, consts))
     unique: dict[tuple, tuple] = {}
     for entry in out:
@@ -124,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown arch {unknown}; known: {sorted(SHARED_LIMIT)}")
     todo = configs(args.quick)
-    jobs = [(arch, i, args.quick) for arch in archs for i in range(len(todo))]
+    # Triton has fp8e4nv (e4m3) on sm_89 and newer only; the engine refuses it below.
+    jobs = [(arch, i, args.quick) for arch in archs for i in range(len(todo))
+            if arch >= E4M3_MIN_ARCH or "fp8e4nv" not in todo[i][0]]  # fmt: skip
     bad = 0
     t0 = time.monotonic()
     with ProcessPoolExecutor(max(1, args.jobs), mp_context=multiprocessing.get_context("fork")) as pool:

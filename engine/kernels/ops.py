@@ -20,6 +20,7 @@ import math
 import torch
 
 from pdserve import envs
+from pdserve.engine.kernels.quant import is_fp8
 from pdserve.engine.kernels.reference import paged_attention_ref, write_kv_ref
 from pdserve.engine.kernels.torch_paged import TorchAttentionPlan, paged_attention_torch, write_kv_torch
 
@@ -68,6 +69,22 @@ def _check_float_dtype(name: str, t: torch.Tensor, dtype: torch.dtype | None = N
         raise ValueError(f"{name} has dtype {t.dtype}, expected {dtype} to match the other inputs")
 
 
+def _check_cache_dtype(cache: torch.Tensor, inputs: dict[str, torch.Tensor], k_scale: float, v_scale: float) -> None:
+    """A float cache has the inputs' dtype and unit scales; an FP8 cache takes any float inputs
+    (of one dtype) and finite positive scales."""
+    first = next(iter(inputs.values()))
+    for name, t in inputs.items():
+        _check_float_dtype(name, t, first.dtype)
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if is_fp8(cache.dtype):
+        return
+    _check_float_dtype("k_cache", cache, first.dtype)
+    if k_scale != 1.0 or v_scale != 1.0:
+        raise ValueError(f"k_scale/v_scale apply to an FP8 cache only; this cache is {cache.dtype}")
+
+
 def _check_int_vector(name: str, t: torch.Tensor, dtype: torch.dtype, length: int | None = None) -> None:
     if t.dtype != dtype:
         raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
@@ -87,17 +104,21 @@ def write_kv(
     slot_mapping: torch.Tensor,
     *,
     impl: str | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write token K/V into the paged caches in place.
 
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_dim]``, last dim contiguous,
-            same dtype as the caches.
+            same dtype as the caches (any float dtype for an FP8 cache).
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` views
             (any block stride; inner three dims contiguous), same shape and dtype.
         slot_mapping: int64 ``[num_tokens]``; slot ``= block_id * block_size +
             offset``, ``-1`` skips the token. Other slots must be in range.
         impl: backend, see the module docstring.
+        k_scale, v_scale: an FP8 cache stores ``clamp(x / scale)`` (``engine.kernels.quant``);
+            a float cache needs 1.0.
 
     Raises:
         ValueError: on a shape, dtype, device or stride mismatch, or unknown ``impl``.
@@ -114,9 +135,9 @@ def write_kv(
         raise ValueError(
             f"key [num_kv_heads, head_dim] = {tuple(key.shape[1:])} does not match the cache's {tuple(k_cache.shape[2:])}"
         )
-    _check_float_dtype("k_cache", k_cache)
-    for name, t in (("key", key), ("value", value), ("v_cache", v_cache)):
-        _check_float_dtype(name, t, k_cache.dtype)
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache has dtype {v_cache.dtype}, k_cache {k_cache.dtype}")
+    _check_cache_dtype(k_cache, {"key": key, "value": value}, k_scale, v_scale)
     _check_int_vector("slot_mapping", slot_mapping, torch.int64, key.shape[0])
     for name, t in (("key", key), ("value", value)):
         if t.shape[0] > 0 and t.stride(2) != 1:
@@ -128,11 +149,11 @@ def write_kv(
     if backend == "triton":
         from pdserve.engine.kernels.triton_kernels import write_kv_triton  # lazy: triton is optional
 
-        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     elif backend == "torch":
-        write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
@@ -149,6 +170,8 @@ def paged_attention(
     impl: str | None = None,
     plan: TorchAttentionPlan | None = None,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal paged attention over a flattened mixed batch (prefill, chunked prefill, decode).
 
@@ -160,7 +183,7 @@ def paged_attention(
         q: ``[num_tokens, num_heads, head_dim]``, last dim contiguous.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` views,
             inner three dims contiguous; ``num_heads % num_kv_heads == 0``; same dtype
-            as ``q`` (float16, bfloat16 or float32).
+            as ``q`` (float16, bfloat16 or float32), or FP8 (read as ``stored * scale``).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``, last dim contiguous.
         seq_lens: int32 ``[num_seqs]``.
         query_start_loc: int32 ``[num_seqs + 1]``.
@@ -173,6 +196,7 @@ def paged_attention(
             the same metadata and window); lets every layer of a forward share that work.
         sliding_window: if set (>= 1), a query at position ``p`` attends only to
             ``(p - sliding_window, p]`` (Mistral); None is full causal attention.
+        k_scale, v_scale: the FP8 cache's scales (1.0 for a float cache).
 
     Returns:
         A new contiguous ``[num_tokens, num_heads, head_dim]`` tensor in ``q.dtype``;
@@ -193,9 +217,9 @@ def paged_attention(
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
     if num_heads < 1 or num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}")
-    _check_float_dtype("q", q)
-    _check_float_dtype("k_cache", k_cache, q.dtype)
-    _check_float_dtype("v_cache", v_cache, q.dtype)
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache has dtype {v_cache.dtype}, k_cache {k_cache.dtype}")
+    _check_cache_dtype(k_cache, {"q": q}, k_scale, v_scale)
     if num_tokens > 0 and q.stride(2) != 1:
         raise ValueError(f"q must have a contiguous last dim, got strides {q.stride()}")
 
@@ -238,12 +262,14 @@ def paged_attention(
 
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), max_query_len, max_seq_len,
-            sliding_window=sliding_window,
+            sliding_window=sliding_window, k_scale=float(k_scale), v_scale=float(v_scale),
         )  # fmt: skip
     if backend == "torch":
         return paged_attention_torch(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), plan, sliding_window
-        )
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), plan, sliding_window,
+            float(k_scale), float(v_scale),
+        )  # fmt: skip
     return paged_attention_ref(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), sliding_window
-    )
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), sliding_window,
+        float(k_scale), float(v_scale),
+    )  # fmt: skip

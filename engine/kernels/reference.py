@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.kernels.quant import dequantize, is_fp8, quantize
+
 
 def write_kv_ref(
     key: torch.Tensor,
@@ -16,8 +18,10 @@ def write_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's K/V into its cache slot, in place.
+    """Write each token's K/V into its cache slot, in place (quantized for an FP8 cache).
 
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_dim]``.
@@ -31,8 +35,12 @@ def write_kv_ref(
         if slot < 0:
             continue
         block_id, offset = divmod(slot, block_size)
-        k_cache[block_id, offset] = key[t]
-        v_cache[block_id, offset] = value[t]
+        if is_fp8(k_cache.dtype):
+            k_cache[block_id, offset] = quantize(key[t], k_scale, k_cache.dtype)
+            v_cache[block_id, offset] = quantize(value[t], v_scale, v_cache.dtype)
+        else:
+            k_cache[block_id, offset] = key[t]
+            v_cache[block_id, offset] = value[t]
 
 
 def gather_seq_kv(
@@ -57,8 +65,11 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Causal paged attention over a flattened mixed batch, computed in float32.
+    """Causal paged attention over a flattened mixed batch, computed in float32 (an FP8 cache
+    is read as ``stored * k_scale`` / ``stored * v_scale``).
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]``; sequence ``s`` owns rows
@@ -92,8 +103,8 @@ def paged_attention_ref(
             continue
         if q_len > seq_len:
             raise ValueError(f"sequence {s}: q_len {q_len} > seq_len {seq_len}")
-        k = gather_seq_kv(k_cache, block_tables[s], seq_len).float()  # [L, Hkv, D]
-        v = gather_seq_kv(v_cache, block_tables[s], seq_len).float()
+        k = dequantize(gather_seq_kv(k_cache, block_tables[s], seq_len), k_scale, torch.float32)  # [L, Hkv, D]
+        v = dequantize(gather_seq_kv(v_cache, block_tables[s], seq_len), v_scale, torch.float32)
         # Expand KV heads so that query head h uses KV head h // group.
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)

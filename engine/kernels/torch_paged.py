@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.kernels.quant import dequantize, is_fp8, quantize
+
 
 def write_kv_torch(
     key: torch.Tensor,
@@ -26,8 +28,11 @@ def write_kv_torch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Scatter ``key``/``value`` rows into their cache slots in place; ``-1`` slots are skipped."""
+    """Scatter ``key``/``value`` rows into their cache slots in place (quantized for an FP8
+    cache); ``-1`` slots are skipped."""
     if key.shape[0] == 0:
         return
     block_size = k_cache.shape[1]
@@ -38,6 +43,8 @@ def write_kv_torch(
     # slot view exists; a (block, offset) index pair addresses them directly.
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - blocks * block_size
+    if is_fp8(k_cache.dtype):
+        key, value = quantize(key, k_scale, k_cache.dtype), quantize(value, v_scale, v_cache.dtype)
     k_cache.index_put_((blocks, offsets), key)
     v_cache.index_put_((blocks, offsets), value)
 
@@ -155,18 +162,25 @@ def _gather(cache: torch.Tensor, group: DecodeGroup, which: int) -> torch.Tensor
     out = torch.index_select(cache, 0, group.block_index, out=bufs[which])
     flat = out.view(-1, cache.shape[2] * cache.shape[3])
     if group.pad_rows.numel():
-        flat.index_fill_(0, group.pad_rows, 0)
+        # FP8 tensors have no index_fill_; zero is the all-zero bit pattern in every float format.
+        (flat.view(torch.uint8) if is_fp8(flat.dtype) else flat).index_fill_(0, group.pad_rows, 0)
     return out.view(group.rows.numel(), group.padded_len, *cache.shape[2:])
 
 
+def _read(kv: torch.Tensor, dtype: torch.dtype, kv_scale: float) -> torch.Tensor:
+    """Gathered K or V as ``dtype``: FP8 values dequantized, float ones as they are."""
+    return dequantize(kv, kv_scale, dtype) if is_fp8(kv.dtype) else kv
+
+
 def _decode_group(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
-) -> torch.Tensor:
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> torch.Tensor:  # fmt: skip
     """Attention for the group's single-token queries ``q [B, Hq, D]``; returns ``[B, Hq, D]``."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    k = _gather(k_cache, group, 0).transpose(1, 2)  # [B, Hkv, L, D]
-    v = _gather(v_cache, group, 1).transpose(1, 2)
+    k = _read(_gather(k_cache, group, 0), q.dtype, k_scale).transpose(1, 2)  # [B, Hkv, L, D]
+    v = _read(_gather(v_cache, group, 1), q.dtype, v_scale).transpose(1, 2)
     # Query heads h*group .. h*group+group-1 share KV head h: fold them into q_len.
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scale)
@@ -190,14 +204,16 @@ def _prefill_one(
     seq_len: int,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention for one sequence's ``q [q_len, Hq, D]`` (its last ``q_len`` positions)."""
     q_len = q.shape[0]
     context_len = seq_len - q_len
     # Keys no query of this chunk can see (before the first query's window) are not read.
     start = 0 if sliding_window is None else max(context_len - sliding_window + 1, 0)
-    k = _gather_seq(k_cache, block_table_row, start, seq_len).transpose(0, 1)
-    v = _gather_seq(v_cache, block_table_row, start, seq_len).transpose(0, 1)
+    k = _read(_gather_seq(k_cache, block_table_row, start, seq_len), q.dtype, k_scale).transpose(0, 1)
+    v = _read(_gather_seq(v_cache, block_table_row, start, seq_len), q.dtype, v_scale).transpose(0, 1)
     qh = q.transpose(0, 1)  # [Hq, q_len, D]
     if context_len == 0 and (sliding_window is None or sliding_window >= seq_len):
         # Square causal mask: SDPA's built-in causal path skips masked blocks.
@@ -223,6 +239,8 @@ def paged_attention_torch(
     scale: float,
     plan: TorchAttentionPlan | None = None,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed batch; see ``reference.paged_attention_ref``.
 
@@ -242,11 +260,12 @@ def paged_attention_torch(
     groups = plan.decode_groups
     if len(groups) == 1 and groups[0].all_rows and q.shape[0] == plan.starts[-1]:
         # Hot path: one decode group covering every row.
-        return _decode_group(q, k_cache, v_cache, groups[0], scale)
+        return _decode_group(q, k_cache, v_cache, groups[0], scale, k_scale, v_scale)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     for group in groups:
-        out.index_copy_(0, group.rows, _decode_group(q[group.rows], k_cache, v_cache, group, scale))
+        out.index_copy_(0, group.rows, _decode_group(q[group.rows], k_cache, v_cache, group, scale, k_scale, v_scale))
     for s, start, seq_len in plan.prefills:
         end = plan.starts[s + 1]
-        out[start:end] = _prefill_one(q[start:end], k_cache, v_cache, block_tables[s], seq_len, scale, sliding_window)
+        out[start:end] = _prefill_one(q[start:end], k_cache, v_cache, block_tables[s], seq_len, scale, sliding_window,
+                                      k_scale, v_scale)  # fmt: skip
     return out

@@ -36,6 +36,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from pdserve.engine.kernels.quant import fp8_grid, fp8_max, is_fp8
+
 _LOG2E = 1.4426950408889634
 # Finite "minus infinity" for the running max: a row whose first visited tile is
 # fully masked then yields exp2(-inf - m) = 0 instead of NaN from (-inf) - (-inf).
@@ -43,6 +45,19 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # constexpr: compiled kernels may read no othe
 
 
 # --------------------------------------------------------------------------- KV write
+
+
+@triton.jit
+def _round_to_fp8_grid(x, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """``x`` (float32, within the format's range) rounded to the nearest value of an FP8 grid
+    (ties to even), still as float32: the cast that follows is then exact. Rounding here, not
+    in the cast, gives one result everywhere (Triton's interpreter rounds some values that
+    carry into the next binade wrongly)."""
+    bits = x.to(tl.int32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)  # subnormals share the smallest normal's step
+    step = ((exp - MANT_BITS + 127) << 23).to(tl.float32, bitcast=True)  # 2 ** (exp - MANT_BITS)
+    y = x / step  # exact: a power of two
+    return ((y + 12582912.0) - 12582912.0) * step  # 1.5 * 2**23: float32 addition rounds to an integer, ties to even
 
 
 @triton.jit
@@ -63,12 +78,18 @@ def _write_kv_kernel(
     stride_vc_o,
     stride_vc_h,
     num_kv_heads,
+    k_scale,
+    v_scale,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT_BITS: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
 ):
-    """Copy token ``program_id(0)``'s K and V (all heads) into its cache slot."""
+    """Copy token ``program_id(0)``'s K and V (all heads) into its cache slot; with ``FP8_MAX``
+    (an FP8 cache) as ``clamp(x / scale, -FP8_MAX, FP8_MAX)``, computed in float32."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     # A skipped token (slot -1) masks out every head: branch-free, and avoids mixing a
@@ -82,6 +103,11 @@ def _write_kv_kernel(
 
     k = tl.load(key_ptr + t * stride_key_t + h * stride_key_h + d, mask=mask)
     v = tl.load(value_ptr + t * stride_value_t + h * stride_value_h + d, mask=mask)
+    if FP8_MAX > 0:
+        k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+        k = _round_to_fp8_grid(k, FP8_MANT_BITS, FP8_MIN_EXP).to(k_cache_ptr.dtype.element_ty)
+        v = _round_to_fp8_grid(v, FP8_MANT_BITS, FP8_MIN_EXP).to(v_cache_ptr.dtype.element_ty)
     # int64 block offset: block * stride overflows int32 for large caches.
     tl.store(k_cache_ptr + block * stride_kc_b + offset * stride_kc_o + h * stride_kc_h + d, k, mask=mask)
     tl.store(v_cache_ptr + block * stride_vc_b + offset * stride_vc_o + h * stride_vc_h + d, v, mask=mask)
@@ -93,11 +119,14 @@ def write_kv_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Launch :func:`_write_kv_kernel` (inputs already validated by ``ops.write_kv``)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    fp8 = is_fp8(k_cache.dtype)
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -115,10 +144,15 @@ def write_kv_triton(
         v_cache.stride(1),
         v_cache.stride(2),
         num_kv_heads,
+        float(k_scale),
+        float(v_scale),
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        FP8_MAX=fp8_max(k_cache.dtype) if fp8 else 0.0,
+        FP8_MANT_BITS=fp8_grid(k_cache.dtype)[0] if fp8 else 0,
+        FP8_MIN_EXP=fp8_grid(k_cache.dtype)[1] if fp8 else 0,
     )
 
 
@@ -165,6 +199,7 @@ def _attend_kv_tile(
     MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_F32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Fold KV positions ``[tile_idx*BLOCK_N, +BLOCK_N)`` into the online softmax.
 
@@ -197,6 +232,11 @@ def _attend_kv_tile(
         k = tl.load(k_ptrs)  # interior tile, unpadded head_dim: no predication needed
         v = tl.load(v_ptrs)
 
+    if KV_FP8:
+        # Dequantized to the query's dtype; the scales are applied outside the tile loop
+        # (k_scale folded into qk_scale, v_scale into the output).
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     if DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -228,6 +268,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     qk_scale,
+    v_scale,
     num_seqs,
     num_heads,
     tiles_per_segment,
@@ -253,6 +294,7 @@ def _paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_F32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Grid ``(num_tokens // BLOCK_Q + num_seqs, num_kv_heads, NUM_SEGMENTS)``."""
     tile_id = tl.program_id(0)
@@ -324,25 +366,25 @@ def _paged_attention_kernel(
             acc, l_i, m_i = _attend_kv_tile(
                 acc, l_i, m_i, q, q_pos, j, kv_end, k_base, v_base, block_table_row,
                 stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, qk_scale, window,
-                BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_WINDOW, DOT_F32,
+                BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_WINDOW, DOT_F32, KV_FP8,
             )  # fmt: skip
     for j in range(tl.maximum(lo, unmasked_lo), tl.minimum(hi, unmasked_hi)):
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, q_pos, j, kv_end, k_base, v_base, block_table_row,
             stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, qk_scale, window,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_WINDOW, DOT_F32,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_WINDOW, DOT_F32, KV_FP8,
         )  # fmt: skip
     for j in range(tl.maximum(lo, unmasked_hi), hi):
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, q_pos, j, kv_end, k_base, v_base, block_table_row,
             stride_kc_b, stride_kc_o, stride_vc_b, stride_vc_o, qk_scale, window,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_WINDOW, DOT_F32,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_WINDOW, DOT_F32, KV_FP8,
         )  # fmt: skip
 
     out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SEGMENTS == 1:
         # Every valid row saw its own position, so l_i > 0; the guard covers padding rows.
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
         o_ptrs = out_ptr + q_row[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
@@ -364,6 +406,7 @@ def _merge_segments_kernel(
     num_heads,
     stride_o_t,
     stride_o_h,
+    v_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
@@ -385,7 +428,7 @@ def _merge_segments_kernel(
     m_max = tl.max(m, axis=0)
     w = tl.exp2(m - m_max)  # empty segments carry m = _NEG_BIG, so w = 0
     l_tot = tl.sum(w * l_seg, axis=0)
-    out = tl.sum(acc * w[:, None], axis=0) / l_tot
+    out = tl.sum(acc * w[:, None], axis=0) * (v_scale / l_tot)
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -449,6 +492,8 @@ def paged_attention_triton(
     block_n: int | None = None,
     num_segments: int | None = None,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Launch the unified paged attention (inputs validated by ``ops.paged_attention``).
 
@@ -502,7 +547,8 @@ def paged_attention_triton(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E,  # an FP8 cache's k_scale scales every score alike
+        v_scale,
         num_seqs,
         num_heads,
         tiles_per_segment,
@@ -528,6 +574,7 @@ def paged_attention_triton(
         NUM_SEGMENTS=num_segments,
         HAS_WINDOW=sliding_window is not None,
         DOT_F32=_INTERPRETED and q.dtype == torch.bfloat16,
+        KV_FP8=is_fp8(k_cache.dtype),
     )
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
@@ -539,6 +586,7 @@ def paged_attention_triton(
             num_heads,
             out.stride(0),
             out.stride(1),
+            v_scale,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             NUM_SEGMENTS=num_segments,

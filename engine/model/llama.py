@@ -9,6 +9,7 @@ small number of torch calls because tiny-model CPU decoding is overhead-bound.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 
 import torch
@@ -123,6 +124,9 @@ class Attention(nn.Module):
         self.qk_size = config.q_size + config.kv_size
         self.qk_heads = config.num_attention_heads + config.num_key_value_heads
         self.scale = config.head_dim**-0.5
+        # An FP8 KV cache's per-tensor scales (LlamaForCausalLM.set_kv_scales); 1.0 otherwise.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.sliding_window = config.sliding_window
         self.qkv_proj = Linear(
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
@@ -145,11 +149,11 @@ class Attention(nn.Module):
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, self.qk_size :].view(n, self.num_kv_heads, self.head_dim)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
         out = paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.scale, meta.max_query_len, meta.max_seq_len, plan=meta.torch_plan,
-            sliding_window=self.sliding_window,
+            sliding_window=self.sliding_window, k_scale=self.k_scale, v_scale=self.v_scale,
         )
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -294,6 +298,22 @@ class LlamaForCausalLM(nn.Module):
                 names.add(".".join([*prefix, hf_module, kind]))
         return names
 
+    def kv_scales(self, quantized: bool) -> tuple[float, ...]:
+        """(k_scale, v_scale) of each layer in turn for an FP8 cache (``quantized``): the
+        checkpoint's where it has them, else 1.0; empty for a float cache. Also sets them on the
+        attention layers (1.0 for a float cache)."""
+        found = getattr(self, "checkpoint_kv_scales", {})
+        scales: list[float] = []
+        for i, layer in enumerate(self.model.layers):
+            k = found.get((i, "k"), 1.0) if quantized else 1.0
+            v = found.get((i, "v"), 1.0) if quantized else 1.0
+            for value in (k, v):
+                if not (math.isfinite(value) and value > 0):
+                    raise ValueError(f"layer {i}: KV-cache scale {value} must be a finite number > 0")
+            layer.self_attn.k_scale, layer.self_attn.v_scale = k, v
+            scales += [k, v]
+        return tuple(scales) if quantized else ()
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters (casting to their dtype/device).
@@ -311,8 +331,15 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         seen: set[str] = set()
         unexpected: list[str] = []
+        self.checkpoint_kv_scales = {}
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
+                continue
+            scale = _KV_SCALE_NAME.fullmatch(name)
+            if scale is not None:  # an FP8 checkpoint's KV-cache scales (used with an FP8 cache)
+                if tensor.numel() != 1:
+                    raise ValueError(f"{name} must be one value (a per-tensor scale), got shape {tuple(tensor.shape)}")
+                self.checkpoint_kv_scales[(int(scale[1]), scale[2])] = float(tensor.float().item())
                 continue
             *prefix, module, kind = name.split(".")
             fused, shard = _FUSED.get(module, (module, None))
@@ -338,6 +365,9 @@ class LlamaForCausalLM(nn.Module):
             if unexpected:
                 parts.append(f"unexpected {len(unexpected)} weight(s): {_preview(sorted(unexpected))}")
             raise ValueError("checkpoint does not match the model: " + "; ".join(parts))
+
+
+_KV_SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k|v)_scale")
 
 
 def _preview(names: list[str], limit: int = 20) -> str:

@@ -26,8 +26,8 @@ SECRET = TransferConfig(cluster_secret="worker-services-test-secret")
 
 
 def runtime(model: str, url: str, ns: str, wid: str, role: str, block_size: int = 16,
-            transfer: TransferConfig = SECRET) -> WorkerRuntime:  # fmt: skip
-    engine = EngineConfig(model, device="cpu", cache=CacheConfig(block_size, 64))
+            transfer: TransferConfig = SECRET, kv_cache_dtype: str = "auto") -> WorkerRuntime:  # fmt: skip
+    engine = EngineConfig(model, device="cpu", cache=CacheConfig(block_size, 64, kv_cache_dtype=kv_cache_dtype))
     return WorkerRuntime(WorkerConfig(wid, role, engine, IndexConfig(url, namespace=ns), transfer,
                                       bind_host="127.0.0.1"))  # fmt: skip
 
@@ -120,16 +120,20 @@ def test_local_prefill_counts_what_it_computed_and_close_leaves_nothing(tiny_mod
     assert not [k for k in client.scan_iter(f"{ns}:block:*") if client.hexists(k, "decode-0")]
 
 
-def test_handover_between_services_matches_one_engine(tiny_model: str, redis_server) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
+def test_handover_between_services_matches_one_engine(tiny_model: str, redis_server, kv_cache_dtype: str) -> None:
     """Prefill on one runtime, pull by lease into another, decode there: the tokens a single engine
-    produces, the transferred tokens counted, the lease released and both pools idle after."""
+    produces, the transferred tokens counted, the lease released and both pools idle after. An
+    FP8 block arrives as the bytes (and under the scales) it was written with: the same tokens as
+    one engine with the same FP8 cache."""
     ns = unique_namespace()
-    prt = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill")
-    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode")
+    prt = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill", kv_cache_dtype=kv_cache_dtype)
+    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode", kv_cache_dtype=kv_cache_dtype)
     try:
         params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=9)
         spec = RequestSpec("h", tuple(range(3, 40)), params)
-        expected = LLM(tiny_model, num_blocks=64).generate([list(spec.prompt_token_ids)], params)[0].token_ids
+        one = LLM(tiny_model, num_blocks=64, kv_cache_dtype=kv_cache_dtype)
+        expected = one.generate([list(spec.prompt_token_ids)], params)[0].token_ids
 
         async def run() -> tuple[int, list]:
             pre = await PrefillService(prt).prefill(spec)
@@ -142,6 +146,29 @@ def test_handover_between_services_matches_one_engine(tiny_model: str, redis_ser
         for rt in (prt, drt):
             assert wait_until(lambda rt=rt: rt.pool_state() == {**rt.pool_state(), "leases": 0, "requests": 0,
                                                                 "free_blocks": rt.pool_state()["num_blocks"]})
+    finally:
+        drt.close()
+        prt.close()
+
+
+def test_a_peer_with_another_kv_cache_dtype_is_refused_and_the_prompt_recomputed(tiny_model: str,
+                                                                                  redis_server) -> None:  # fmt: skip
+    ns = unique_namespace()
+    prt = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill", kv_cache_dtype="fp8")
+    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode")
+    try:
+        assert drt.engine.layout.block_nbytes == 4 * prt.engine.layout.block_nbytes  # float32 vs one byte
+        spec = RequestSpec("x", tuple(range(1, 41)), SamplingParams(max_tokens=4, ignore_eos=True))
+
+        async def run() -> list:
+            pre = await PrefillService(prt).prefill(spec)
+            return [ev async for ev in DecodeService(drt).generate(spec, pre)]
+
+        events = asyncio.run(run())
+        assert events[-1].finished and events[-1].num_recomputed_tokens == 40  # refused, not misread
+        assert metric(drt, "pdserve_kv_transfer_failures_total") == 1
+        with pytest.raises(Exception, match="dtype: local 'float32' != remote 'float8_e4m3fn'"):
+            drt.client(prt.address)
     finally:
         drt.close()
         prt.close()
