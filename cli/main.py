@@ -61,6 +61,7 @@ BENCHMARKS = {
     "prefix": ("pdserve.benchmarks.prefix", "TTFT with a cached long prefix vs cold"),
     "serve": ("pdserve.benchmarks.serve", "open-loop load on 1P+1D vs monolithic; --http: via the OpenAI API"),
     "kvquant": ("pdserve.benchmarks.kv_quant", "FP8 KV cache vs unquantized: perplexity, greedy agreement, bytes"),
+    "offload": ("pdserve.benchmarks.offload", "prefixes 4x the pool with and without the offload tier"),
 }
 
 
@@ -111,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default=None, help="Redis key prefix (default $PDSERVE_REDIS_NAMESPACE or 'pdserve')")
     p.add_argument("--kv-cache-dtype", default=None, choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
                    help="KV cache storage (default auto: the model's dtype; fp8: one byte per value)")
+    p.add_argument("--kv-offload-gb", type=float, default=None, metavar="GIB",
+                   help="host memory per worker for blocks its pool evicts (default 0: no offload tier)")
     p.add_argument("--kv-transfer-ports", default=None, metavar="LO-HI",
                    help="the workers' KV-transfer ports: the first free one of this range (default: any)")
     p.add_argument("--log-level", type=str.upper, default=None, choices=LOG_LEVELS,

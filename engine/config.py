@@ -22,8 +22,14 @@ class CacheConfig:
     # vLLM's names: "auto" (the model's dtype), "fp8" (= "fp8_e4m3") or "fp8_e5m2": KV stored in
     # one byte per value with per-layer scales (the checkpoint's k_scale/v_scale, else 1.0).
     kv_cache_dtype: str = "auto"
+    # vLLM's --kv-offload-gb: host memory (GiB) for a second tier that keeps blocks the pool
+    # evicts (engine/kv_offload.py); 0: none.
+    kv_offload_gb: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_offload_gb, bool) or not isinstance(self.kv_offload_gb, (int, float)) \
+                or not 0 <= self.kv_offload_gb < float("inf"):
+            raise ValueError(f"kv_offload_gb must be a number >= 0, got {self.kv_offload_gb!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, "
                              f"got {self.kv_cache_dtype!r}")  # fmt: skip

@@ -10,6 +10,7 @@ reaches the engine: ``make_request(handoff=True)`` on the producer, ``add_remote
 
 from __future__ import annotations
 
+import logging
 import operator
 import threading
 import uuid
@@ -21,6 +22,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels.quant import KV_CACHE_DTYPES, is_fp8
 from pdserve.engine.kv_handover import HeldKV, KVHandover, KVLoad, RemotePrefill
+from pdserve.engine.kv_offload import OffloadTier, TierCorruptionError
 from pdserve.engine.kv_tensor import KVLayout, KVTensor
 from pdserve.engine.kvcache.events import EventSink
 from pdserve.engine.kvcache.manager import KVCacheManager
@@ -30,6 +32,8 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,6 +79,13 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # The offload tier (zeros without one): its size and use, tokens restored from it, blocks
+    # stored into it, and blocks found changed when loaded.
+    offload_blocks: int = 0
+    offload_used_blocks: int = 0
+    offload_hit_tokens: int = 0
+    offload_stored_blocks: int = 0
+    offload_corrupted_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -142,13 +153,28 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             num_blocks, cc.block_size, cc.enable_prefix_caching, medium, event_sink, mc.sliding_window
         )
+        self.tier: OffloadTier | None = None
+        if cc.kv_offload_gb > 0:
+            tier_blocks = int(cc.kv_offload_gb * 1024**3) // layout.block_nbytes
+            if tier_blocks < 1:
+                raise ValueError(f"kv_offload_gb={cc.kv_offload_gb} holds no block of {layout.block_nbytes} bytes")
+            self.tier = OffloadTier(tier_blocks, layout.block_nbytes, cc.block_size, event_sink,
+                                    pin_memory=self.device.type == "cuda")  # fmt: skip
+            tier = self.tier
+
+            def offload(block_id: int, block_hash: bytes) -> None:
+                tier.store(block_hash, self.kv_tensor.block_bytes(block_id))
+
+            self.kv_manager.pool.eviction_sink = offload
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = ModelRunner(self.model, self.kv_tensor, cc.block_size)
         self.lock = threading.RLock()
         self.handover = KVHandover(self.kv_manager, self.kv_tensor, self.lock)
+        self.handover.tier = self.tier
         self.requests: dict[str, Request] = {}
         self._loading: dict[str, tuple[Request, KVLoad, RemotePrefill]] = {}
         self._aborted_loads: set[str] = set()
+        self.num_tier_hit_tokens = 0  # prompt tokens restored from the offload tier (lifetime)
         self.driver: object | None = None  # what steps this engine (an EngineLoop), if not its caller
 
     @property
@@ -197,11 +223,48 @@ class LLMEngine:
             return req
 
     def enqueue(self, request: Request) -> None:
-        """Queue a request built by :meth:`make_request` (ValueError if its id became live since)."""
+        """Queue a request built by :meth:`make_request` (ValueError if its id became live since).
+        With an offload tier, the part of its prefix found there is restored first."""
         with self.lock:
             self._check_id_free(request.request_id)
             self.requests[request.request_id] = request
-            self.scheduler.add(request)
+            if self.tier is None or not self._restore_from_tier(request):
+                self.scheduler.add(request)
+
+    def _restore_from_tier(self, request: Request) -> bool:
+        """Load the blocks of ``request``'s prefix that follow its pool hits from the offload
+        tier, as external KV through the KV-handover API (``reserve``, copy, ``complete``). True:
+        restored, the request runs on from there; False: nothing restored (no tier hit, no room,
+        or a tier block's bytes changed), queue it as usual. Caller holds the lock."""
+        assert self.tier is not None
+        bs = self.layout.block_size
+        max_blocks = (request.num_tokens - 1) // bs  # at least one token left to compute
+        hit, _ = self.kv_manager.get_computed_blocks(request)
+        n_tier = self.tier.match(request.block_hashes[len(hit) : max_blocks])
+        if n_tier == 0:
+            return False
+        # Making room in the pool evicts blocks into the tier, which drops its least recently used.
+        self.tier.touch(request.block_hashes[len(hit) : len(hit) + n_tier])
+        load = self.handover.reserve(request, (len(hit) + n_tier) * bs)
+        if load is None:
+            return False
+        ok = False
+        try:
+            for block_id, block_hash in zip(load.block_ids, load.block_hashes):
+                self.tier.load(block_hash, self.kv_tensor.block_bytes(block_id))
+            ok = True
+        except TierCorruptionError as exc:
+            logger.warning("request %s: %s; its prompt is computed instead", request.request_id, exc)
+        except KeyError:  # dropped while room was made (a tier smaller than one prompt's eviction)
+            pass
+        finally:
+            self.handover.complete(request, load, ok)
+        if not ok:
+            return False
+        request.num_cached_tokens = load.num_tokens
+        self.num_tier_hit_tokens += load.num_external_tokens
+        self.scheduler.add_running(request)
+        return True
 
     def add_remote(self, request: Request, remote: RemotePrefill) -> KVLoad | None:
         """Continue ``request`` (built by :meth:`make_request`) after another engine prefilled it.
@@ -292,9 +355,12 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         with self.lock:
             m, sched = self.kv_manager, self.scheduler
+            tier = self.tier.stats() if self.tier is not None else None
             return EngineStats(
                 m.num_blocks, m.num_free_blocks(), len(sched.running), len(sched.waiting) + len(sched.handed_over),
                 sched.num_preemptions, m.stats.queries, m.stats.hits,
+                *((tier.num_blocks, tier.used_blocks, self.num_tier_hit_tokens, tier.stored, tier.corrupted)
+                  if tier is not None else ()),
             )  # fmt: skip
 
     # -- stepping ---------------------------------------------------------------------------

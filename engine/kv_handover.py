@@ -11,7 +11,7 @@ Producer (the engine that prefills; vLLM: ``request_finished`` with delayed free
   that token ends it anyway) with finish reason ``"handoff"``; its output carries a ``HeldKV``
   and its blocks stay held until ``KVHandover.release(request_id)``.
 * ``pin_cached(hashes)`` / ``unpin``: full blocks of the prefix cache, referenced for a reader
-  outside any request (a pull by hash).
+  outside any request (a pull by hash); blocks only the offload tier holds are restored first.
 
 Consumer (the engine that continues; vLLM: ``get_num_new_matched_tokens`` +
 ``update_state_after_alloc``, then ``finished_recving``):
@@ -34,6 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve.engine.kv_offload import OffloadTier, TierCorruptionError
 from pdserve.engine.kv_tensor import KVLayout, KVTensor
 from pdserve.engine.kvcache.manager import BlocksNotCachedError, KVCacheManager, KVRequest, cdiv
 
@@ -126,6 +127,8 @@ class KVHandover:
         self._held: dict[str, HeldKV] = {}
         self._pins: Counter[int] = Counter()  # references taken by pin_cached, per block id
         self.on_blocks_freed: Callable[[], None] | None = None
+        # The engine's offload tier, if any: pin_cached restores from it what the pool lacks.
+        self.tier: OffloadTier | None = None
 
     @property
     def layout(self) -> KVLayout:
@@ -178,9 +181,41 @@ class KVHandover:
         """
         hashes = tuple(bytes(h) for h in block_hashes)
         with self.lock:
-            blocks = self._manager.pin_cached(hashes)
+            try:
+                blocks = self._manager.pin_cached(hashes)
+            except BlocksNotCachedError as exc:
+                # Hold the blocks the pool has while room is made for the others.
+                gone = set(exc.missing)
+                present = self._manager.pin_cached([h for h in hashes if h not in gone])
+                try:
+                    restored = self._restore_from_tier(exc.missing)
+                finally:
+                    self._manager.unpin(present)
+                if not restored:
+                    raise
+                blocks = self._manager.pin_cached(hashes)
             self._pins.update(b.block_id for b in blocks)
         return PinnedKV(tuple(b.block_id for b in blocks), hashes)
+
+    def _restore_from_tier(self, block_hashes: Sequence[bytes]) -> bool:
+        """Bring blocks the pool lacks back from the offload tier as cached (free) blocks; False
+        when the tier lacks one, the pool has no room, or a tier block's bytes changed (nothing
+        stays allocated then). Caller holds the lock."""
+        tier, pool = self.tier, self._manager.pool
+        missing = list(dict.fromkeys(block_hashes))
+        if tier is None or tier.match(missing) < len(missing) or pool.get_num_free_blocks() < len(missing):
+            return False
+        tier.touch(missing)  # making room evicts into the tier: drop other blocks there first
+        blocks = pool.get_new_blocks(len(missing))
+        try:
+            for block, h in zip(blocks, missing):
+                tier.load(h, self.kv_tensor.block_bytes(block.block_id))
+        except (KeyError, TierCorruptionError):
+            pool.free_blocks(blocks)
+            return False
+        pool.cache_restored_blocks(blocks, missing, self.block_size)
+        pool.free_blocks(blocks)  # cached and free: pin_cached takes them next
+        return True
 
     def unpin(self, pinned: PinnedKV) -> None:
         with self.lock:

@@ -2,11 +2,12 @@
 
 What it writes (docs/redis.md; ``{ns}`` is ``IndexConfig.namespace``):
 
-- ``{ns}:block:<32 hex>`` hash: worker id -> unix ms when that worker stored the block.
+- ``{ns}:block:<32 hex>`` hash: worker id -> unix ms when that worker stored the block (in its
+  pool or its offload tier: the field goes when the last of them evicts it).
 - ``{ns}:events`` stream, capped with ``MAXLEN ~ events_maxlen`` (approximate: Redis trims whole
   stream nodes, so the length may exceed the cap by up to one node, 100 entries by default).
   Every entry has ``type`` (``BlockStored``/``BlockRemoved``/``AllBlocksCleared``), ``worker``,
-  ``medium`` and ``ts_ms``. BlockStored adds ``block_hashes`` (JSON list of 32-hex strings),
+  ``medium`` (``GPU``/``CPU``: the pool; ``CPU_TIER``: the offload tier) and ``ts_ms``. BlockStored adds ``block_hashes`` (JSON list of 32-hex strings),
   ``parent_block_hash`` (32 hex, ``""`` for a chain root), ``block_size``, ``lora_name`` (``""``
   if none) and, only with ``IndexConfig.events_include_token_ids``, ``token_ids`` (JSON list:
   they are the tenants' prompts); BlockRemoved adds ``block_hashes``.
@@ -47,6 +48,9 @@ class KVEventPublisher(BackgroundWriter):
             raise ValueError("worker_id must be non-empty")
         self.worker_id = worker_id
         self._held: dict[bytes, int] = {}  # hash -> unix ms stored
+        # hash -> the media holding a copy (the pool's, an offload tier's): the holder field goes
+        # when the last one lets go.
+        self._media: dict[bytes, set[str]] = {}
         self._lost_removals: set[bytes] = set()
         self._lost_counters: Counter[str] = Counter()
         super().__init__(config, f"kv-publisher[{worker_id}]")
@@ -63,18 +67,30 @@ class KVEventPublisher(BackgroundWriter):
                 if isinstance(event, BlockStored):
                     for h in event.block_hashes:
                         self._held[h] = ms
+                        self._media.setdefault(h, set()).add(event.medium)
                     self._enqueue((event, ms, ()))
                 elif isinstance(event, BlockRemoved):
-                    for h in event.block_hashes:
-                        self._held.pop(h, None)
-                    self._enqueue((event, ms, ()))
+                    # HDEL only the hashes whose last copy went (decided now: the writer thread
+                    # cannot know later).
+                    gone = tuple(h for h in event.block_hashes if self._let_go(h, event.medium))
+                    self._enqueue((event, ms, gone))
                 elif isinstance(event, AllBlocksCleared):
-                    # The hashes to HDEL are the ones held now; the writer thread cannot know them later.
-                    cleared = tuple(self._held)
-                    self._held.clear()
+                    cleared = tuple(h for h in list(self._media) if self._let_go(h, event.medium))
                     self._enqueue((event, ms, cleared))
         except Exception:  # noqa: BLE001 - a sink must never break the pool
             log.exception("%s: event dropped", self.name)
+
+    def _let_go(self, block_hash: bytes, medium: str) -> bool:
+        """``medium`` dropped its copy; True when that was the worker's last one. Caller holds ``_cv``."""
+        media = self._media.get(block_hash)
+        if media is None:
+            return False
+        media.discard(medium)
+        if media:
+            return False
+        del self._media[block_hash]
+        self._held.pop(block_hash, None)
+        return True
 
     def _write(self, pipe: redis.client.Pipeline, batch: list) -> None:
         cfg, wid = self.config, self.worker_id
@@ -96,7 +112,7 @@ class KVEventPublisher(BackgroundWriter):
                 if cfg.events_include_token_ids:  # the tenants' prompts: only when the operator opts in
                     fields["token_ids"] = json.dumps(list(event.token_ids))
             elif isinstance(event, BlockRemoved):
-                for h in event.block_hashes:
+                for h in cleared:  # the hashes that lost their last copy
                     pipe.hdel(cfg.block_key(h), wid)
                 evicted += len(event.block_hashes)
                 fields["block_hashes"] = json.dumps([h.hex() for h in event.block_hashes])
@@ -117,7 +133,7 @@ class KVEventPublisher(BackgroundWriter):
             if isinstance(event, BlockStored):
                 self._lost_counters["blocks_stored"] += len(event.block_hashes)
             elif isinstance(event, BlockRemoved):
-                self._lost_removals.update(event.block_hashes)
+                self._lost_removals.update(cleared)
                 self._lost_counters["blocks_evicted"] += len(event.block_hashes)
             else:
                 self._lost_removals.update(cleared)

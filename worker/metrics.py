@@ -44,6 +44,15 @@ class _EngineCollector:
                       s.prefix_cache_queries)  # fmt: skip
         yield counter("pdserve_prefix_cache_hits", "Prompt tokens found in the worker's prefix cache.",
                       s.prefix_cache_hits)  # fmt: skip
+        if s.offload_blocks:
+            yield gauge("pdserve_kv_offload_usage_ratio", "Share of the offload tier's blocks in use.",
+                        s.offload_used_blocks / s.offload_blocks)  # fmt: skip
+            yield counter("pdserve_kv_offload_hit_tokens", "Prompt tokens restored from the offload tier.",
+                          s.offload_hit_tokens)  # fmt: skip
+            yield counter("pdserve_kv_offload_stored_blocks", "Blocks the pool evicted into the offload tier.",
+                          s.offload_stored_blocks)  # fmt: skip
+            yield counter("pdserve_kv_offload_corrupted_blocks", "Offload-tier blocks whose bytes changed "
+                          "(dropped, the prompt computed instead).", s.offload_corrupted_blocks)  # fmt: skip
 
 
 class WorkerMetrics:

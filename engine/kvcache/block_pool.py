@@ -17,7 +17,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from pdserve.engine.kvcache.block import NULL_BLOCK_ID, FreeKVCacheBlockQueue, KVCacheBlock
 from pdserve.engine.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink, KVCacheEvent
@@ -46,6 +46,9 @@ class BlockPool:
         # hash -> {block_id: block}, oldest copy first (dicts keep insertion order).
         self._cached: dict[bytes, dict[int, KVCacheBlock]] = {}
         self._sinks: list[EventSink] = [event_sink] if event_sink else []
+        # Called with (block_id, hash) as a cached block is evicted (its last copy), before the
+        # block is handed out again: its bytes are still there (an offload tier copies them).
+        self.eviction_sink: Callable[[int, bytes], None] | None = None
 
     # -- events -------------------------------------------------------------------------
     def add_event_sink(self, sink: EventSink) -> None:
@@ -116,6 +119,8 @@ class BlockPool:
                 h = self._unregister(block)
                 if h is not None:
                     gone.append(h)
+                    if self.eviction_sink is not None:
+                        self.eviction_sink(block.block_id, h)
             block.ref_cnt = 1
         if gone:
             self._emit(BlockRemoved(gone, self.medium))
@@ -207,6 +212,19 @@ class BlockPool:
         for parent, hashes, tokens in runs:
             self._emit(BlockStored(hashes, parent, tokens, block_size, lora_name, self.medium))
         return registered
+
+    def cache_restored_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
+                              block_size: int) -> None:  # fmt: skip
+        """Register held, uncached ``blocks`` under ``block_hashes`` (KV restored from elsewhere,
+        e.g. an offload tier, without the request that computed it): one ``BlockStored`` per
+        hash that became cached, with no parent or tokens (they are not known here)."""
+        if len(blocks) != len(block_hashes):
+            raise BlockPoolError(f"{len(blocks)} blocks for {len(block_hashes)} hashes")
+        for block, h in zip(blocks, block_hashes):
+            if block.ref_cnt <= 0 or block.block_hash is not None or block.is_null:
+                raise BlockPoolError(f"block {block.block_id} is free, null or cached already")
+            if self.enable_caching and self._register(block, h):
+                self._emit(BlockStored([h], None, [], block_size, None, self.medium))
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> int:
         """Forget the hashes of ``blocks`` (their KV turned out invalid); one ``BlockRemoved``

@@ -15,6 +15,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.kvindex.config import IndexConfig
 from pdserve.kvindex.stats import read_stats
 from pdserve.kvtransfer.config import TransferConfig
+from pdserve.kvtransfer.pull import pull_kv
 from pdserve.prefill_worker.service import PrefillService
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.messages import RequestSpec
@@ -26,8 +27,10 @@ SECRET = TransferConfig(cluster_secret="worker-services-test-secret")
 
 
 def runtime(model: str, url: str, ns: str, wid: str, role: str, block_size: int = 16,
-            transfer: TransferConfig = SECRET, kv_cache_dtype: str = "auto") -> WorkerRuntime:  # fmt: skip
-    engine = EngineConfig(model, device="cpu", cache=CacheConfig(block_size, 64, kv_cache_dtype=kv_cache_dtype))
+            transfer: TransferConfig = SECRET, kv_cache_dtype: str = "auto", num_blocks: int = 64,
+            kv_offload_gb: float = 0.0) -> WorkerRuntime:  # fmt: skip
+    cache = CacheConfig(block_size, num_blocks, kv_cache_dtype=kv_cache_dtype, kv_offload_gb=kv_offload_gb)
+    engine = EngineConfig(model, device="cpu", cache=cache)
     return WorkerRuntime(WorkerConfig(wid, role, engine, IndexConfig(url, namespace=ns), transfer,
                                       bind_host="127.0.0.1"))  # fmt: skip
 
@@ -172,6 +175,58 @@ def test_a_peer_with_another_kv_cache_dtype_is_refused_and_the_prompt_recomputed
     finally:
         drt.close()
         prt.close()
+
+
+def test_a_decode_worker_pulls_blocks_from_a_peers_offload_tier(tiny_model: str, redis_server) -> None:
+    """The holder's pool evicted a prefix into its offload tier; a pull by hash over gRPC restores
+    it there (KV-handover API) and streams it; the puller decodes the tokens one engine does."""
+    ns = unique_namespace()
+    holder = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill", num_blocks=8, kv_offload_gb=0.01)
+    puller = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode")
+    try:
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        a, b = list(range(3, 100)), list(range(100, 197))  # 6 full blocks each, 8-block pool
+
+        async def prefill(spec: RequestSpec) -> None:
+            pre = await PrefillService(holder).prefill(spec)
+            holder.source.release(pre.lease_id)
+
+        asyncio.run(prefill(RequestSpec("a", tuple(a), params)))
+        asyncio.run(prefill(RequestSpec("b", tuple(b), params)))  # pushes a's blocks into the tier
+        engine = puller.engine
+        req = engine.make_request(a, params, "a-decode")
+        hashes = req.block_hashes[:6]
+        pool = holder.engine.kv_manager.pool
+        in_pool = [pool.get_cached_block(h) is not None for h in hashes]
+        assert not all(in_pool) and all(h in holder.engine.tier for h, p in zip(hashes, in_pool) if not p)
+        load = engine.handover.reserve(req, 96)
+        assert load is not None and load.num_external_tokens == 96
+        ok = False
+        try:
+            stats = pull_kv(puller.client(holder.address), engine.handover.kv_tensor, load)
+            ok = True
+        finally:
+            engine.handover.complete(req, load, ok)
+        assert stats.num_blocks == 6
+        expected = LLM(tiny_model, num_blocks=64).generate([a], params)[0].token_ids
+        # The pulled prefix is in the puller's cache now: a request for the same prompt runs from it.
+        tokens, cached = decode_locally(puller, a, params)
+        assert tokens == expected and cached == 96
+        holder.engine.handover.check_invariants()
+        assert wait_until(lambda: holder.pool_state()["free_blocks"] == 8 and holder.pool_state()["leases"] == 0)
+    finally:
+        puller.close()
+        holder.close()
+
+
+def decode_locally(rt: WorkerRuntime, prompt: list[int], params: SamplingParams) -> tuple[list[int], int]:
+    """Run ``prompt`` on a decode runtime (no prefill worker): its tokens and local prefix hit."""
+
+    async def run() -> list:
+        return [ev async for ev in DecodeService(rt).generate(RequestSpec("again", tuple(prompt), params))]
+
+    events = asyncio.run(run())
+    return [t for ev in events for t in ev.token_ids], events[-1].num_local_hit_tokens
 
 
 def test_prefill_cancelled_right_after_the_handoff_holds_nothing(tiny_model: str, redis_server) -> None:

@@ -1,0 +1,141 @@
+"""The offload tier: evicted blocks kept in host memory by hash (LRU), prefixes restored from it
+through the KV-handover API with the same tokens as recomputing them, changed bytes detected,
+pool invariants kept and every block returned; Redis (the real embedded server) keeps a holder
+field while either tier holds the block."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.kv_offload import MEDIUM, OffloadTier, TierCorruptionError
+from pdserve.engine.kvcache.events import BlockRemoved
+from pdserve.kvindex.config import IndexConfig
+from pdserve.kvindex.publisher import KVEventPublisher
+from tests.support.redis import unique_namespace
+
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def prefixes(n: int, length: int = 96, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(length)] for _ in range(n)]
+
+
+def test_tier_keeps_the_most_recent_blocks_and_says_so() -> None:
+    events: list = []
+    tier = OffloadTier(2, 8, 16, events.append)
+    blocks = {bytes([i]) * 16: torch.full((8,), i, dtype=torch.uint8) for i in range(3)}
+    a, b, c = blocks
+    tier.store(a, blocks[a])
+    tier.store(b, blocks[b])
+    tier.touch([a])  # a is now the most recent: c pushes b out
+    tier.store(c, blocks[c])
+    assert a in tier and c in tier and b not in tier
+    assert tier.match([a, c, b, a]) == 2
+    out = torch.empty(8, dtype=torch.uint8)
+    tier.load(c, out)
+    assert torch.equal(out, blocks[c])
+    assert [type(e).__name__ for e in events] == ["BlockStored", "BlockStored", "BlockRemoved", "BlockStored"]
+    assert events[2] == BlockRemoved([b], MEDIUM) and all(e.medium == MEDIUM for e in events)
+    tier.check_invariants()
+    # Bytes that changed after the store are caught at load, and the block is dropped.
+    tier.data[tier._slots[a]][3] ^= 0xFF  # noqa: SLF001 - corrupt the stored copy in place
+    with pytest.raises(TierCorruptionError, match=a.hex()):
+        tier.load(a, out)
+    assert a not in tier and events[-1] == BlockRemoved([a], MEDIUM) and tier.stats().corrupted == 1
+    tier.check_invariants()
+    with pytest.raises(ValueError, match="8 bytes"):
+        tier.store(b, torch.zeros(9, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_prefixes_four_times_the_pool_come_back_from_the_tier(tiny_model: str, kv_cache_dtype: str) -> None:
+    """Eight 6-block prefixes through a 12-block pool: the second round finds every prefix in the
+    tier (restored, not recomputed) and produces the tokens an engine without a tier does."""
+    prompts = [p + [5] for p in prefixes(8)]
+    expected = [o.token_ids for o in LLM(tiny_model, num_blocks=256, kv_cache_dtype=kv_cache_dtype).generate(
+        prompts, PARAMS)]  # fmt: skip
+    llm = LLM(tiny_model, num_blocks=12, kv_offload_gb=0.01, kv_cache_dtype=kv_cache_dtype)
+    engine = llm.engine
+    first = [llm.generate([p], PARAMS)[0] for p in prompts]
+    again = [llm.generate([p], PARAMS)[0] for p in prompts]
+    assert [o.num_cached_tokens for o in first] == [0] * 8
+    assert [o.num_cached_tokens for o in again] == [96] * 8  # 6 full blocks each, from the tier
+    assert [o.token_ids for o in first] == [o.token_ids for o in again] == expected
+    assert engine.num_tier_hit_tokens >= 7 * 96  # the last prefix may still be in the pool
+    stats = engine.stats()
+    assert stats.offload_hit_tokens == engine.num_tier_hit_tokens and stats.offload_used_blocks >= 48
+    engine.handover.check_invariants()
+    engine.tier.check_invariants()
+    usage = engine.kv_usage()
+    assert usage.free_blocks == usage.num_blocks and usage.requests == 0
+
+
+def test_a_batch_that_preempts_with_the_tier_frees_every_block(tiny_model: str) -> None:
+    prompts = [p + [7] for p in prefixes(4, length=40, seed=3)]
+    expected = [o.token_ids for o in LLM(tiny_model, num_blocks=256).generate(prompts, SamplingParams(
+        max_tokens=30, ignore_eos=True))]  # fmt: skip
+    llm = LLM(tiny_model, num_blocks=10, kv_offload_gb=0.01, max_num_seqs=4)
+    for _ in range(2):
+        outs = llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+        assert [o.token_ids for o in outs] == expected
+    assert llm.engine.stats().num_preemptions > 0
+    llm.engine.handover.check_invariants()
+    usage = llm.engine.kv_usage()
+    assert usage.free_blocks == usage.num_blocks and usage.requests == 0
+
+
+def test_a_changed_tier_block_is_recomputed_not_used(tiny_model: str) -> None:
+    prompts = [p + [9] for p in prefixes(4, seed=5)]
+    llm = LLM(tiny_model, num_blocks=8, kv_offload_gb=0.01)
+    first = [llm.generate([p], PARAMS)[0].token_ids for p in prompts]
+    tier = llm.engine.tier
+    victim = llm.engine.make_request(prompts[0], PARAMS).block_hashes[2]
+    assert victim in tier
+    tier.data[tier._slots[victim]].zero_()  # noqa: SLF001 - the stored copy changes behind the tier's back
+    out = llm.generate([prompts[0]], PARAMS)[0]
+    assert out.token_ids == first[0] and out.num_cached_tokens == 0  # computed, correct
+    assert llm.engine.stats().offload_corrupted_blocks == 1 and victim not in tier
+    llm.engine.handover.check_invariants()
+    assert llm.engine.kv_usage().free_blocks == 8
+
+
+def test_redis_keeps_a_holder_while_either_tier_has_the_block(tiny_model: str, redis_server) -> None:  # noqa: ANN001
+    cfg = IndexConfig(redis_server.url, namespace=unique_namespace())
+    client = cfg.client()
+    publisher = KVEventPublisher(cfg, "w0")
+    block_nbytes = LLM(tiny_model, num_blocks=1).engine.layout.block_nbytes
+    tier_gb = 4 * block_nbytes / 1024**3
+    engine = LLMEngine(EngineConfig(tiny_model, device="cpu", cache=CacheConfig(16, 8, kv_offload_gb=tier_gb)),
+                       event_sink=publisher)  # fmt: skip
+    assert engine.tier is not None and engine.tier.num_blocks == 4
+    seen: list = []
+    engine.kv_manager.pool.add_event_sink(seen.append)
+    a, b = (p + [5] for p in prefixes(2, length=96, seed=7))
+    run(engine, a)
+    run(engine, b)  # evicts a's blocks from the 8-block pool into the 4-block tier
+    assert publisher.flush(10)
+    hashes_a = engine.make_request(a, PARAMS).block_hashes
+    in_tier = [h for h in hashes_a if h in engine.tier]
+    gone = [h for h in hashes_a if h not in engine.tier and engine.kv_manager.pool.get_cached_block(h) is None]
+    assert in_tier and gone
+    assert all(client.hexists(cfg.block_key(h), "w0") for h in in_tier)  # held by the tier
+    assert not any(client.hexists(cfg.block_key(h), "w0") for h in gone)  # dropped by both tiers
+    media = {e.medium for e in seen}
+    assert media == {"CPU"}  # the pool's events; the tier's go to the publisher directly
+    stream = client.xrange(cfg.events_key)
+    assert {f["medium"] for _, f in stream} == {"CPU", MEDIUM}
+    assert any(f["type"] == "BlockStored" and f["medium"] == MEDIUM for _, f in stream)
+    publisher.close()
+
+
+def run(engine: LLMEngine, prompt: list[int]) -> None:
+    req = engine.add_request(prompt, PARAMS)
+    while not any(o.finished for o in engine.step() if o.request_id == req.request_id):
+        pass
