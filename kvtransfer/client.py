@@ -36,14 +36,28 @@ from pdserve.kvtransfer.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from pdserve.kvtransfer.protoconv import chunk_from_proto, layout_to_proto, metadata_from_proto
+from pdserve.kvtransfer.protoconv import WireFormatError, decode_chunk, layout_to_proto, metadata_from_proto
 from pdserve.kvtransfer.receiver import BlockReceiver
-from pdserve.kvtransfer.wire import MISSING_HASHES_KEY, LayoutSpec, PullStats, TransferMetadata, describe_mismatch
+from pdserve.kvtransfer.wire import (
+    MISSING_HASHES_KEY,
+    Chunk,
+    LayoutSpec,
+    PullStats,
+    TransferMetadata,
+    describe_mismatch,
+)
 from pdserve.security import ClusterAuth
 from pdserve.v1 import kvtransfer_pb2 as pb
 from pdserve.v1 import kvtransfer_pb2_grpc as pb_grpc
 
 _SERVICE = "/pdserve.v1.KVTransfer/"
+
+
+def _decode(data: bytes) -> Chunk:
+    try:
+        return decode_chunk(data)
+    except WireFormatError as exc:  # a holder that does not speak the wire
+        raise InvalidPullError(f"undecodable chunk: {exc}") from exc
 
 
 class KVTransferClient:
@@ -63,6 +77,9 @@ class KVTransferClient:
         else:
             self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.KVTransferStub(self._channel)
+        # Pull's messages arrive as bytes and are decoded by protoconv.decode_chunk (zero copy),
+        # not upb (two copies of every payload).
+        self._pull = self._channel.unary_stream(_SERVICE + "Pull", request_serializer=pb.PullRequest.SerializeToString)
         self._auth = ClusterAuth(c.cluster_secret) if c.cluster_secret else None
         self._pull_slots = threading.BoundedSemaphore(c.max_pulls_per_peer)
 
@@ -147,9 +164,9 @@ class KVTransferClient:
             raise TransferTimeoutError(f"no pull slot to {self.address} within {timeout}s", peer=self.address)
         call = None
         try:
-            call = self._stub.Pull(request, timeout=timeout, metadata=self._metadata("Pull"))
-            for msg in call:
-                receiver.accept(chunk_from_proto(msg))
+            call = self._pull(request, timeout=timeout, metadata=self._metadata("Pull"))
+            for data in call:
+                receiver.accept(_decode(data))
             return receiver.finish()
         except grpc.RpcError as exc:
             raise self._error(exc) from exc

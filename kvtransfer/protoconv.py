@@ -5,6 +5,8 @@ The only module besides the servicer and the client that touches generated code.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from pdserve.kvtransfer.wire import Chunk, LayoutSpec, Piece, TransferMetadata
 from pdserve.v1 import kvtransfer_pb2 as pb
 
@@ -152,3 +154,83 @@ def encode_chunk(chunk: Chunk) -> bytes:
         parts.append(_key(5, _LEN) + _varint(size))
         parts.extend(body)
     return b"".join(parts)
+
+
+# -- hand-written decoder of PullChunk -------------------------------------------------------
+# The puller's side of the same trade: upb's parse copies every payload into its arena and each
+# read of a bytes field copies it again. This decoder reads the protobuf wire format (any field
+# order, unknown fields skipped, as protobuf parsers must) and hands each piece's data out as a
+# memoryview of the received message: the receiver's write into the KV tensor is the one copy.
+
+
+class WireFormatError(ValueError):
+    """Bytes that are not a PullChunk."""
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise WireFormatError("truncated or overlong varint")
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(buf: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
+    """(field number, wire type, value) of each field; LEN values are views of ``buf``."""
+    pos = 0
+    while pos < len(buf):
+        key, pos = _read_varint(buf, pos)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == _VARINT:
+            value, pos = _read_varint(buf, pos)
+        elif wire_type == _FIXED64:
+            if pos + 8 > len(buf):
+                raise WireFormatError("truncated fixed64")
+            value, pos = int.from_bytes(buf[pos : pos + 8], "little"), pos + 8
+        elif wire_type == _LEN:
+            n, pos = _read_varint(buf, pos)
+            if pos + n > len(buf):
+                raise WireFormatError("truncated length-delimited field")
+            value, pos = buf[pos : pos + n], pos + n
+        elif wire_type == 5:  # fixed32
+            if pos + 4 > len(buf):
+                raise WireFormatError("truncated fixed32")
+            value, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
+        else:
+            raise WireFormatError(f"unsupported wire type {wire_type}")
+        yield field, wire_type, value
+
+
+def _decode_piece(buf: memoryview) -> Piece:
+    f: dict[int, int | memoryview] = {}
+    for field, wire_type, value in _fields(buf):
+        expected = {2: _LEN, 5: _LEN, 6: _FIXED64}.get(field, _VARINT)
+        if field <= 6 and wire_type != expected:
+            raise WireFormatError(f"BlockPiece field {field} has wire type {wire_type}")
+        f[field] = value
+    block_hash = f.get(2, b"")
+    return Piece(index=int(f.get(1, 0)), block_hash=bytes(block_hash), num_tokens=int(f.get(3, 0)),  # type: ignore[arg-type]
+                 offset=int(f.get(4, 0)), data=f.get(5, memoryview(b"")), checksum=int(f.get(6, 0)))  # type: ignore[arg-type]  # fmt: skip
+
+
+def decode_chunk(data: bytes) -> Chunk:
+    """A serialized PullChunk as a ``Chunk`` whose pieces' data are views of ``data`` (no copy).
+    Raises ``WireFormatError`` for bytes that are not one."""
+    scalars = [0, 0, 0, 0]
+    pieces: list[Piece] = []
+    for field, wire_type, value in _fields(memoryview(data)):
+        if 1 <= field <= 4:
+            if wire_type != _VARINT:
+                raise WireFormatError(f"PullChunk field {field} has wire type {wire_type}")
+            scalars[field - 1] = value  # type: ignore[call-overload]
+        elif field == 5:
+            if wire_type != _LEN:
+                raise WireFormatError("PullChunk.pieces is not length-delimited")
+            pieces.append(_decode_piece(value))  # type: ignore[arg-type]
+    return Chunk(seq=scalars[0], total_blocks=scalars[1], total_tokens=scalars[2], block_nbytes=scalars[3],
+                 pieces=tuple(pieces))  # fmt: skip

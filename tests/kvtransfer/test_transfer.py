@@ -31,7 +31,7 @@ from pdserve.kvtransfer.errors import (
     TransferTimeoutError,
 )
 from pdserve.kvtransfer.leases import LeaseNotFoundError, LeaseTable
-from pdserve.kvtransfer.protoconv import chunk_from_proto, chunk_to_proto, encode_chunk
+from pdserve.kvtransfer.protoconv import WireFormatError, chunk_from_proto, chunk_to_proto, decode_chunk, encode_chunk
 from pdserve.kvtransfer.pull import pull_kv
 from pdserve.kvtransfer.server import KVTransferServicer, start_transfer_server
 from pdserve.kvtransfer.source import BlockSource
@@ -510,6 +510,30 @@ def test_hand_encoder_matches_protobuf() -> None:
         assert encoded == chunk_to_proto(chunk).SerializeToString()
         decoded = chunk_from_proto(pb.PullChunk.FromString(encoded))
         assert [bytes(p.data) for p in decoded.pieces] == [bytes(p.data) for p in pieces]
+        # The puller's zero-copy decoder reads what upb reads, from this encoder and from upb's own.
+        for wire in (encoded, pb.PullChunk.FromString(encoded).SerializeToString()):
+            fast = decode_chunk(wire)
+            assert _plain(fast) == _plain(decoded)
+
+
+def _plain(chunk: Chunk) -> tuple:
+    return (chunk.seq, chunk.total_blocks, chunk.total_tokens, chunk.block_nbytes,
+            [(p.index, bytes(p.block_hash), p.num_tokens, p.offset, bytes(p.data), p.checksum)
+             for p in chunk.pieces])  # fmt: skip
+
+
+def test_the_chunk_decoder_skips_unknown_fields_and_refuses_garbage() -> None:
+    piece = pb.BlockPiece(index=2, block_hash=b"h" * 16, num_tokens=16, offset=64, data=b"x" * 100, checksum=7)
+    msg = pb.PullChunk(seq=3, total_blocks=9, total_tokens=144, block_nbytes=4096, pieces=[piece])
+    # A newer holder's extra fields (varint 15, bytes 16, fixed32 17), in any order, are skipped.
+    extra = bytes([15 << 3 | 0, 1]) + b"\x82\x01\x02\xab\xcd" + b"\x8d\x01\x01\x02\x03\x04"  # keys 130, 141: 2-byte varints
+    got = decode_chunk(extra + msg.SerializeToString())
+    assert _plain(got) == _plain(chunk_from_proto(msg))
+    assert isinstance(got.pieces[0].data, memoryview)  # a view of the message: not copied
+    wire = msg.SerializeToString()
+    for bad in (wire[:-3], wire + b"\x80", bytes([5 << 3 | 0, 1]), bytes([1 << 3 | 2, 1, 0]), bytes([1 << 3 | 3])):
+        with pytest.raises(WireFormatError):
+            decode_chunk(bad)
 
 
 def test_taken_port_is_an_error_not_shared() -> None:
