@@ -178,6 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             # A local Ray gets token authentication, its default, chosen explicitly (before Ray is
             # imported) so that Ray does not print a notice suggesting to turn it off.
             os.environ.setdefault("RAY_AUTH_MODE", "token")
+        if args.command in ("demo", "up"):
+            # Ray folds similar log lines of different processes into one, and reads this switch
+            # when it is imported: every access-log and worker line is kept.
+            os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         if args.command == "demo":
             from pdserve.cli.demo import run_demo
 

@@ -17,18 +17,21 @@ DEFAULT_WINDOWS = (60, 300)
 
 
 def tenant_names(pairs: list[str], files: list[str]) -> dict[str, str]:
-    """Salt digest -> name, from ``NAME=SALT`` pairs (flags, or lines of files)."""
-    lines = list(pairs)
+    """Salt digest -> name, from ``NAME=SALT`` pairs (flags, or lines of files; blank lines and
+    ``#`` comments skipped). Errors say where, never what: a line may hold a salt."""
+    lines = [(f"--tenant #{i + 1}", p) for i, p in enumerate(pairs)]
     for f in files:
         try:
-            lines += [ln.strip() for ln in Path(f).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+            text = Path(f).read_text()
         except OSError as e:
             raise ValueError(f"cannot read tenant file {f}: {e}") from e
+        lines += [(f"{f} line {i + 1}", ln.strip()) for i, ln in enumerate(text.splitlines())
+                  if ln.strip() and not ln.strip().startswith("#")]  # fmt: skip
     names: dict[str, str] = {}
-    for line in lines:
+    for where, line in lines:
         name, sep, salt = line.partition("=")
         if not sep or not name or not salt:
-            raise ValueError(f"a tenant is NAME=SALT, got {line.split('=')[0]!r}...")  # never echo a salt
+            raise ValueError(f"{where}: a tenant is NAME=SALT")
         names[tenant_digest(salt)] = name
     return names
 
@@ -82,8 +85,8 @@ def run_stats(args: argparse.Namespace) -> int:
         cfg = IndexConfig(state["redis_url"], namespace=args.namespace or state["namespace"])
     names = tenant_names(args.tenant or [], args.tenant_file or [])
     windows = args.window or list(DEFAULT_WINDOWS)
-    if any(w < 1 for w in windows):
-        raise ValueError("--window must be a number of seconds >= 1")
+    if any(not 1 <= w <= cfg.stats_retention_s for w in windows):
+        raise ValueError(f"--window must be between 1 and {cfg.stats_retention_s} seconds (what Redis keeps)")
     client = cfg.client()
     try:
         stats = read_stats(client, cfg)

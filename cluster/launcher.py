@@ -101,8 +101,6 @@ class Service:
             # are streamed to this driver's stderr (each also stays in its Ray log file).
             logging_config = ray.LoggingConfig(encoding="JSON" if c.log_json else "TEXT", log_level=c.log_level,
                                                additional_log_standard_attrs=["name"])  # fmt: skip
-            # Ray folds similar lines of different processes into one; every access-log line counts.
-            os.environ.setdefault("RAY_DEDUP_LOGS", "0")
             if c.ray_address:
                 ray.init(address=c.ray_address, logging_config=logging_config)
             else:

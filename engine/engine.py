@@ -22,7 +22,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels.quant import KV_CACHE_DTYPES, is_fp8
 from pdserve.engine.kv_handover import HeldKV, KVHandover, KVLoad, RemotePrefill
-from pdserve.engine.kv_offload import OffloadTier, TierCorruptionError
+from pdserve.engine.kv_offload import OffloadTier
 from pdserve.engine.kv_tensor import KVLayout, KVTensor
 from pdserve.engine.kvcache.events import EventSink
 from pdserve.engine.kvcache.manager import KVCacheManager
@@ -224,47 +224,32 @@ class LLMEngine:
 
     def enqueue(self, request: Request) -> None:
         """Queue a request built by :meth:`make_request` (ValueError if its id became live since).
-        With an offload tier, the part of its prefix found there is restored first."""
+        With an offload tier, the part of its prefix found there is restored into the pool first."""
         with self.lock:
             self._check_id_free(request.request_id)
+            self._restore_prefix(request)
             self.requests[request.request_id] = request
-            if self.tier is None or not self._restore_from_tier(request):
-                self.scheduler.add(request)
+            self.scheduler.add(request)
 
-    def _restore_from_tier(self, request: Request) -> bool:
-        """Load the blocks of ``request``'s prefix that follow its pool hits from the offload
-        tier, as external KV through the KV-handover API (``reserve``, copy, ``complete``). True:
-        restored, the request runs on from there; False: nothing restored (no tier hit, no room,
-        or a tier block's bytes changed), queue it as usual. Caller holds the lock."""
-        assert self.tier is not None
+    def _restore_prefix(self, request: Request) -> None:
+        """Bring back from the offload tier the blocks of ``request``'s prefix that follow its pool
+        hits (leaving at least one prompt token to compute), through the KV-handover API, as cached
+        blocks of the pool: admission (or ``reserve``) then finds them as prefix hits. Nothing
+        happens without a tier hit or room; a tier block whose bytes changed is dropped and the
+        prompt computed. Caller holds the lock."""
+        if self.tier is None:
+            return
         bs = self.layout.block_size
-        max_blocks = (request.num_tokens - 1) // bs  # at least one token left to compute
+        hashes = request.block_hashes
+        max_blocks = (request.num_tokens - 1) // bs
         hit, _ = self.kv_manager.get_computed_blocks(request)
-        n_tier = self.tier.match(request.block_hashes[len(hit) : max_blocks])
-        if n_tier == 0:
-            return False
-        # Making room in the pool evicts blocks into the tier, which drops its least recently used.
-        self.tier.touch(request.block_hashes[len(hit) : len(hit) + n_tier])
-        load = self.handover.reserve(request, (len(hit) + n_tier) * bs)
-        if load is None:
-            return False
-        ok = False
-        try:
-            for block_id, block_hash in zip(load.block_ids, load.block_hashes):
-                self.tier.load(block_hash, self.kv_tensor.block_bytes(block_id))
-            ok = True
-        except TierCorruptionError as exc:
-            logger.warning("request %s: %s; its prompt is computed instead", request.request_id, exc)
-        except KeyError:  # dropped while room was made (a tier smaller than one prompt's eviction)
-            pass
-        finally:
-            self.handover.complete(request, load, ok)
-        if not ok:
-            return False
-        request.num_cached_tokens = load.num_tokens
-        self.num_tier_hit_tokens += load.num_external_tokens
-        self.scheduler.add_running(request)
-        return True
+        n = min(self.tier.match(hashes[len(hit) : max_blocks]), self.kv_manager.num_free_blocks())
+        corrupted = self.tier.stats().corrupted
+        if n and self.handover.restore_from_tier(hashes[len(hit) : len(hit) + n], keep=hashes[: len(hit)]):
+            self.num_tier_hit_tokens += n * bs
+        elif self.tier.stats().corrupted > corrupted:
+            logger.warning("request %s: an offload-tier block had changed since it was stored; its prompt is "
+                           "computed instead", request.request_id)  # fmt: skip
 
     def add_remote(self, request: Request, remote: RemotePrefill) -> KVLoad | None:
         """Continue ``request`` (built by :meth:`make_request`) after another engine prefilled it.
@@ -277,6 +262,7 @@ class LLMEngine:
             self._check_id_free(request.request_id)
             if remote.num_tokens != request.num_prompt_tokens:
                 raise ValueError(f"remote prefill of {remote.num_tokens} tokens for a {request.num_prompt_tokens}-token prompt")
+            self._restore_prefix(request)  # what this worker's tier holds is not pulled
             load = self.handover.reserve(request, remote.num_tokens)
             self.requests[request.request_id] = request
             try:

@@ -184,38 +184,43 @@ class KVHandover:
             try:
                 blocks = self._manager.pin_cached(hashes)
             except BlocksNotCachedError as exc:
-                # Hold the blocks the pool has while room is made for the others.
                 gone = set(exc.missing)
-                present = self._manager.pin_cached([h for h in hashes if h not in gone])
-                try:
-                    restored = self._restore_from_tier(exc.missing)
-                finally:
-                    self._manager.unpin(present)
-                if not restored:
+                if not self.restore_from_tier(exc.missing, keep=[h for h in hashes if h not in gone]):
                     raise
                 blocks = self._manager.pin_cached(hashes)
             self._pins.update(b.block_id for b in blocks)
         return PinnedKV(tuple(b.block_id for b in blocks), hashes)
 
-    def _restore_from_tier(self, block_hashes: Sequence[bytes]) -> bool:
-        """Bring blocks the pool lacks back from the offload tier as cached (free) blocks; False
-        when the tier lacks one, the pool has no room, or a tier block's bytes changed (nothing
-        stays allocated then). Caller holds the lock."""
+    def restore_from_tier(self, block_hashes: Sequence[bytes], keep: Sequence[bytes] = ()) -> bool:
+        """Bring blocks back from the offload tier into the pool as cached, free blocks (a prefix
+        lookup or ``pin_cached`` then finds them); ``keep``: cached hashes the room-making must
+        not evict. All or nothing: False (nothing changed in the pool) when the tier lacks one,
+        the pool has too few free blocks, or a tier block's bytes changed."""
         tier, pool = self.tier, self._manager.pool
         missing = list(dict.fromkeys(block_hashes))
-        if tier is None or tier.match(missing) < len(missing) or pool.get_num_free_blocks() < len(missing):
-            return False
-        tier.touch(missing)  # making room evicts into the tier: drop other blocks there first
-        blocks = pool.get_new_blocks(len(missing))
-        try:
-            for block, h in zip(blocks, missing):
-                tier.load(h, self.kv_tensor.block_bytes(block.block_id))
-        except (KeyError, TierCorruptionError):
-            pool.free_blocks(blocks)
-            return False
-        pool.cache_restored_blocks(blocks, missing, self.block_size)
-        pool.free_blocks(blocks)  # cached and free: pin_cached takes them next
-        return True
+        with self.lock:
+            if tier is None or not missing or tier.match(missing) < len(missing):
+                return False
+            held = self._manager.pin_cached(list(keep))  # referenced: not evicted while room is made
+            try:
+                if pool.get_num_free_blocks() < len(missing):
+                    return False
+                tier.touch(missing)  # the evictions below drop other tier blocks first
+                blocks = pool.get_new_blocks(len(missing))
+                try:
+                    for block, h in zip(blocks, missing):
+                        tier.load(h, self.kv_tensor.block_bytes(block.block_id))
+                except (KeyError, TierCorruptionError):
+                    pool.free_blocks(blocks)
+                    return False
+                except BaseException:
+                    pool.free_blocks(blocks)
+                    raise
+                pool.cache_restored_blocks(blocks, missing, self.block_size)
+                pool.free_blocks(blocks)  # cached and free: the next lookup takes them
+                return True
+            finally:
+                self._manager.unpin(held)
 
     def unpin(self, pinned: PinnedKV) -> None:
         with self.lock:

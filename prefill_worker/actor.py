@@ -32,8 +32,10 @@ class PrefillWorker:
         return await asyncio.to_thread(self.rt.source.release_request, request_id)
 
     async def metrics(self) -> list[Metric]:
-        """This worker's Prometheus metric families (the router merges every worker's)."""
-        return self.rt.metrics.families()
+        """This worker's Prometheus metric families (the router merges every worker's). Read in a
+        thread: the engine's numbers wait for its lock, which a step holds, and the event loop
+        serving this worker's streams must not."""
+        return await asyncio.to_thread(self.rt.metrics.families)
 
     async def pool_state(self) -> dict[str, int]:
         return self.rt.pool_state()

@@ -61,6 +61,14 @@ class StreamEvent:
 
 
 @dataclass
+class Outcome:
+    """How a consumer that stopped reading ended the request (a stop string it found ends it
+    with ``"stop"``); without it, a closed stream counts as the client leaving (``"abort"``)."""
+
+    finish_reason: str | None = None
+
+
+@dataclass
 class _Load:
     queued: dict[str, int] = field(default_factory=dict)
 
@@ -107,7 +115,7 @@ class RouterCore:
         finally:
             self.prefill_load.add(p, -work)
 
-    async def generate(self, spec: RequestSpec) -> AsyncIterator[StreamEvent]:
+    async def generate(self, spec: RequestSpec, outcome: Outcome | None = None) -> AsyncIterator[StreamEvent]:
         """Stream one request's tokens, once admission gives it a slot (``Overloaded`` /
         ``Draining`` otherwise, before any work). Counters go to Redis exactly once per request,
         when it ends (finished, failed or cancelled), credited to the worker that did the work. A
@@ -123,7 +131,7 @@ class RouterCore:
                 raise
             t_admit = time.perf_counter()
             self.metrics.queue.observe(t_admit - t_arrive)
-            async with contextlib.aclosing(self._generate(spec, t_arrive, t_admit)) as events:
+            async with contextlib.aclosing(self._generate(spec, t_arrive, t_admit, outcome)) as events:
                 async for event in events:
                     yield event
 
@@ -148,7 +156,8 @@ class RouterCore:
         }
         access_log.info("request %s %s", spec.request_id, status, extra=fields)
 
-    async def _generate(self, spec: RequestSpec, t0: float, t_admit: float) -> AsyncIterator[StreamEvent]:
+    async def _generate(self, spec: RequestSpec, t0: float, t_admit: float,
+                        outcome: Outcome | None) -> AsyncIterator[StreamEvent]:  # fmt: skip
         cfg = self.config
         bs = self.cache.block_size
         m = self.metrics
@@ -220,7 +229,7 @@ class RouterCore:
                                 if sent == 0:
                                     ttft = first_ms = (now - t0) * 1000
                                     m.ttft.observe(ttft / 1000)
-                                    m.observe_token_gap(now - last_t, len(ev.token_ids) - 1)
+                                    m.observe_token_gap(0.0, len(ev.token_ids) - 1)  # arrived with the first
                                 else:
                                     m.observe_token_gap(now - last_t, len(ev.token_ids))
                                 last_t = now
@@ -248,7 +257,9 @@ class RouterCore:
                 finally:
                     self.decode_load.add(cur, -footprint)
         except (GeneratorExit, asyncio.CancelledError):
-            raise  # the client left: "abort", unless its last event was already sent
+            if status == "abort" and outcome is not None and outcome.finish_reason:
+                status = outcome.finish_reason  # the consumer ended it (a stop string), not the client
+            raise
         except BaseException:
             if status == "abort":
                 status = "error"

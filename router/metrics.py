@@ -1,8 +1,9 @@
 """RouterMetrics: the request-level metrics, measured where clients see them (the router).
 
-TTFT, inter-token latency and end-to-end latency are timed from the moment the router holds the
-request (tokenized, admitted) to the events it forwards; queue time is the wait for an admission
-slot. Names are the ``pdserve_`` twins of vLLM's (README, "Metrics").
+TTFT and end-to-end latency are timed from the moment the router holds the request (tokenized,
+before it waits for an admission slot) to the events it forwards; inter-token latency between
+those events; queue time is the wait for an admission slot. Names are the ``pdserve_`` twins of
+vLLM's (README, "Metrics").
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ class RouterMetrics:
                               buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
         self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive output tokens.",
                              buckets=ITL_BUCKETS, registry=r)  # fmt: skip
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Request latency, admission to last token.",
-                             buckets=E2E_BUCKETS, registry=r)  # fmt: skip
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds",
+                             "Request latency, arrival at the router to last token.", buckets=E2E_BUCKETS,
+                             registry=r)  # fmt: skip
         self.queue = Histogram("pdserve_request_queue_time_seconds", "Time a request waited for an admission slot.",
                                buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
         self.prompt_len = Histogram("pdserve_request_prompt_tokens", "Prompt length of finished requests.",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import TextStream, TokenDecoder
 from pdserve.engine.sampling_params import TokenLogprobs
-from pdserve.router.core import RouterCore
+from pdserve.router.core import Outcome, RouterCore
 from pdserve.worker.messages import RequestSpec
 
 
@@ -49,7 +49,8 @@ async def stream_output(core: RouterCore, spec: RequestSpec, tokenizer: TokenDec
     request here: the core's stream is closed, which cancels the work behind it."""
     text = TextStream(tokenizer, spec.params.stop)
     completion = 0
-    async with contextlib.aclosing(core.generate(spec)) as events:
+    outcome = Outcome()
+    async with contextlib.aclosing(core.generate(spec, outcome)) as events:
         async for ev in events:
             completion += len(ev.token_ids)
             delta = text.push(ev.token_ids, final=ev.finished)
@@ -60,6 +61,8 @@ async def stream_output(core: RouterCore, spec: RequestSpec, tokenizer: TokenDec
             )  # fmt: skip
             finished = ev.finished or stopped
             reason = "stop" if stopped else ev.finish_reason
+            if stopped:
+                outcome.finish_reason = "stop"  # the core's stream is closed next: not an abort
             yield Chunk(list(ev.token_ids), delta, finished, reason, usage, ev.ttft_ms, ev.logprobs)
             if finished:
                 return

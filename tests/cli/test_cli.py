@@ -77,7 +77,7 @@ def test_errors_are_messages_with_nonzero_exit(model_dir: str, args: list[str], 
     assert needle in r.stderr and "Traceback" not in r.stderr
 
 
-def test_stats_reads_ratio_of_sums_from_redis(redis_server: EmbeddedRedis) -> None:
+def test_stats_reads_ratio_of_sums_from_redis(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
     ns = unique_namespace()
     cfg = IndexConfig(redis_server.url, namespace=ns)
     rec = StatsRecorder(cfg, "w1")
@@ -99,6 +99,18 @@ def test_stats_reads_ratio_of_sums_from_redis(redis_server: EmbeddedRedis) -> No
     w = json.loads(pdserve("stats", "--redis-url", redis_server.url, "--namespace", ns, "--json", "--window",
                            "30").stdout)["windows"]["30"]  # fmt: skip
     assert w["cluster"]["prompt_tokens"] == 400 and w["hit_rate"] == pytest.approx(90 / 400)
+    # A tenant file: comments and blank lines skipped; a bad line is named, its content (maybe a
+    # salt) never shown.
+    tenants = tmp_path / "tenants.txt"
+    tenants.write_text("# names\n\n   # indented comment\nacme=a\n")
+    r = pdserve("stats", "--redis-url", redis_server.url, "--namespace", ns, "--tenant-file", str(tenants))
+    assert r.returncode == 0 and "tenant acme " in r.stdout
+    tenants.write_text("acme=a\nvery-secret-salt\n")
+    r = pdserve("stats", "--redis-url", redis_server.url, "--namespace", ns, "--tenant-file", str(tenants))
+    assert r.returncode == 2 and f"{tenants} line 2: a tenant is NAME=SALT" in r.stderr
+    assert "very-secret-salt" not in r.stderr + r.stdout
+    r = pdserve("stats", "--redis-url", redis_server.url, "--namespace", ns, "--window", "7200")
+    assert r.returncode == 2 and "between 1 and 3600 seconds" in r.stderr
     # The namespace can come from the environment, as it does for `pdserve up`.
     env = dict(os.environ, PDSERVE_REDIS_NAMESPACE=ns, PDSERVE_REDIS_URL=redis_server.url)
     r = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "stats", "--json"], capture_output=True, text=True,

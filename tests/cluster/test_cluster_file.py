@@ -112,6 +112,10 @@ def test_images_secrets_ports_and_the_supervisor(cluster: dict) -> None:
     for name in ("run-pdserve.sh", "pdserve.service", "setup-head.sh", "secrets.env", "service.json"):
         assert mounts[f"~/pdserve/{name}"] == f"./deploy/{name}"
     assert "deploy/secrets.env" in (REPO / ".gitignore").read_text().splitlines()
+    # The GPU nodes get the secrets from the service; their copy goes after every sync (a
+    # --restart-only syncs files but runs only the start commands).
+    rm = "rm -f ~/pdserve/secrets.env"
+    assert rm in cluster["worker_setup_commands"] and rm in cluster["worker_start_ray_commands"]
     for script in ("make-secrets.sh", "run-pdserve.sh", "setup-head.sh"):
         subprocess.run(["bash", "-n", str(DEPLOY / script)], check=True)
 

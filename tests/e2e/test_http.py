@@ -163,12 +163,15 @@ def test_one_scrape_shows_the_router_and_every_worker(service: Service, client: 
     assert after[("pdserve_redis_outages_total", (("client", "stats"), ("process", "router")))] == 0
 
 
-def test_stop_strings_cut_the_text_and_end_the_request(client: openai.OpenAI, tiny_model: str) -> None:
+def test_stop_strings_cut_the_text_and_end_the_request(service: Service, client: openai.OpenAI,
+                                                        tiny_model: str) -> None:  # fmt: skip
     kw = dict(model=model_name(tiny_model), prompt="Once upon a time", max_tokens=40, temperature=0,
               extra_body={"ignore_eos": True})  # fmt: skip
     full = client.completions.create(**kw).choices[0].text
     stop = full[10:13]
     expected = full[: full.index(stop)]
+    wait_until(lambda: all_idle(service), timeout=60)
+    before = scrape(service)
     for stream in (False, True):
         if stream:
             chunks = list(client.completions.create(**kw, stop=[stop, "\x00never"], stream=True))
@@ -178,6 +181,12 @@ def test_stop_strings_cut_the_text_and_end_the_request(client: openai.OpenAI, ti
             text, reason = out.choices[0].text, out.choices[0].finish_reason
             assert out.usage.completion_tokens < 40
         assert (text, reason) == (expected, "stop")
+    # The router ended them at the stop string: counted as finished with "stop", not as clients leaving.
+    wait_until(lambda: all_idle(service), timeout=60)
+    after = scrape(service)
+    for reason, n in (("stop", 2), ("abort", 0)):
+        key = ("pdserve_requests_total", (("finish_reason", reason),))
+        assert after[key] - before.get(key, 0) == n, reason
 
 
 def test_logprobs_match_transformers(client: openai.OpenAI, tiny_model: str) -> None:

@@ -139,3 +139,23 @@ def run(engine: LLMEngine, prompt: list[int]) -> None:
     req = engine.add_request(prompt, PARAMS)
     while not any(o.finished for o in engine.step() if o.request_id == req.request_id):
         pass
+
+
+def test_a_remote_prefill_pulls_only_what_the_local_tier_lacks(tiny_model: str) -> None:
+    """A decode engine whose tier holds the prefix reserves only the rest as external KV."""
+    from pdserve.engine.kv_handover import RemotePrefill
+
+    engine = LLM(tiny_model, num_blocks=10, kv_offload_gb=0.01).engine
+    a, b = (p + [5] for p in prefixes(2, length=96, seed=11))
+    run(engine, a)
+    run(engine, b)  # most of a's blocks go to the tier
+    req = engine.make_request(a + list(range(3, 40)), PARAMS)  # a's 6 blocks + 38 more prompt tokens
+    assert engine.kv_manager.get_computed_blocks(req)[1] < 96
+    load = engine.add_remote(req, RemotePrefill(req.num_prompt_tokens, (7,)))
+    assert load is not None and load.num_local_hit_tokens == 96  # restored from the tier, not pulled
+    assert load.num_external_tokens == req.num_prompt_tokens - 96
+    engine.finish_load(req.request_id, ok=False)  # nothing was pulled: it recomputes here
+    while engine.has_unfinished():
+        engine.step()
+    engine.handover.check_invariants()
+    assert engine.kv_usage().free_blocks == 10
