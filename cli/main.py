@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="router gRPC port (default 50051)")
     p.add_argument("--http-port", type=_port_or_off, default=None,
                    help="OpenAI-compatible HTTP port (default 8000; 'off': no HTTP API)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus /metrics on its own port (default: on the HTTP port)")
     p.add_argument("--redis-url", default=None, help="external Redis (default: an embedded redis-server)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
     p.add_argument("--hash-seed", default=None, help="cluster hash seed (default $PDSERVE_HASH_SEED or '0')")

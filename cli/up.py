@@ -29,6 +29,7 @@ def run_up(args: argparse.Namespace) -> int:
         decode=args.decode,
         port=args.port,
         http_port=None if args.http_port == "off" else args.http_port,
+        metrics_port=args.metrics_port,
         ray_address=args.ray_address,
         engine__model=args.model,
         engine__cache__hash_seed=args.hash_seed,
@@ -59,7 +60,8 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"router listening on {address}", flush=True)
         if service.http_address is not None:
             print(f"http listening on {service.http_address}", flush=True)
-            print(f"metrics at http://{service.http_address}/metrics", flush=True)
+        if service.metrics_url is not None:
+            print(f"metrics at {service.metrics_url}", flush=True)
         print(f"redis at {redact_url(redis_url)}", flush=True)
         state = write_state({"pid": os.getpid(), "router": address, "http": service.http_address,
                              "redis_url": redis_url, "namespace": config.index.namespace})  # fmt: skip

@@ -41,6 +41,8 @@ class ServiceConfig:
     host: str = "127.0.0.1"  # router bind address (0.0.0.0 on a cluster)
     port: int = 50051
     http_port: int | None = 8000  # the OpenAI-compatible HTTP API; None: not served
+    # Prometheus /metrics on a port of its own; None: on the HTTP API's port (none without it).
+    metrics_port: int | None = None
     ray_address: str | None = None  # None: start a local Ray
     log_level: str = "INFO"  # every process's (the driver, the router and the workers)
     log_json: bool = False  # one JSON object per log line (Ray's JSON encoding, with its context fields)
@@ -55,7 +57,7 @@ class ServiceConfig:
             _check_type(f.name, getattr(self, f.name), get_type_hints(type(self))[f.name])
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"need at least 1 prefill and 1 decode worker, got {self.prefill} and {self.decode}")
-        for name in ("port", "http_port"):
+        for name in ("port", "http_port", "metrics_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")

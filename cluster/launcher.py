@@ -40,6 +40,7 @@ class Service:
         self.router: ray.actor.ActorHandle | None = None
         self.port: int | None = None
         self.http_port: int | None = None  # the OpenAI-compatible API's, once started (None: off)
+        self.metrics_port: int | None = None  # /metrics on its own port, once started (None: not asked)
         self._kv_blocks: int | None = None
         self._started_ray = False
         self._tmp: tempfile.TemporaryDirectory | None = None
@@ -148,16 +149,23 @@ class Service:
             if not done:
                 self.progress(f"waiting for {len(pending)} worker(s) to load the model ({time.monotonic() - t0:.0f}s)")
         self._kv_blocks = min(pool_blocks)
-        self.port, self.http_port = self._start_router(c.port, c.http_port)
+        self.port, self.http_port, self.metrics_port = self._start_router(c.port, c.http_port, c.metrics_port)
         return f"{c.host}:{self.port}", self.redis_url
 
     @property
     def http_address(self) -> str | None:
         return None if self.http_port is None else f"{self.config.host}:{self.http_port}"
 
-    def _start_router(self, port: int, http_port: int | None, attempts: int = 1) -> tuple[int, int | None]:
-        """Create the router actor and serve gRPC on ``port`` and HTTP on ``http_port`` (None: no
-        HTTP); returns the bound ports.
+    @property
+    def metrics_url(self) -> str | None:
+        """Where Prometheus scrapes the whole cluster: the metrics port's, else the HTTP API's."""
+        port = self.metrics_port if self.metrics_port is not None else self.http_port
+        return None if port is None else f"http://{self.config.host}:{port}/metrics"
+
+    def _start_router(self, port: int, http_port: int | None, metrics_port: int | None,
+                      attempts: int = 1) -> tuple[int, int | None, int | None]:  # fmt: skip
+        """Create the router actor and serve gRPC on ``port``, HTTP on ``http_port`` and /metrics
+        alone on ``metrics_port`` (None: not served); returns the bound ports.
 
         The router runs on this (the head) node, where users reach its port. Ray does not restart
         it (a restarted actor would not re-bind its port: ``start`` is a call); ``supervise`` does.
@@ -171,13 +179,16 @@ class Service:
         ).remote(c.router, self.engine_config(), self.index_config(), self.prefill, self.decode,
                  kv_blocks=self._kv_blocks)  # fmt: skip
         bound: int | None = None
+        http: int | None = None
         for attempt in range(attempts):
             try:
                 if bound is None:
                     bound = int(ray.get(self.router.start.remote(c.host, port)))
-                if http_port is None:
-                    return bound, None
-                return bound, int(ray.get(self.router.start_http.remote(c.host, http_port)))
+                if http is None and http_port is not None:
+                    http = int(ray.get(self.router.start_http.remote(c.host, http_port)))
+                if metrics_port is None:
+                    return bound, http, None
+                return bound, http, int(ray.get(self.router.start_metrics.remote(c.host, metrics_port)))
             except ray.exceptions.RayTaskError as e:
                 if not isinstance(e.cause, OSError):
                     raise
@@ -205,7 +216,7 @@ class Service:
             except Exception:  # noqa: BLE001
                 pass
             assert self.port is not None
-            self._start_router(self.port, self.http_port, attempts=20)
+            self._start_router(self.port, self.http_port, self.metrics_port, attempts=20)
             notes.append(f"router had stopped: restarted, listening on {self.config.host}:{self.port}")
         return notes
 

@@ -25,7 +25,7 @@ from pdserve.kvindex.stats import StatsRecorder
 from pdserve.metrics import merge_families, redis_outages, render
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import RouterCore
-from pdserve.router.http import OpenAIServer, ServedModel, build_app
+from pdserve.router.http import OpenAIServer, ServedModel, build_app, build_metrics_app
 from pdserve.router.openai_protocol import MAX_PROMPTS
 from pdserve.router.ray_workers import RayWorkers
 from pdserve.router.servicer import RouterServicer, add_router_to_server
@@ -70,8 +70,8 @@ class Router:
         self.config = config
         self.server: grpc.aio.Server | None = None
         self.health: health.aio.HealthServicer | None = None
-        self.http: uvicorn.Server | None = None
-        self.http_task: asyncio.Task[None] | None = None
+        # Uvicorn servers: the HTTP API, and /metrics alone on a port of its own when asked for.
+        self._servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0 = any free port); returns the bound port."""
@@ -99,8 +99,17 @@ class Router:
         return bound
 
     async def start_http(self, host: str, port: int) -> int:
-        """Serve the OpenAI-compatible API on ``host:port`` (0 = any free port), with the router's
-        TLS settings; returns the bound port."""
+        """Serve the OpenAI-compatible API (and ``/metrics``) on ``host:port`` (0 = any free port),
+        with the router's TLS settings; returns the bound port."""
+        return await self._start_uvicorn(build_app(self.openai, self.config.max_request_bytes, self.metrics_text),
+                                         host, port, "the HTTP API")  # fmt: skip
+
+    async def start_metrics(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` alone on ``host:port`` (for a router without the HTTP API, or to keep
+        scrapes apart from it), with the router's TLS settings; returns the bound port."""
+        return await self._start_uvicorn(build_metrics_app(self.metrics_text), host, port, "/metrics")
+
+    async def _start_uvicorn(self, app: object, host: str, port: int, what: str) -> int:
         # IPPROTO_TCP spelled out: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets
         # whose proto says TCP, and with it on, each streamed event after the headers would wait for
         # the client's delayed ACK (40 ms).
@@ -111,17 +120,17 @@ class Router:
             sock.bind((host, port))  # here, so a taken port fails now and port 0 reports its pick
         except OSError as exc:
             sock.close()
-            raise OSError(f"cannot bind the HTTP API to {host}:{port}: {exc}") from exc
+            raise OSError(f"cannot bind {what} to {host}:{port}: {exc}") from exc
         try:
-            return await self._serve_http(sock, host, port)
+            return await self._serve(app, sock, host, port, what)
         except BaseException:
             sock.close()
             raise
 
-    async def _serve_http(self, sock: socket.socket, host: str, port: int) -> int:
+    async def _serve(self, app: object, sock: socket.socket, host: str, port: int, what: str) -> int:
         tls = self.config.tls
         config = uvicorn.Config(
-            build_app(self.openai, self.config.max_request_bytes, self.metrics_text),
+            app,
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=1,
@@ -130,12 +139,13 @@ class Router:
             ssl_ca_certs=tls.ca_file if tls else None,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.ca_file else ssl.CERT_NONE,
         )
-        self.http = uvicorn.Server(config)
-        self.http_task = asyncio.create_task(self.http.serve(sockets=[sock]))
-        while not self.http.started:  # started, or failed and gone
-            if self.http_task.done():
-                self.http_task.result()
-                raise OSError(f"the HTTP API on {host}:{port} did not start")
+        server = uvicorn.Server(config)
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        self._servers.append((server, task))
+        while not server.started:  # started, or failed and gone
+            if task.done():
+                task.result()
+                raise OSError(f"{what} on {host}:{port} did not start")
             await asyncio.sleep(0.01)
         return sock.getsockname()[1]
 
@@ -179,11 +189,12 @@ class Router:
     async def stop(self) -> None:
         """Stop serving, then write the counters still queued and close the index clients."""
         try:
-            if self.http is not None and self.http_task is not None:
-                self.http.should_exit = True
+            servers, self._servers = self._servers, []
+            for server, _ in servers:
+                server.should_exit = True
+            for _, task in servers:
                 with contextlib.suppress(Exception):  # a server that failed has nothing left to stop
-                    await self.http_task
-                self.http = self.http_task = None
+                    await task
         finally:
             await self._stop_grpc()
 

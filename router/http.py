@@ -323,3 +323,22 @@ def build_app(server: OpenAIServer, max_request_bytes: int,
         return await server.chat(req, http)
 
     return BodyLimit(app, max_request_bytes)  # type: ignore[return-value]
+
+
+def build_metrics_app(metrics: Callable[[], Awaitable[bytes]]) -> FastAPI:
+    """``GET /metrics`` alone (and ``/health``); every other path is an OpenAI-style 404."""
+    app = FastAPI(title="pdserve metrics", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, exc: HTTPException) -> Response:
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error", exc.status_code)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(await metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    return app

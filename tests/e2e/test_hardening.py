@@ -38,9 +38,9 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def service(tiny_model: str):
     config = ServiceConfig.load(
-        port=0, http_port=0, engine__model=tiny_model, engine__cache__kv_cache_memory_bytes=16 * 1024**2,
-        router__local_prefill_threshold=8, router__max_in_flight=4, router__max_in_flight_per_tenant=2,
-        router__max_queued=4, transfer__lease_ttl_s=30.0,
+        port=0, http_port=0, metrics_port=0, engine__model=tiny_model,
+        engine__cache__kv_cache_memory_bytes=16 * 1024**2, router__local_prefill_threshold=8, router__max_in_flight=4,
+        router__max_in_flight_per_tenant=2, router__max_queued=4, transfer__lease_ttl_s=30.0,
     )  # fmt: skip
     svc = Service(config, progress=lambda _m: None)
     address, _ = svc.start()
@@ -182,6 +182,11 @@ def test_a_killed_router_is_restarted_on_its_port(service) -> None:
     assert notes == [f"router had stopped: restarted, listening on 127.0.0.1:{port}"] and svc.port == port
     assert httpx.get(f"http://{svc.http_address}/health", timeout=30).status_code == 200  # HTTP is back too
     assert generate(stub, build_request("after a restart", GREEDY), 60).finish_reason == "length"
+    # /metrics on its own port is back on that port, with the workers' series; nothing else is served there.
+    assert svc.metrics_url == f"http://127.0.0.1:{svc.metrics_port}/metrics" and svc.metrics_port != svc.http_port
+    text = httpx.get(svc.metrics_url, timeout=30).text
+    assert 'pdserve_worker_up{worker="decode-0"} 1.0' in text and "pdserve_requests_total" in text
+    assert httpx.post(svc.metrics_url.replace("/metrics", "/v1/completions"), json={}, timeout=30).status_code == 404
 
 
 def test_a_killed_redis_is_restarted_and_the_index_republished(service) -> None:
