@@ -305,10 +305,7 @@ def build_app(server: OpenAIServer, max_request_bytes: int,
         return Response(status_code=200 if server.is_serving() else 503)
 
     if metrics is not None:
-
-        @app.get("/metrics")
-        async def prometheus() -> Response:
-            return Response(await metrics(), media_type=CONTENT_TYPE_LATEST)
+        _add_metrics_route(app, metrics)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -333,12 +330,16 @@ def build_metrics_app(metrics: Callable[[], Awaitable[bytes]]) -> FastAPI:
     async def http_error(_request: Request, exc: HTTPException) -> Response:
         return _error(exc.status_code, str(exc.detail), "invalid_request_error", exc.status_code)
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(await metrics(), media_type=CONTENT_TYPE_LATEST)
+    _add_metrics_route(app, metrics)
 
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
 
     return app
+
+
+def _add_metrics_route(app: FastAPI, metrics: Callable[[], Awaitable[bytes]]) -> None:
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(await metrics(), media_type=CONTENT_TYPE_LATEST)
