@@ -62,6 +62,7 @@ BENCHMARKS = {
     "serve": ("pdserve.benchmarks.serve", "open-loop load on 1P+1D vs monolithic; --http: via the OpenAI API"),
     "kvquant": ("pdserve.benchmarks.kv_quant", "FP8 KV cache vs unquantized: perplexity, greedy agreement, bytes"),
     "offload": ("pdserve.benchmarks.offload", "prefixes 4x the pool with and without the offload tier"),
+    "mla": ("pdserve.benchmarks.mla", "MLA: KV bytes per token vs GQA/MHA, decode absorbed vs naive"),
 }
 
 

@@ -143,8 +143,8 @@ class LLMEngine:
             raise ValueError(f"kv_cache_dtype {cc.kv_cache_dtype!r} (e4m3) needs a GPU of compute capability 8.9 or "
                              "newer (Ada, Hopper); use 'fp8_e5m2' on this one")  # fmt: skip
         scales = self.model.kv_scales(quantized=is_fp8(cache_dtype))
-        layout = KVLayout(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cc.block_size, cache_dtype,
-                          scales)  # fmt: skip
+        layout = KVLayout(mc.num_hidden_layers, mc.kv_cache_heads, mc.kv_cache_head_dim, cc.block_size, cache_dtype,
+                          scales, kind=mc.kv_cache_kind, rope_dim=mc.kv_cache_rope_dim)  # fmt: skip
         num_blocks = cc.num_blocks or max(1, layout.num_blocks_for_budget(cc.kv_cache_memory_bytes))
         self.limits = RequestLimits.for_engine(mc, config, num_blocks)
         self.max_model_len = self.limits.max_model_len

@@ -1,9 +1,15 @@
 """The worker's one preallocated paged KV tensor.
 
-Layout ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``: block-major,
-so every block (all layers, K and V) is one contiguous span of memory. A transfer
-sends or receives a block as one buffer with no gather; attention kernels read a
-layer through the strided views ``kv[:, layer, 0]`` (K) and ``kv[:, layer, 1]`` (V).
+Layout ``[num_blocks, num_layers, planes, block_size, num_kv_heads, head_dim]``: block-major,
+so every block (all layers) is one contiguous span of memory. A transfer sends or receives a
+block as one buffer with no gather. Two kinds of layout:
+
+* ``"mha"``: ``planes = 2``, K and V per KV head; attention kernels read a layer through the
+  strided views ``kv[:, layer, 0]`` (K) and ``kv[:, layer, 1]`` (V);
+* ``"mla"``: ``planes = 1``, one latent row per token (``num_kv_heads = 1``, ``head_dim =
+  kv_lora_rank + rope_dim``, the last ``rope_dim`` values the rotary key), read as ``kv[:, layer, 0]``.
+
+Everything that moves, hashes or counts blocks is the same for both; only the kernels differ.
 """
 
 from __future__ import annotations
@@ -26,11 +32,20 @@ class KVLayout:
     # the K or V value. Empty for a float cache. Part of the layout: bytes written under one
     # set of scales mean something else under another.
     kv_scales: tuple[float, ...] = ()
+    kind: str = "mha"  # "mha": K and V per head; "mla": one latent row per token
+    rope_dim: int = 0  # "mla": the trailing rotary values of a row
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kind not in ("mha", "mla"):
+            raise ValueError(f"kind must be 'mha' or 'mla', got {self.kind!r}")
+        if self.kind == "mla" and (self.num_kv_heads != 1 or not 0 < self.rope_dim < self.head_dim):
+            raise ValueError(f"an MLA layout has 1 row per token and 0 < rope_dim < head_dim, got "
+                             f"num_kv_heads={self.num_kv_heads}, rope_dim={self.rope_dim}, head_dim={self.head_dim}")
+        if self.kind == "mha" and self.rope_dim:
+            raise ValueError("rope_dim is for MLA layouts only")
         if self.kv_scales and len(self.kv_scales) != 2 * self.num_layers:
             raise ValueError(f"kv_scales must hold 2 per layer ({2 * self.num_layers}), got {len(self.kv_scales)}")
 
@@ -41,8 +56,12 @@ class KVLayout:
         return self.kv_scales[2 * layer], self.kv_scales[2 * layer + 1]
 
     @property
+    def planes(self) -> int:
+        return 1 if self.kind == "mla" else 2
+
+    @property
     def block_numel(self) -> int:
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+        return self.num_layers * self.planes * self.block_size * self.num_kv_heads * self.head_dim
 
     @property
     def block_nbytes(self) -> int:
@@ -66,7 +85,7 @@ class KVTensor:
         self.layout = layout
         self.num_blocks = num_blocks
         self.tensor = torch.zeros(
-            (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim),
+            (num_blocks, layout.num_layers, layout.planes, layout.block_size, layout.num_kv_heads, layout.head_dim),
             dtype=layout.dtype,
             device=device,
         )
@@ -75,9 +94,10 @@ class KVTensor:
     def device(self) -> torch.device:
         return self.tensor.device
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) views of one layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
-        return self.tensor[:, layer, 0], self.tensor[:, layer, 1]
+    def layer(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Views of one layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``: (K, V), or
+        (latent rows,) for an MLA layout."""
+        return tuple(self.tensor[:, layer, p] for p in range(self.layout.planes))
 
     def block(self, block_id: int) -> torch.Tensor:
         """The contiguous tensor of one block (all layers, K and V)."""

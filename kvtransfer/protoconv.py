@@ -20,6 +20,8 @@ def layout_to_proto(spec: LayoutSpec) -> pb.KVLayoutSpec:
         head_dim=spec.head_dim,
         block_nbytes=spec.block_nbytes,
         kv_scales=spec.kv_scales,
+        kind=spec.kind,
+        rope_dim=spec.rope_dim,
     )
 
 
@@ -32,6 +34,8 @@ def layout_from_proto(msg: pb.KVLayoutSpec) -> LayoutSpec:
         head_dim=msg.head_dim,
         block_nbytes=msg.block_nbytes,
         kv_scales=tuple(msg.kv_scales),
+        kind=msg.kind or "mha",  # a peer from before MLA layouts sends none
+        rope_dim=msg.rope_dim,
     )
 
 

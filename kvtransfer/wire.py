@@ -46,6 +46,8 @@ class LayoutSpec:
     head_dim: int
     block_nbytes: int
     kv_scales: tuple[float, ...] = ()  # an FP8 cache's scales: the bytes mean nothing without them
+    kind: str = "mha"  # "mha" (K and V per head) or "mla" (one latent row per token)
+    rope_dim: int = 0  # "mla": the rotary values at the end of a row
 
     @classmethod
     def from_layout(cls, layout: KVLayout) -> LayoutSpec:
@@ -57,11 +59,14 @@ class LayoutSpec:
             head_dim=layout.head_dim,
             block_nbytes=layout.block_nbytes,
             kv_scales=tuple(layout.kv_scales),
+            kind=layout.kind,
+            rope_dim=layout.rope_dim,
         )
 
     def diff(self, remote: LayoutSpec) -> dict[str, tuple[object, object]]:
         """Fields that differ, as ``name -> (self's value, remote's value)``; empty if equal."""
-        names = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "block_nbytes", "kv_scales")
+        names = ("kind", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "rope_dim", "block_nbytes",
+                 "kv_scales")  # fmt: skip
         return {n: (getattr(self, n), getattr(remote, n)) for n in names if getattr(self, n) != getattr(remote, n)}
 
 

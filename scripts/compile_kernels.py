@@ -27,13 +27,15 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from pdserve.engine.kernels import mla_triton as mt  # noqa: E402
 from pdserve.engine.kernels import triton_kernels as tk  # noqa: E402
 
 # Integer arguments real launches pass as multiples of 16 (strides of 16-element-aligned tensors):
 # Triton specializes on that at launch, and so does this check (it changes tiling and shared memory).
 DIVISIBLE_BY_16 = {"stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h", "stride_kc_b", "stride_kc_o",
                    "stride_kc_h", "stride_vc_b", "stride_vc_o", "stride_vc_h", "stride_bt_s", "stride_key_t",
-                   "stride_key_h", "stride_value_t", "stride_value_h"}
+                   "stride_key_h", "stride_value_t", "stride_value_h", "stride_qt", "stride_qh", "stride_cb",
+                   "stride_co", "stride_ot", "stride_oh", "stride_bt"}
 
 # Shared memory one thread block may use (opt-in maximum), by compute capability.
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
@@ -42,6 +44,8 @@ E4M3_MIN_ARCH = 89
 # (query heads per KV head, head_dim): MHA, Llama-3-8B, Llama-3-70B, Qwen2-7B (28/4), Phi-3.
 SHAPES = [(1, 64), (4, 128), (8, 128), (7, 128), (1, 96)]
 QUICK_SHAPES = [(4, 128), (7, 128)]
+# MLA (kv_lora_rank, qk_rope_head_dim): DeepSeek-V2/V3 (512 + 64), and a small latent.
+MLA_SHAPES = [(512, 64), (128, 32)]
 
 
 def _signature(fn: triton.JITFunction, pointers: dict[str, str], wide: tuple[str, ...], floats: tuple[str, ...],
@@ -103,6 +107,13 @@ def configs(quick: bool) -> list[tuple[str, triton.JITFunction, dict[str, str], 
         ptrs = dict(out_ptr=f"*{dt}", acc_part_ptr="*fp32", ml_part_ptr="*fp32", query_start_loc_ptr="*i32")
         sig = _signature(tk._merge_segments_kernel, ptrs, (), ("v_scale",), consts)
         out.append((f"merge {dt} hd{head_dim}", tk._merge_segments_kernel, sig, consts))
+    for dt, (rank, rope) in itertools.product(dtypes, MLA_SHAPES[:1] if quick else MLA_SHAPES):
+        consts = dict(RANK=rank, ROPE=rope, BLOCK_SIZE=16, BLOCK_H=mt.MLA_BLOCK_H, BLOCK_L=mt.mla_pad(rank),
+                      BLOCK_R=mt.mla_pad(rope), BLOCK_N=mt.MLA_BLOCK_N, DOT_F32=dt == "fp32")  # fmt: skip
+        ptrs = dict(q_ptr=f"*{dt}", cache_ptr=f"*{dt}", out_ptr=f"*{dt}", block_tables_ptr="*i32", seq_lens_ptr="*i32",
+                    query_start_loc_ptr="*i32")  # fmt: skip
+        sig = _signature(mt._mla_decode_kernel, ptrs, ("stride_cb",), ("qk_scale",), consts)
+        out.append((f"mla {dt} rank{rank} rope{rope}", mt._mla_decode_kernel, sig, consts))
     unique: dict[tuple, tuple] = {}
     for entry in out:
         _, fn, sig, consts = entry

@@ -1,8 +1,10 @@
 """Model configuration parsed from a Hugging Face ``config.json``.
 
-Only the decoder-only Llama family is supported (Llama, Mistral, Qwen2): they
-share one forward pass and differ only in a few flags (q/k/v bias, rope scaling).
-Everything is validated up front so a bad checkpoint fails at load, not mid-step.
+Two families are supported: the Llama family (Llama, Mistral, Qwen2), which shares one
+forward pass and differs only in a few flags (q/k/v bias, rope scaling), and DeepSeek-V2/V3
+(multi-head latent attention, MoE, YaRN rope; their extra fields live in ``mla``/``moe``, see
+:mod:`engine.model.deepseek_config`). Everything is validated up front so a bad checkpoint
+fails at load, not mid-step.
 """
 
 from __future__ import annotations
@@ -14,10 +16,19 @@ from typing import Any
 
 import xxhash
 
+from pdserve.engine.model.deepseek_config import (
+    DEEPSEEK_ARCHITECTURES,
+    MLAConfig,
+    MoEConfig,
+    YarnRopeScaling,
+    parse_deepseek,
+)
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    *DEEPSEEK_ARCHITECTURES,
 )
 
 # Bumped whenever the fingerprint's input changes meaning.
@@ -50,11 +61,13 @@ class Llama3RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of one Llama-family checkpoint.
+    """Architecture of one checkpoint.
 
     ``attention_bias`` means q/k/v projections carry a bias; ``o_proj_bias`` means
     o_proj does too (Llama's ``attention_bias=True`` sets both, Qwen2 sets only the
-    former). ``eos_token_ids`` is always a tuple (possibly empty).
+    former). ``eos_token_ids`` is always a tuple (possibly empty). DeepSeek models have
+    ``mla`` and ``moe`` (and ``head_dim`` is their rotary dim, as in transformers); the
+    Llama family has neither.
     """
 
     architecture: str
@@ -67,7 +80,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Llama3RopeScaling | None
+    rope_scaling: Llama3RopeScaling | YarnRopeScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -79,10 +92,19 @@ class ModelConfig:
     # A GGUF file's ``rope_freqs.weight``: one divisor per rotary frequency (llama.cpp's form of
     # llama3 rope scaling, computed by its converter); None: none.
     rope_freq_factors: tuple[float, ...] | None = None
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(_unsupported_msg(self.architecture))
+        deepseek = self.architecture in DEEPSEEK_ARCHITECTURES
+        if deepseek != (self.mla is not None) or deepseek != (self.moe is not None):
+            raise ValueError(f"{self.architecture}: mla/moe are given for DeepSeek models and only for them")
+        if isinstance(self.rope_scaling, YarnRopeScaling) and not deepseek:
+            raise ValueError("yarn rope scaling is supported for DeepSeek models only")
+        if deepseek and self.sliding_window is not None:
+            raise ValueError("DeepSeek models have no sliding window")
         for name in (
             "vocab_size",
             "hidden_size",
@@ -137,6 +159,9 @@ class ModelConfig:
         rope_theta, rope_scaling = _parse_rope(cfg)
         is_qwen2 = arch == "Qwen2ForCausalLM"
         llama_bias = bool(cfg.get("attention_bias", False))
+        mla, moe = parse_deepseek(cfg, arch) if arch in DEEPSEEK_ARCHITECTURES else (None, None)
+        # DeepSeek: every head reads the one latent; head_dim is the rotary dim (transformers' choice).
+        head_dim = mla.qk_rope_head_dim if mla else int(cfg.get("head_dim") or hidden // heads)
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
         bos = cfg.get("bos_token_id")
@@ -150,8 +175,8 @@ class ModelConfig:
             intermediate_size=int(cfg["intermediate_size"]),
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            num_key_value_heads=heads if mla else int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -159,11 +184,13 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=is_qwen2 or llama_bias,
             o_proj_bias=(not is_qwen2) and llama_bias,
+            mla=mla,
+            moe=moe,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             torch_dtype=None if dtype is None else str(dtype),
-            sliding_window=None if sliding is None else int(sliding),
-            rope_freq_factors=_freq_factors(cfg.get("rope_freq_factors"), int(cfg.get("head_dim") or hidden // heads)),
+            sliding_window=None if sliding is None or mla else int(sliding),
+            rope_freq_factors=_freq_factors(cfg.get("rope_freq_factors"), head_dim),
         )
 
     @classmethod
@@ -201,6 +228,9 @@ class ModelConfig:
         fields = asdict(self)
         for name in ("bos_token_id", "eos_token_ids", "torch_dtype"):
             fields.pop(name)
+        for name in ("mla", "moe"):  # absent for the Llama family: their digests stay as they were
+            if fields[name] is None:
+                fields.pop(name)
         blob = json.dumps([_FINGERPRINT_VERSION, fields], sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_hexdigest(blob.encode("utf-8"))
 
@@ -211,6 +241,25 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    # ---------------------------------------------------------------- KV cache
+    @property
+    def kv_cache_kind(self) -> str:
+        """``"mha"``: K and V per KV head; ``"mla"``: one latent (plus rotary key) per token."""
+        return "mla" if self.mla else "mha"
+
+    @property
+    def kv_cache_heads(self) -> int:
+        return 1 if self.mla else self.num_key_value_heads
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        return self.mla.cache_dim if self.mla else self.head_dim
+
+    @property
+    def kv_cache_rope_dim(self) -> int:
+        """Trailing rotary values of an MLA cache row (0 for K/V caches)."""
+        return self.mla.qk_rope_head_dim if self.mla else 0
 
 
 def _unsupported_msg(arch: object) -> str:
@@ -228,7 +277,7 @@ def _freq_factors(value: Any, head_dim: int) -> tuple[float, ...] | None:
     return factors
 
 
-def _parse_rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+def _parse_rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | YarnRopeScaling | None]:
     """Return (rope_theta, scaling) from v4 (``rope_theta``/``rope_scaling``) or v5
     (``rope_parameters``) layouts."""
     params = cfg.get("rope_parameters") or {}
@@ -239,8 +288,10 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
         raise ValueError("partial_rotary_factor != 1.0 is not supported")
     if rope_type in (None, "default"):
         return float(theta), None
+    if rope_type == "yarn":
+        return float(theta), YarnRopeScaling.from_dict(scaling)
     if rope_type != "llama3":
-        raise ValueError(f"rope type {rope_type!r} is not supported (only 'default' and 'llama3')")
+        raise ValueError(f"rope type {rope_type!r} is not supported (only 'default', 'llama3' and 'yarn')")
     try:
         return float(theta), Llama3RopeScaling(
             factor=float(scaling["factor"]),

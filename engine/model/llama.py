@@ -1,5 +1,9 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over a flat batch and a paged KV cache.
 
+:class:`LlamaForCausalLM` is also the frame other decoders plug into (DeepSeek's, in
+:mod:`engine.model.deepseek`): the embeddings, the stack, the final norm, the head and the strict
+weight loading are shared; a subclass names its ``decoder_layer`` and maps checkpoint names.
+
 The batch is flattened: ``input_ids``/``positions`` are ``[num_tokens]`` covering
 every scheduled sequence back to back, described by an :class:`AttentionMetadata`.
 There is no padding and no per-sequence Python loop; per-layer work is a fixed,
@@ -18,85 +22,9 @@ from torch import nn
 
 from pdserve.engine.kernels import paged_attention, write_kv
 from pdserve.engine.kernels.metadata import AttentionMetadata
-from pdserve.engine.model.config import Llama3RopeScaling, ModelConfig
+from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.linear import Linear, OneDNNWeights, onednn_supported, project
-
-
-# ----------------------------------------------------------------------------- rope
-def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None,
-                  factors: tuple[float, ...] | None = None) -> torch.Tensor:  # fmt: skip
-    """float32 ``[head_dim // 2]`` inverse frequencies, with llama3 scaling applied, as parameters
-    (``scaling``) or as a GGUF file's per-frequency divisors (``factors``)."""
-    # Same expression as HF so the float32 tables agree bit for bit. Explicit CPU:
-    # the model may be built under a meta-device context, the tables never are.
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    if factors is not None:
-        return inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
-    if scaling is None:
-        return inv_freq
-    old_ctx = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_ctx / scaling.low_freq_factor
-    high_freq_wavelen = old_ctx / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_ctx / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    in_band = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(in_band, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables up to ``max_position_embeddings``, stored half-width.
-
-    HF's tables are ``cat(freqs, freqs)``; both halves are equal, so only
-    ``head_dim // 2`` columns are kept (half the memory for 128k-context models).
-    """
-
-    cos_cache: torch.Tensor
-    sin_cache: torch.Tensor
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        cos, sin = self._tables()
-        # Non-persistent: derived from the config, never part of a checkpoint.
-        self.register_buffer("cos_cache", cos, persistent=False)
-        self.register_buffer("sin_cache", sin, persistent=False)
-
-    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.config
-        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, c.rope_freq_factors)
-        pos = torch.arange(c.max_position_embeddings, dtype=torch.int64, device="cpu").float()
-        freqs = torch.outer(pos, inv_freq)  # float32 [max_pos, head_dim // 2]
-        return freqs.cos(), freqs.sin()
-
-    @torch.no_grad()
-    def rebuild(self) -> None:
-        """Recompute the tables in place (``to_empty`` leaves them uninitialised)."""
-        cos, sin = self._tables()
-        self.cos_cache.copy_(cos)
-        self.sin_cache.copy_(sin)
-
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)``, each ``[num_tokens, 1, head_dim // 2]`` in ``dtype``.
-
-        Positions must lie in ``[0, max_position_embeddings)``; not checked here
-        (a host sync per step would cost more than a tiny model's whole step).
-        """
-        cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[num_tokens, heads, head_dim]``; equals HF's rotate_half form exactly."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+from pdserve.engine.model.rope import RotaryEmbedding, apply_rotary
 
 
 # ----------------------------------------------------------------------------- layers
@@ -138,10 +66,11 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        layer_kv: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """``layer_kv``: this layer's ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (K, V)."""
+        k_cache, v_cache = layer_kv.unbind(1)
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         # Rotate q and k in one go: they are adjacent columns of qkv.
@@ -161,11 +90,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU with fused gate/up projection (gate first, then up)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.inter = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.inter = inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -175,28 +104,34 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = self.make_attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = self.make_mlp(config, layer_idx)
+
+    def make_attention(self, config: ModelConfig) -> nn.Module:
+        return Attention(config)
+
+    def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return MLP(config)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta)
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor, meta: AttentionMetadata,
+    ) -> torch.Tensor:  # fmt: skip
+        """``layer_kv``: this layer's slice of the KV tensor (what its attention reads and writes)."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer_kv, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaModel(nn.Module):
     """Embeddings, decoder stack, final norm and the shared rope tables (HF module names)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_cls: type[nn.Module] = DecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -222,10 +157,12 @@ class LlamaForCausalLM(nn.Module):
     up); :meth:`load_weights` maps HF checkpoint names onto them.
     """
 
+    decoder_layer: type[nn.Module] = DecoderLayer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.decoder_layer)
         # Tied models reuse the embedding matrix; no separate lm_head parameter.
         self.lm_head = (
             None if config.tie_word_embeddings
@@ -252,18 +189,19 @@ class LlamaForCausalLM(nn.Module):
         already count this step's tokens in ``seq_lens``.
         """
         c = self.config
-        if kv_cache.dim() != 6 or kv_cache.shape[1] != c.num_hidden_layers or kv_cache.shape[2] != 2 \
-                or kv_cache.shape[4] != c.num_key_value_heads or kv_cache.shape[5] != c.head_dim:
+        planes = 1 if c.kv_cache_kind == "mla" else 2
+        expected = (c.num_hidden_layers, planes, kv_cache.shape[3] if kv_cache.dim() == 6 else -1,
+                    c.kv_cache_heads, c.kv_cache_head_dim)  # fmt: skip
+        if kv_cache.dim() != 6 or tuple(kv_cache.shape[1:]) != expected:
             raise ValueError(
-                f"kv_cache shape {tuple(kv_cache.shape)} is not [num_blocks, {c.num_hidden_layers}, 2, "
-                f"block_size, {c.num_key_value_heads}, {c.head_dim}]"
+                f"kv_cache shape {tuple(kv_cache.shape)} is not [num_blocks, {c.num_hidden_layers}, {planes}, "
+                f"block_size, {c.kv_cache_heads}, {c.kv_cache_head_dim}]"
             )
         m = self.model
         h = m.embed_tokens(input_ids)
         cos, sin = m.rotary_emb.lookup(positions, h.dtype)  # shared by all layers
         for layer, layer_kv in zip(m.layers, kv_cache.unbind(1)):
-            k_cache, v_cache = layer_kv.unbind(1)
-            h = layer(h, cos, sin, k_cache, v_cache, attn_meta)
+            h = layer(h, cos, sin, layer_kv, attn_meta)
         return m.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -297,6 +235,26 @@ class LlamaForCausalLM(nn.Module):
             for hf_module in _UNFUSED.get(module, (module,)):
                 names.add(".".join([*prefix, hf_module, kind]))
         return names
+
+    def weight_target(self, name: str, params: dict[str, nn.Parameter]) -> torch.Tensor | None:
+        """The tensor a checkpoint weight is copied into (a shard of a fused parameter), or None
+        when the model has no such weight. Subclasses map their own names."""
+        *prefix, module, kind = name.split(".")
+        fused, shard = _FUSED.get(module, (module, None))
+        param = params.get(".".join([*prefix, fused, kind]))
+        if param is None or shard is None:
+            return None if param is None else param.data
+        sizes = self._shard_sizes[fused]
+        return param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+
+    def skip_weight(self, name: str) -> bool:
+        """Checkpoint weights read and dropped: ``*.rotary_emb.inv_freq`` (old checkpoints) and
+        ``lm_head.weight`` when embeddings are tied (it duplicates the embedding)."""
+        return name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")
+
+    def covered_names(self, name: str) -> list[str]:
+        """The :meth:`checkpoint_weight_names` a loaded checkpoint weight accounts for."""
+        return [name]
 
     def kv_scales(self, quantized: bool) -> tuple[float, ...]:
         """(k_scale, v_scale) of each layer in turn for an FP8 cache (``quantized``): the
@@ -333,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
         unexpected: list[str] = []
         self.checkpoint_kv_scales = {}
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
+            if self.skip_weight(name):
                 continue
             scale = _KV_SCALE_NAME.fullmatch(name)
             if scale is not None:  # an FP8 checkpoint's KV-cache scales (used with an FP8 cache)
@@ -341,22 +299,16 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"{name} must be one value (a per-tensor scale), got shape {tuple(tensor.shape)}")
                 self.checkpoint_kv_scales[(int(scale[1]), scale[2])] = float(tensor.float().item())
                 continue
-            *prefix, module, kind = name.split(".")
-            fused, shard = _FUSED.get(module, (module, None))
-            param = params.get(".".join([*prefix, fused, kind]))
-            if param is None:
+            target = self.weight_target(name, params)
+            if target is None:
                 unexpected.append(name)
                 continue
-            target = param.data
-            if shard is not None:
-                sizes = self._shard_sizes[fused]
-                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
                 )
             target.copy_(tensor)
-            seen.add(name)
+            seen.update(self.covered_names(name))
         missing = sorted(self.checkpoint_weight_names() - seen)
         if missing or unexpected:
             parts = []

@@ -98,12 +98,21 @@ def load_model(
     dtype = dtype or default_dtype(device)
     # Build on the meta device so no time is spent on random init that gets overwritten.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)(config)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.model.rotary_emb.rebuild()
     model.load_weights(weights)
     model.requires_grad_(False)
     return model.eval()
+
+
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The module that runs ``config``'s architecture."""
+    if config.mla is not None:
+        from pdserve.engine.model.deepseek import DeepseekForCausalLM
+
+        return DeepseekForCausalLM
+    return LlamaForCausalLM
 
 
 def load_tokenizer(path: str | Path) -> ModelTokenizer:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVLayoutSpec(_message.Message):
-    __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "block_nbytes", "kv_scales")
+    __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "block_nbytes", "kv_scales", "kind", "rope_dim")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,8 @@ class KVLayoutSpec(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ROPE_DIM_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     block_size: int
     num_layers: int
@@ -22,7 +24,9 @@ class KVLayoutSpec(_message.Message):
     head_dim: int
     block_nbytes: int
     kv_scales: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., kv_scales: _Optional[_Iterable[float]] = ...) -> None: ...
+    kind: str
+    rope_dim: int
+    def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., kv_scales: _Optional[_Iterable[float]] = ..., kind: _Optional[str] = ..., rope_dim: _Optional[int] = ...) -> None: ...
 
 class GetMetadataRequest(_message.Message):
     __slots__ = ()

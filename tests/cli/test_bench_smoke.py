@@ -31,3 +31,15 @@ def test_prefix_bench_warm_request_hits_the_whole_prefix() -> None:
     full_blocks = out["prefix_tokens"] // out["block_size"] * out["block_size"]
     assert out["warm_cached_tokens"] == [full_blocks] * out["repeats"]  # every full block of the prefix
     assert out["cold_cached_tokens"] == [0] * out["repeats"]
+
+
+def test_mla_bench_reports_bytes_and_both_forms() -> None:
+    out = bench("mla", "--quick", "--heads", "4", "--rank", "64", "--batch", "2")
+    tiny = out["kv_bytes_per_token"]["tiny"]
+    # 3 layers of float32: MLA caches 32 + 8 values per layer, MHA 2 * 4 heads * 16, GQA-2 2 * 2 * 16.
+    assert tiny == {"mla": 3 * 40 * 4, "gqa2": 3 * 64 * 4, "mha": 3 * 128 * 4}
+    v3 = out["kv_bytes_per_token"]["deepseek_v3"]
+    assert v3["mla"] == 61 * 576 * 2 and v3["mha"] == 61 * 2 * 128 * 128 * 2
+    assert set(out["decode_ms"]) == {"128", "512"}
+    for d in out["decode_ms"].values():
+        assert min(d["step_absorbed"], d["step_naive"], d["attn_absorbed"], d["attn_naive"]) > 0

@@ -140,8 +140,11 @@ def test_config_validation(checkpoints: dict[str, Path]) -> None:
     raw = json.loads((checkpoints["llama_gqa"] / "config.json").read_text())
     with pytest.raises(ValueError, match="divisible by num_key_value_heads"):
         ModelConfig.from_dict({**raw, "num_key_value_heads": 3})
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
-        ModelConfig.from_dict({**raw, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}})
+    with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
+        ModelConfig.from_dict({**raw, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}})
+    yarn = {"rope_type": "yarn", "rope_theta": 1.0, "factor": 2.0, "original_max_position_embeddings": 64}
+    with pytest.raises(ValueError, match="yarn rope scaling is supported for DeepSeek models only"):
+        ModelConfig.from_dict({**raw, "rope_parameters": yarn})
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_dict({**raw, "hidden_act": "gelu"})
 

@@ -305,6 +305,10 @@ def test_layout_mismatch_refused(peers: dict[str, Peer]) -> None:
         with pytest.raises(LayoutMismatchError) as err:
             client.check_compatible(KVLayout(2, 2, 16, 4, torch.float32), "another-model")
         assert set(err.value.fields) == {"model_fingerprint"}
+        # An MLA cache of the same bytes per block is another layout: refused on its kind.
+        with pytest.raises(LayoutMismatchError) as err:
+            client.check_compatible(KVLayout(2, 1, 64, 4, torch.float32, kind="mla", rope_dim=8), FP)
+        assert err.value.fields["kind"] == ("mla", "mha") and "block_nbytes" not in err.value.fields
         # The holder refuses a pull into a differently shaped cache on its own, too.
         with pytest.raises(LayoutMismatchError, match="head_dim"):
             client.pull_into(kv, [0, 1, 2], lease_id=peer.request("lease-0")["lease_id"])

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_handover import RemotePrefill
@@ -17,8 +19,16 @@ from pdserve.kvtransfer.pull import pull_kv
 from tests.support import REPO
 
 
-def test_pulled_kv_is_bit_exact_and_decodes_the_same(tmp_path: Path) -> None:
-    model_dir = str(make_tiny_model(tmp_path / "m", seed=5))
+@pytest.mark.parametrize("model", ["llama", "deepseek_v3"])
+def test_pulled_kv_is_bit_exact_and_decodes_the_same(tmp_path: Path, model: str) -> None:
+    """For K/V blocks (Llama) and latent blocks (DeepSeek's MLA) alike."""
+    if model == "llama":
+        model_dir = str(make_tiny_model(tmp_path / "m", seed=5))
+    else:
+        pytest.importorskip("transformers")
+        from tests.support.deepseek_models import make_deepseek_checkpoint
+
+        model_dir = str(make_deepseek_checkpoint(tmp_path / "m", "v3", seed=5))
     prompt = [(i * 37) % 256 for i in range(29)]  # 3 full blocks of 8 + a partial block
     n = 16
     peer = subprocess.Popen(
@@ -30,6 +40,7 @@ def test_pulled_kv_is_bit_exact_and_decodes_the_same(tmp_path: Path) -> None:
         info = json.loads(peer.stdout.readline())
         # Local engine: a different pool size, so block ids differ from the peer's.
         local = LLMEngine(EngineConfig(model_dir, cache=CacheConfig(block_size=8, num_blocks=40)))
+        assert local.layout.kind == ("mla" if model != "llama" else "mha")
         params = SamplingParams(max_tokens=n, ignore_eos=True)
         req = local.make_request(prompt, params, "pulled")
         load = local.add_remote(req, RemotePrefill(len(prompt), (info["first_token"],)))

@@ -152,7 +152,8 @@ class PagedRunner:
         c = self.model.config
         p = next(self.model.parameters())
         g = torch.Generator().manual_seed(self.seed)
-        shape = (self.num_blocks, c.num_hidden_layers, 2, self.block_size, c.num_key_value_heads, c.head_dim)
+        planes = 1 if c.kv_cache_kind == "mla" else 2
+        shape = (self.num_blocks, c.num_hidden_layers, planes, self.block_size, c.kv_cache_heads, c.kv_cache_head_dim)
         # Garbage in unused slots: any read outside the causal window would show up.
         self.kv_cache = torch.randn(shape, generator=g).to(dtype=p.dtype, device=p.device)
         self._free = list(range(self.num_blocks))

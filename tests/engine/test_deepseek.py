@@ -1,0 +1,183 @@
+"""DeepSeek-V2/V3 (MLA + MoE + YaRN) against transformers on tiny random checkpoints it built."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.model import ModelConfig, load_model
+from pdserve.engine.model.deepseek import DeepseekForCausalLM
+from tests.engine.test_engine import assert_idle, hf_greedy
+from tests.support.deepseek_models import DEEPSEEK_VARIANTS, make_deepseek_checkpoint
+from tests.support.models import PagedRunner, hf_logits, load_hf_reference, paged_prefill_logits
+
+pytest.importorskip("transformers")
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+BLOCK_SIZES = {"v2_lite": 16, "v2": 4, "v3": 5, "v3_halves": 1}
+NEW_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deepseek")
+    return {v: make_deepseek_checkpoint(root / v, v, seed=10 + i) for i, v in enumerate(DEEPSEEK_VARIANTS)}
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints: dict[str, Path]) -> dict[str, torch.nn.Module]:
+    return {v: load_hf_reference(d) for v, d in checkpoints.items()}
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+# ------------------------------------------------------------------ numerics
+@pytest.mark.parametrize("variant", DEEPSEEK_VARIANTS)
+def test_prefill_logits_match_hf(variant: str, checkpoints: dict, references: dict) -> None:
+    ours = load_model(checkpoints[variant])
+    assert isinstance(ours, DeepseekForCausalLM)
+    ids = _prompt(70, seed=1)
+    got = paged_prefill_logits(ours, ids, BLOCK_SIZES[variant], seed=3)
+    torch.testing.assert_close(got, hf_logits(references[variant], ids), **TOL)
+
+
+@pytest.mark.parametrize("form", ["auto", "absorbed", "naive"])
+@pytest.mark.parametrize("variant", ["v2_lite", "v3"])
+def test_chunks_and_decodes_match_hf_in_every_form(variant: str, form: str, checkpoints: dict,
+                                                   references: dict) -> None:  # fmt: skip
+    """Prefill, a chunk over cached context, then decodes: each attention form gives HF's logits."""
+    ours = load_model(checkpoints[variant])
+    ours.set_mla_form(form)
+    ids = _prompt(45, seed=2)
+    runner = PagedRunner(ours, block_size=4, seed=5)
+    parts = [ids[:17], ids[17:40]] + [[t] for t in ids[40:]]
+    got = torch.cat([runner.step([(0, p)]) for p in parts])
+    torch.testing.assert_close(got, hf_logits(references[variant], ids), **TOL)
+
+
+def test_mixed_batch_matches_hf(checkpoints: dict, references: dict) -> None:
+    ours, ref = load_model(checkpoints["v2"]), references["v2"]
+    a, b = _prompt(23, seed=3), _prompt(11, seed=4)
+    runner = PagedRunner(ours, block_size=4, seed=7)
+    first = runner.step([(0, a[:20]), (1, b)])
+    second = runner.step([(0, a[20:21]), (1, [9])])  # a decode-only step: the absorbed form
+    third = runner.step([(1, [5]), (0, a[21:])])  # a decode beside a chunk
+    ea, eb = hf_logits(ref, a), hf_logits(ref, b + [9, 5])
+    torch.testing.assert_close(first, torch.cat([ea[:20], eb[:11]]), **TOL)
+    torch.testing.assert_close(second, torch.stack([ea[20], eb[11]]), **TOL)
+    torch.testing.assert_close(third, torch.cat([eb[12:13], ea[21:]]), **TOL)
+
+
+def test_set_mla_form_rejects_unknown(checkpoints: dict) -> None:
+    with pytest.raises(ValueError, match="MLA form"):
+        load_model(checkpoints["v3"]).set_mla_form("fast")
+
+
+# ------------------------------------------------------------------ the engine
+@pytest.mark.parametrize("variant", ["v2_lite", "v3"])
+def test_engine_greedy_matches_transformers(variant: str, checkpoints: dict, references: dict) -> None:
+    """Prompt lengths across block boundaries, batched; the pool holds latents, not K/V."""
+    llm = LLM(str(checkpoints[variant]), num_blocks=64, block_size=16)
+    layout = llm.engine.layout
+    assert (layout.kind, layout.planes, layout.num_kv_heads, layout.head_dim, layout.rope_dim) == ("mla", 1, 1, 40, 8)
+    ps = [_prompt(n, seed=n) for n in (1, 7, 16, 17, 33)]
+    outs = llm.generate(ps, GREEDY)
+    for p, o in zip(ps, outs):
+        assert o.token_ids == hf_greedy(references[variant], p, NEW_TOKENS)
+    assert_idle(llm)
+
+
+def test_prefix_hits_and_preemption_match(checkpoints: dict, references: dict) -> None:
+    path, ref = checkpoints["v2"], references["v2"]
+    llm = LLM(str(path), num_blocks=64, block_size=16)
+    prefix = _prompt(40, seed=8)
+    a, b = prefix + [1, 2, 3], prefix + [9, 8, 7, 6]
+    assert llm.generate([a], GREEDY)[0].token_ids == hf_greedy(ref, a, NEW_TOKENS)
+    second = llm.generate([b], GREEDY)[0]
+    assert second.num_cached_tokens == 32 and second.token_ids == hf_greedy(ref, b, NEW_TOKENS)
+    assert_idle(llm)
+    # 4 requests of ~20 + 24 tokens need 3 blocks of 16 each; 7 blocks force preemption.
+    tight = LLM(str(path), num_blocks=7, block_size=16, enable_prefix_caching=False)
+    ps = [_prompt(n, seed=20 + n) for n in (20, 18, 21, 19)]
+    outs = tight.generate(ps, GREEDY)
+    assert tight.engine.scheduler.num_preemptions > 0
+    for p, o in zip(ps, outs):
+        assert o.token_ids == hf_greedy(ref, p, NEW_TOKENS)
+    assert_idle(tight)
+
+
+def test_fp8_cache_is_refused_clearly(checkpoints: dict) -> None:
+    with pytest.raises(ValueError, match="FP8 KV cache is not supported for MLA"):
+        LLM(str(checkpoints["v3"]), num_blocks=8, kv_cache_dtype="fp8")
+
+
+# ------------------------------------------------------------------ config and weights
+def test_config_fields(checkpoints: dict) -> None:
+    v2 = ModelConfig.from_dir(checkpoints["v2"])
+    assert v2.mla is not None and v2.moe is not None
+    assert (v2.mla.q_lora_rank, v2.mla.kv_lora_rank, v2.mla.cache_dim, v2.mla.v_head_dim) == (24, 32, 40, 12)
+    assert (v2.moe.topk_method, v2.moe.scoring, v2.moe.n_group, v2.moe.topk_group) == ("group_limited_greedy",
+                                                                                      "softmax", 4, 2)
+    assert v2.rope_scaling is not None and v2.rope_scaling.factor == 4.0
+    assert (v2.kv_cache_kind, v2.kv_cache_heads, v2.kv_cache_head_dim) == ("mla", 1, 40)
+    v3 = ModelConfig.from_dir(checkpoints["v3"])
+    assert (v3.moe.topk_method, v3.moe.scoring, v3.moe.norm_topk_prob) == ("noaux_tc", "sigmoid", True)
+    assert v3.mla.rope_interleave and not ModelConfig.from_dir(checkpoints["v3_halves"]).mla.rope_interleave
+    assert ModelConfig.from_dir(checkpoints["v2_lite"]).mla.q_lora_rank is None
+    assert len({ModelConfig.from_dir(d).fingerprint for d in checkpoints.values()}) == 4
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"norm_topk_prob": True}, "norm_topk_prob"),
+        ({"moe_layer_freq": 2}, "moe_layer_freq"),
+        ({"topk_method": "noaux_tc"}, "DeepSeek-V2 routes"),
+        ({"n_group": 3}, "divisible by n_group"),
+        ({"qk_rope_head_dim": 7}, "even"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "missing key 'factor'"),
+    ],
+)
+def test_bad_v2_configs_fail_at_load(edit: dict, message: str, checkpoints: dict) -> None:
+    raw = json.loads((checkpoints["v2"] / "config.json").read_text())
+    raw.update(edit)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict(raw)
+
+
+def test_stacked_experts_and_mtp_layers_load(checkpoints: dict, tmp_path: Path, references: dict) -> None:
+    """Experts stacked as transformers holds them in memory load the same; a V3 multi-token-
+    prediction layer (model.layers.<num_hidden_layers>.*) is skipped; a missing expert is named."""
+    src = checkpoints["v3"]
+    weights = load_file(src / "model.safetensors")
+    stacked: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        if ".mlp.experts." not in name:
+            stacked[name] = t
+    for layer in (1, 2):
+        pre = f"model.layers.{layer}.mlp.experts"
+        stacked[f"{pre}.gate_up_proj"] = torch.stack(
+            [torch.cat([weights[f"{pre}.{e}.gate_proj.weight"], weights[f"{pre}.{e}.up_proj.weight"]]) for e in range(8)])
+        stacked[f"{pre}.down_proj"] = torch.stack([weights[f"{pre}.{e}.down_proj.weight"] for e in range(8)])
+    stacked["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(40, 64)  # an MTP layer
+    out = tmp_path / "stacked"
+    out.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        (out / f).write_bytes((src / f).read_bytes())
+    save_file(stacked, out / "model.safetensors")
+    ids = _prompt(20, seed=4)
+    torch.testing.assert_close(paged_prefill_logits(load_model(out), ids, 4), hf_logits(references["v3"], ids), **TOL)
+    del weights["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(weights, out / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing 1 weight\(s\): model\.layers\.2\.mlp\.experts\.5\.up_proj"):
+        load_model(out)
