@@ -25,7 +25,7 @@ import torch
 
 from pdserve.benchmarks.common import emit
 from pdserve.engine.kernels.metadata import AttentionMetadata
-from pdserve.engine.kernels.mla import mla_attention, mla_attention_naive
+from pdserve.engine.kernels.mla import absorb_query, expand_latent, mla_attention, mla_attention_naive
 from pdserve.engine.kernels.torch_paged import plan_attention
 from pdserve.engine.kv_tensor import KVLayout
 from pdserve.engine.model.config import ModelConfig
@@ -114,9 +114,8 @@ def time_decode(model: DeepseekForCausalLM, batch: int, context: int, repeats: i
     args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, attn.scale)
 
     def absorbed_attention() -> torch.Tensor:
-        q = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w[:, : attn.nope]), q_pe], dim=-1)
-        latent = mla_attention(q, cache, *args, attn.rank, plan=meta.torch_plan)
-        return torch.einsum("nhr,hvr->nhv", latent, w[:, attn.nope :])
+        latent = mla_attention(absorb_query(q_nope, q_pe, w), cache, *args, attn.rank, plan=meta.torch_plan)
+        return expand_latent(latent, w, attn.nope)
 
     def naive_attention() -> torch.Tensor:
         return mla_attention_naive(q_nope, q_pe, cache, w, *args)

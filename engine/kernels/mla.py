@@ -4,17 +4,21 @@ The cache of one layer is ``[num_blocks, block_size, 1, kv_lora_rank + rope_dim]
 view of the block-major KV tensor; inner dims contiguous); see :mod:`engine.kernels.mla_reference`
 for the two forms and their references.
 
-* :func:`write_latent`: scatter this step's rows into their slots (one ``index_put_`` on any device);
+* :func:`write_latent`: scatter this step's rows into their slots (Triton on CUDA, ``index_put_`` on CPU);
 * :func:`mla_attention`: the absorbed form (decode): ``impl`` ``None`` picks Triton on CUDA and
   torch elsewhere, as in :mod:`engine.kernels.ops`; ``"reference"`` is the float32 loop;
-* :func:`mla_attention_naive`: the decompressed form (prefill, and the baseline the benchmark
-  compares decode against): torch on every device, or ``"reference"``.
+* :func:`mla_attention_naive`: the decompressed form (the baseline the benchmark compares decode
+  against): torch on every device, or ``"reference"``;
+* :func:`mla_attention_mixed`: per sequence, decodes absorbed and prefills decompressed (the engine's
+  steps that hold a prefill).
 
 Validation never reads tensor values (no device sync); the caller guarantees in-range slots,
 block ids and lengths, as for :func:`engine.kernels.paged_attention`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -50,13 +54,19 @@ def write_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
     _check_latent_cache(cache, latent.dtype)
     _check_int_vector("slot_mapping", slot_mapping, torch.int64, latent.shape[0])
     _check_same_device({"latent": latent, "slot_mapping": slot_mapping}, cache.device)
-    if impl == "reference":
+    if latent.shape[0] and latent.stride(1) != 1:
+        raise ValueError(f"latent must have a contiguous last dim, got strides {latent.stride()}")
+    backend = _resolve(impl, cache.device)
+    if backend == "reference":
         write_latent_ref(latent, cache, slot_mapping)
         return
-    if impl not in (None, "torch", "triton"):
-        raise ValueError(f"impl must be 'torch', 'triton', 'reference' or None, got {impl!r}")
+    if backend == "triton":
+        from pdserve.engine.kernels.mla_triton import write_latent_triton  # lazy: triton is optional
+
+        write_latent_triton(latent, cache, slot_mapping)
+        return
     valid = slot_mapping >= 0
-    if not bool(valid.all()):  # -1 slots (rare): drop them (one sync, as the K/V write does)
+    if not bool(valid.all()):  # -1 slots (rare): dropped (a sync, free on the CPU)
         slot_mapping, latent = slot_mapping[valid], latent[valid]
     block_size = cache.shape[1]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
@@ -131,6 +141,33 @@ def _absorbed_torch(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     return out
 
 
+def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_kv_b: torch.Tensor) -> torch.Tensor:
+    """The absorbed form's query ``[q_nope @ W_UK | q_pe]``: ``[num_tokens, H, kv_lora_rank + rope_dim]``."""
+    return torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_kv_b[:, : q_nope.shape[2]]), q_pe], dim=-1)
+
+
+def expand_latent(latent: torch.Tensor, w_kv_b: torch.Tensor, nope: int) -> torch.Tensor:
+    """Per-head latents through ``W_UV``: ``[num_tokens, H, v_head_dim]``."""
+    return torch.einsum("nhr,hvr->nhv", latent, w_kv_b[:, nope:])
+
+
+def _check_naive(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, w_kv_b: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:  # fmt: skip
+    if q_nope.dim() != 3 or q_pe.dim() != 3 or q_nope.shape[:2] != q_pe.shape[:2]:
+        raise ValueError(f"q_nope/q_pe must be [num_tokens, H, *] alike, got {tuple(q_nope.shape)}/{tuple(q_pe.shape)}")
+    heads, nope = q_nope.shape[1], q_nope.shape[2]
+    rank = cache.shape[-1] - q_pe.shape[2]
+    if w_kv_b.dim() != 3 or w_kv_b.shape[0] != heads or w_kv_b.shape[2] != rank or w_kv_b.shape[1] <= nope:
+        raise ValueError(f"w_kv_b must be [{heads}, {nope} + v_head_dim, {rank}], got {tuple(w_kv_b.shape)}")
+    _check_float_dtype("q_nope", q_nope)
+    for name, t in (("q_pe", q_pe), ("w_kv_b", w_kv_b)):
+        _check_float_dtype(name, t, q_nope.dtype)
+    _check_latent_cache(cache, q_nope.dtype)
+    _check_batch(block_tables, seq_lens, query_start_loc)
+    _check_same_device({"q_pe": q_pe, "cache": cache, "w_kv_b": w_kv_b, "block_tables": block_tables,
+                        "seq_lens": seq_lens, "query_start_loc": query_start_loc}, q_nope.device)  # fmt: skip
+
+
 def mla_attention_naive(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -145,30 +182,63 @@ def mla_attention_naive(
 ) -> torch.Tensor:
     """Decompressed MLA (see :func:`engine.kernels.mla_reference.mla_naive_ref` for the contract):
     each sequence's latents are mapped through ``w_kv_b [H, nope + v_head_dim, kv_lora_rank]`` to
-    per-head K/V every call. Returns ``[num_tokens, H, v_head_dim]`` in ``q_nope.dtype``."""
-    if q_nope.dim() != 3 or q_pe.dim() != 3 or q_nope.shape[:2] != q_pe.shape[:2]:
-        raise ValueError(f"q_nope/q_pe must be [num_tokens, H, *] alike, got {tuple(q_nope.shape)}/{tuple(q_pe.shape)}")
-    heads, nope = q_nope.shape[1], q_nope.shape[2]
-    rank = cache.shape[-1] - q_pe.shape[2]
-    if w_kv_b.dim() != 3 or w_kv_b.shape[0] != heads or w_kv_b.shape[2] != rank or w_kv_b.shape[1] <= nope:
-        raise ValueError(f"w_kv_b must be [{heads}, {nope} + v_head_dim, {rank}], got {tuple(w_kv_b.shape)}")
-    _check_float_dtype("q_nope", q_nope)
-    for name, t in (("q_pe", q_pe), ("w_kv_b", w_kv_b)):
-        _check_float_dtype(name, t, q_nope.dtype)
-    _check_latent_cache(cache, q_nope.dtype)
-    _check_batch(block_tables, seq_lens, query_start_loc)
-    _check_same_device({"q_pe": q_pe, "cache": cache, "w_kv_b": w_kv_b, "block_tables": block_tables,
-                        "seq_lens": seq_lens, "query_start_loc": query_start_loc}, q_nope.device)  # fmt: skip
+    per-head K/V every call. Returns ``[num_tokens, H, v_head_dim]`` in ``q_nope.dtype``. ``impl``:
+    ``None``/``"torch"`` (any device) or ``"reference"``; this form has no Triton kernel."""
+    _check_naive(q_nope, q_pe, cache, w_kv_b, block_tables, seq_lens, query_start_loc)
     if impl == "reference":
         return mla_naive_ref(q_nope, q_pe, cache, w_kv_b, block_tables, seq_lens, query_start_loc, float(scale))
-    if impl not in (None, "torch", "triton"):
-        raise ValueError(f"impl must be 'torch', 'reference' or None, got {impl!r}")
+    if impl not in (None, "torch"):
+        raise ValueError(f"impl must be 'torch', 'reference' or None for the naive form, got {impl!r}")
+    out = q_nope.new_zeros((*q_nope.shape[:2], w_kv_b.shape[1] - q_nope.shape[2]))
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    _naive_torch(q_nope, q_pe, cache, w_kv_b, block_tables, starts, lens, float(scale), range(len(lens)), out)
+    return out
+
+
+def mla_attention_mixed(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    w_kv_b: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    impl: str | None = None,
+) -> torch.Tensor:
+    """Each sequence in the form that suits it: decodes (one query) absorbed, through
+    :func:`mla_attention` with ``impl``; prefills and chunks decompressed. Same contract and result
+    as :func:`mla_attention_naive`; reads the batch's lengths on the host (one sync)."""
+    _check_naive(q_nope, q_pe, cache, w_kv_b, block_tables, seq_lens, query_start_loc)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    nope, rank = q_nope.shape[2], w_kv_b.shape[2]
+    out = q_nope.new_zeros((*q_nope.shape[:2], w_kv_b.shape[1] - nope))
+    decodes = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
+    if decodes:
+        device = q_nope.device
+        rows = torch.tensor([starts[s] for s in decodes], dtype=torch.int64, device=device)
+        seqs = torch.tensor(decodes, dtype=torch.int64, device=device)
+        latent = mla_attention(absorb_query(q_nope[rows], q_pe[rows], w_kv_b).contiguous(), cache,
+                               block_tables[seqs].contiguous(), seq_lens[seqs].contiguous(),
+                               torch.arange(len(decodes) + 1, dtype=torch.int32, device=device), scale, rank,
+                               impl=impl)  # fmt: skip
+        out[rows] = expand_latent(latent, w_kv_b, nope)
+    prefills = [s for s in range(len(lens)) if starts[s + 1] - starts[s] > 1]
+    _naive_torch(q_nope, q_pe, cache, w_kv_b, block_tables, starts, lens, float(scale), prefills, out)
+    return out
+
+
+def _naive_torch(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, w_kv_b: torch.Tensor,
+                 block_tables: torch.Tensor, starts: list[int], lens: list[int], scale: float,
+                 seqs: Iterable[int], out: torch.Tensor) -> None:  # fmt: skip
+    """Decompressed attention of sequences ``seqs`` into their rows of ``out``."""
+    heads, nope = q_nope.shape[1], q_nope.shape[2]
+    rank = w_kv_b.shape[2]
     v_dim = w_kv_b.shape[1] - nope
     w_flat = w_kv_b.reshape(-1, rank)  # [H * (nope + v), rank]
-    out = q_nope.new_zeros((*q_nope.shape[:2], v_dim))
-    starts = query_start_loc.tolist()
-    for s, seq_len in enumerate(seq_lens.tolist()):
-        start, end = starts[s], starts[s + 1]
+    for s in seqs:
+        start, end, seq_len = starts[s], starts[s + 1], lens[s]
         if end == start:
             continue
         rows = _gather_seq(cache, block_tables[s], 0, seq_len)[:, 0]  # [L, rank + rope]
@@ -181,4 +251,3 @@ def mla_attention_naive(
             mask = _bottom_right_causal(end - start, seq_len, q.device)
             o = F.scaled_dot_product_attention(q, k, kv[..., nope:], attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1)
-    return out

@@ -1,9 +1,9 @@
-"""Triton kernel for absorbed multi-head latent attention over a paged latent cache.
+"""Triton kernels for MLA: absorbed attention over a paged latent cache, and the latent write.
 
-Launched by :func:`engine.kernels.mla.mla_attention` after validation. A program owns one query
-token and ``BLOCK_H`` of its heads: every head of a token reads the same cache rows, so each row
-tile is loaded once for all of them (the reason absorbed MLA decodes fast: the cache is read
-once per token, not once per head). Scores are ``q_latent · latent + q_pe · k_pe`` (two dots, so
+Launched by :mod:`engine.kernels.mla` after validation. An attention program owns one query token
+and ``BLOCK_H`` (16) of its heads: those heads read the same cache rows, so each row tile is loaded
+once for all 16 (a 128-head model reads a token's context 8 times, against 128 times for MHA; there
+is no split of long contexts across programs yet). Scores are ``q_latent · latent + q_pe · k_pe`` (two dots, so
 ``kv_lora_rank`` and the rotary dim are padded to powers of two separately: 512 + 64 stays
 512 + 64, not 1024), the online softmax runs in float32 in the exp2 domain, and the output is
 ``softmax @ latent``, the per-head latents the caller maps through ``W_UV``.
@@ -103,6 +103,30 @@ MLA_BLOCK_N = 16
 def mla_pad(dim: int) -> int:
     """A latent or rotary width padded to a power of two of at least 16."""
     return max(16, triton.next_power_of_2(dim))
+
+
+@triton.jit
+def _write_latent_kernel(latent_ptr, cache_ptr, slot_mapping_ptr, stride_lt, stride_cb, stride_co,
+                         DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:
+        return  # -1: not written (no host sync to filter these out)
+    offs = tl.arange(0, BLOCK_D)
+    row = tl.load(latent_ptr + token.to(tl.int64) * stride_lt + offs, mask=offs < DIM)
+    dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
+    tl.store(dst + offs, row, mask=offs < DIM)
+
+
+def write_latent_triton(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """See :func:`engine.kernels.mla.write_latent` (inputs validated there)."""
+    if latent.shape[0] == 0:
+        return
+    dim = latent.shape[1]
+    _write_latent_kernel[(latent.shape[0],)](
+        latent, cache, slot_mapping, latent.stride(0), cache.stride(0), cache.stride(1),
+        DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_SIZE=cache.shape[1],
+    )  # fmt: skip
 
 
 def mla_attention_triton(

@@ -94,6 +94,8 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
+    # DeepSeek-V3's multi-token-prediction layers: stored after the stack in the checkpoint, not run.
+    num_mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -186,6 +188,8 @@ class ModelConfig:
             o_proj_bias=(not is_qwen2) and llama_bias,
             mla=mla,
             moe=moe,
+            num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or cfg.get("num_mtp_layers") or 0)
+            if arch == "DeepseekV3ForCausalLM" else 0,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             torch_dtype=None if dtype is None else str(dtype),
@@ -226,7 +230,7 @@ class ModelConfig:
         weights are NOT covered: equal fingerprints mean same architecture only.
         """
         fields = asdict(self)
-        for name in ("bos_token_id", "eos_token_ids", "torch_dtype"):
+        for name in ("bos_token_id", "eos_token_ids", "torch_dtype", "num_mtp_layers"):
             fields.pop(name)
         for name in ("mla", "moe"):  # absent for the Llama family: their digests stay as they were
             if fields[name] is None:
@@ -289,7 +293,7 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | YarnRop
     if rope_type in (None, "default"):
         return float(theta), None
     if rope_type == "yarn":
-        return float(theta), YarnRopeScaling.from_dict(scaling)
+        return float(theta), YarnRopeScaling.from_dict(scaling, cfg.get("max_position_embeddings"))
     if rope_type != "llama3":
         raise ValueError(f"rope type {rope_type!r} is not supported (only 'default', 'llama3' and 'yarn')")
     try:

@@ -8,8 +8,8 @@ part) and ``W_UV`` (to the value). Attention runs in one of two forms (``MLAAtte
 * ``"absorbed"``: ``W_UK`` folded into the query (``q_nope @ W_UK``), attention over the latent rows
   themselves, ``W_UV`` applied to the result: no past token is ever decompressed;
 * ``"naive"``: each step decompresses every visible latent to per-head K/V;
-* ``"auto"`` (default): absorbed for decode-only steps, naive for steps with a prefill (a prompt's
-  many queries make the decompressed form the cheaper one).
+* ``"auto"`` (default): absorbed for decodes, naive for prefills and chunks (a prompt's many queries
+  make the decompressed form the cheaper one), per sequence in a mixed step.
 """
 
 from __future__ import annotations
@@ -20,12 +20,19 @@ import torch
 from torch import nn
 
 from pdserve.engine.kernels.metadata import AttentionMetadata
-from pdserve.engine.kernels.mla import mla_attention, mla_attention_naive, write_latent
+from pdserve.engine.kernels.mla import (
+    absorb_query,
+    expand_latent,
+    mla_attention,
+    mla_attention_mixed,
+    mla_attention_naive,
+    write_latent,
+)
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.deepseek_config import YarnRopeScaling
 from pdserve.engine.model.linear import Linear
 from pdserve.engine.model.llama import MLP, DecoderLayer, LlamaForCausalLM, RMSNorm
-from pdserve.engine.model.moe import MoE
+from pdserve.engine.model.moe import MoE, MoEGate
 from pdserve.engine.model.rope import apply_rotary, apply_rotary_interleaved
 
 MLA_FORMS = ("auto", "absorbed", "naive")
@@ -73,14 +80,14 @@ class MLAAttention(nn.Module):
         k_pe = self.rotate(kv_a[:, None, self.rank :], cos, sin)[:, 0]
         write_latent(torch.cat([self.kv_a_layernorm(kv_a[:, : self.rank]), k_pe], dim=-1), cache, meta.slot_mapping)
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)  # per head: W_UK rows, W_UV rows
-        if self.form == "naive" or (self.form == "auto" and meta.max_query_len > 1):
-            out = mla_attention_naive(q_nope, q_pe, cache, w, meta.block_tables, meta.seq_lens,
-                                      meta.query_start_loc, self.scale)  # fmt: skip
-        else:
-            q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w[:, : self.nope])
-            latent = mla_attention(torch.cat([q_latent, q_pe], dim=-1), cache, meta.block_tables, meta.seq_lens,
-                                   meta.query_start_loc, self.scale, self.rank, plan=meta.torch_plan)  # fmt: skip
-            out = torch.einsum("nhr,hvr->nhv", latent, w[:, self.nope :])
+        batch = (meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale)
+        if self.form == "absorbed" or (self.form == "auto" and meta.max_query_len == 1):
+            latent = mla_attention(absorb_query(q_nope, q_pe, w), cache, *batch, self.rank, plan=meta.torch_plan)
+            out = expand_latent(latent, w, self.nope)
+        elif self.form == "naive":
+            out = mla_attention_naive(q_nope, q_pe, cache, w, *batch)
+        else:  # a step with a prefill: its decodes absorbed, its prefills decompressed
+            out = mla_attention_mixed(q_nope, q_pe, cache, w, *batch)
         return self.o_proj(out.reshape(n, h * self.v_dim))
 
 
@@ -105,8 +112,8 @@ class DeepseekForCausalLM(LlamaForCausalLM):
 
     Checkpoint experts come one tensor per expert and projection (``mlp.experts.{e}.gate_proj.weight``,
     the released format) or stacked (``mlp.experts.gate_up_proj``, transformers' in-memory form);
-    both load. V3's multi-token-prediction layers (``model.layers.{num_hidden_layers}...``) are not
-    used for generation and are skipped.
+    both load. V3's multi-token-prediction layers (``model.layers.{num_hidden_layers}...``, as many as
+    ``num_nextn_predict_layers``) are not used for generation and are skipped.
     """
 
     decoder_layer = DeepseekDecoderLayer
@@ -122,6 +129,15 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         if quantized:
             raise ValueError("an FP8 KV cache is not supported for MLA (DeepSeek) models; use kv_cache_dtype='auto'")
         return ()
+
+    @torch.no_grad()
+    def keep_float32(self) -> None:
+        """The MoE router's weight and correction bias stay float32, as in DeepSeek's and transformers'
+        code: rounded to bf16 they pick other experts for a few percent of tokens in every layer."""
+        for module in self.modules():
+            if isinstance(module, MoEGate):
+                for p in module.parameters():
+                    p.data = torch.empty_like(p.data, dtype=torch.float32)
 
     def weight_target(self, name: str, params: dict[str, nn.Parameter]) -> torch.Tensor | None:
         expert = _EXPERT.fullmatch(name)
@@ -149,8 +165,11 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         return None if param is None else param.data
 
     def skip_weight(self, name: str) -> bool:
-        layer = _LAYER.match(name)  # V3's multi-token-prediction layers come after the stack
-        return super().skip_weight(name) or (layer is not None and int(layer[1]) >= self.config.num_hidden_layers)
+        layer = _LAYER.match(name)  # V3's multi-token-prediction layers come right after the stack
+        c = self.config
+        return super().skip_weight(name) or (
+            layer is not None and c.num_hidden_layers <= int(layer[1]) < c.num_hidden_layers + c.num_mtp_layers
+        )
 
     def checkpoint_weight_names(self) -> set[str]:
         names: set[str] = set()

@@ -63,11 +63,19 @@ class YarnRopeScaling:
         return self.get_mscale(self.factor, self.mscale_all_dim) ** 2
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> YarnRopeScaling:
+    def from_dict(cls, d: dict[str, Any], max_position_embeddings: int | None = None) -> YarnRopeScaling:
+        """From a config's rope parameters; a missing ``factor`` is ``max_position_embeddings /
+        original_max_position_embeddings``, as transformers derives it."""
         try:
+            original = int(d["original_max_position_embeddings"])
+            factor = d.get("factor")
+            if factor is None:
+                if max_position_embeddings is None:
+                    raise KeyError("factor")
+                factor = max_position_embeddings / original
             return cls(
-                factor=float(d["factor"]),
-                original_max_position_embeddings=int(d["original_max_position_embeddings"]),
+                factor=float(factor),
+                original_max_position_embeddings=original,
                 beta_fast=float(d.get("beta_fast") or 32),
                 beta_slow=float(d.get("beta_slow") or 1),
                 mscale=float(d.get("mscale") or 0),
@@ -77,6 +85,8 @@ class YarnRopeScaling:
             )
         except KeyError as e:
             raise ValueError(f"yarn rope scaling is missing key {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"yarn rope scaling has a bad value: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -168,21 +178,37 @@ class MoEConfig:
         return layer >= self.first_k_dense_replace
 
 
+def _num(cfg: dict[str, Any], key: str, default: float | None, kind: type = int) -> Any:
+    """``cfg[key]`` as ``kind`` (``default`` when absent or null); ValueError naming the key otherwise."""
+    value = cfg.get(key)
+    if value is None:
+        value = default
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"config.json: {key} must be a number, got {cfg.get(key)!r}") from None
+
+
 def parse_deepseek(cfg: dict[str, Any], arch: str) -> tuple[MLAConfig, MoEConfig]:
-    """The MLA and MoE parts of a DeepSeek-V2/V3 ``config.json``."""
+    """The MLA and MoE parts of a DeepSeek-V2/V3 ``config.json`` (transformers' defaults where a
+    key is absent)."""
     v3 = arch == "DeepseekV3ForCausalLM"
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?") if isinstance(cfg["quantization_config"], dict) else "?"
+        raise ValueError(f"quantized checkpoints are not supported (quantization_config: {method}); "
+                         "use a bf16 or float32 checkpoint")  # fmt: skip
     q_lora = cfg.get("q_lora_rank")
     mla = MLAConfig(
-        q_lora_rank=None if q_lora is None else int(q_lora),
-        kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
-        qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)),
-        qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)),
-        v_head_dim=int(cfg.get("v_head_dim") or 128),
+        q_lora_rank=None if q_lora is None else _num(cfg, "q_lora_rank", None),
+        kv_lora_rank=_num(cfg, "kv_lora_rank", 512),
+        qk_nope_head_dim=_num(cfg, "qk_nope_head_dim", 128),
+        qk_rope_head_dim=_num(cfg, "qk_rope_head_dim", 64),
+        v_head_dim=_num(cfg, "v_head_dim", 128),
         rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
     )
     if int(cfg.get("moe_layer_freq", 1)) != 1:
         raise ValueError(f"moe_layer_freq {cfg['moe_layer_freq']} is not supported (only 1)")
-    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
+    experts = _num(cfg, "n_routed_experts", cfg.get("num_local_experts") or (256 if v3 else 64))
     if v3:
         method = cfg.get("topk_method", "noaux_tc")
         scoring = cfg.get("scoring_func", "sigmoid")
@@ -201,15 +227,15 @@ def parse_deepseek(cfg: dict[str, Any], arch: str) -> tuple[MLAConfig, MoEConfig
         raise ValueError("DeepSeek-V2 with norm_topk_prob=true is not supported (implementations disagree on it)")
     moe = MoEConfig(
         n_routed_experts=experts,
-        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
-        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
-        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+        num_experts_per_tok=_num(cfg, "num_experts_per_tok", 8 if v3 else 0),
+        moe_intermediate_size=_num(cfg, "moe_intermediate_size", 2048 if v3 else 1407),
+        n_shared_experts=_num(cfg, "n_shared_experts", 1 if v3 else 2),
+        first_k_dense_replace=_num(cfg, "first_k_dense_replace", 3 if v3 else 0),
         topk_method=method,
         scoring=scoring,
-        n_group=int(cfg.get("n_group") or 1) if grouped else 1,
-        topk_group=int(cfg.get("topk_group") or 1) if grouped else 1,
+        n_group=_num(cfg, "n_group", 8 if v3 else 1) if grouped else 1,
+        topk_group=_num(cfg, "topk_group", 4 if v3 else 1) if grouped else 1,
         norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
+        routed_scaling_factor=_num(cfg, "routed_scaling_factor", 2.5 if v3 else 1.0, float),
     )
     return mla, moe

@@ -247,6 +247,10 @@ class LlamaForCausalLM(nn.Module):
         sizes = self._shard_sizes[fused]
         return param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
 
+    def keep_float32(self) -> None:
+        """Put back in float32 the parameters that must not lose precision in a bf16/fp16 model
+        (called by the loader after the cast, before the weights are read). None here."""
+
     def skip_weight(self, name: str) -> bool:
         """Checkpoint weights read and dropped: ``*.rotary_emb.inv_freq`` (old checkpoints) and
         ``lm_head.weight`` when embeddings are tied (it duplicates the embedding)."""

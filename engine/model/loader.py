@@ -63,9 +63,9 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def check_model(path: str | Path) -> None:
+def check_model(path: str | Path, kv_cache_dtype: str = "auto") -> None:
     """FileNotFoundError / ValueError naming what is missing or unsupported, before any weight is read."""
-    ModelConfig.from_path(path)
+    check_kv_cache_dtype(ModelConfig.from_path(path), kv_cache_dtype)
     if not str(path).endswith(".gguf"):
         weight_files(path)
     load_tokenizer(path)
@@ -100,10 +100,18 @@ def load_model(
     with torch.device("meta"):
         model = model_class(config)(config)
     model = model.to(dtype=dtype).to_empty(device=device)
+    model.keep_float32()
     model.model.rotary_emb.rebuild()
     model.load_weights(weights)
     model.requires_grad_(False)
     return model.eval()
+
+
+def check_kv_cache_dtype(config: ModelConfig, kv_cache_dtype: str) -> None:
+    """ValueError when the model cannot use this KV-cache dtype (an FP8 cache for an MLA model)."""
+    if config.mla is not None and kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: an FP8 KV cache is not supported for MLA (DeepSeek) "
+                         "models; use kv_cache_dtype='auto'")  # fmt: skip
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -31,7 +31,7 @@ class MoEGate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights float32 [n, k], expert ids int64 [n, k])`` for ``x [n, hidden]``."""
         m = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.weight.float())  # float32 parameters (keep_float32), float32 scores
         scores = logits.softmax(dim=-1) if m.scoring == "softmax" else logits.sigmoid()
         k = m.num_experts_per_tok
         if m.topk_method == "greedy":

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from pdserve import LLM, SamplingParams
 from pdserve.engine.model import ModelConfig, load_model
 from pdserve.engine.model.deepseek import DeepseekForCausalLM
+from pdserve.engine.model.loader import check_model
 from tests.engine.test_engine import assert_idle, hf_greedy
 from tests.support.deepseek_models import DEEPSEEK_VARIANTS, make_deepseek_checkpoint
 from tests.support.models import PagedRunner, hf_logits, load_hf_reference, paged_prefill_logits
@@ -116,9 +117,42 @@ def test_prefix_hits_and_preemption_match(checkpoints: dict, references: dict) -
     assert_idle(tight)
 
 
-def test_fp8_cache_is_refused_clearly(checkpoints: dict) -> None:
+def test_fp8_cache_is_refused_before_weights_load(checkpoints: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pdserve.engine.engine as engine_module
+
+    def no_load(*_a, **_k):
+        raise AssertionError("weights were read before the KV-cache dtype was checked")
+
+    monkeypatch.setattr(engine_module, "load_model", no_load)
     with pytest.raises(ValueError, match="FP8 KV cache is not supported for MLA"):
         LLM(str(checkpoints["v3"]), num_blocks=8, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="FP8 KV cache is not supported for MLA"):
+        check_model(checkpoints["v3"], "fp8_e5m2")  # what `up` runs before it starts any worker
+    check_model(checkpoints["v3"])
+
+
+def test_router_gate_stays_float32_in_a_bf16_model(checkpoints: dict) -> None:
+    """Rounded to bf16 the router's weight and correction bias would pick other experts."""
+    model = load_model(checkpoints["v3"], dtype=torch.bfloat16)
+    weights = load_file(checkpoints["v3"] / "model.safetensors")
+    gate = model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert gate.weight.equal(weights["model.layers.1.mlp.gate.weight"])
+    assert gate.e_score_correction_bias.equal(weights["model.layers.1.mlp.gate.e_score_correction_bias"])
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["v2", "v3"])
+def test_cuda_engine_matches_transformers(variant: str, checkpoints: dict, references: dict) -> None:
+    """The engine on the GPU (Triton MLA kernels, float32): HF's greedy tokens on the CPU."""
+    llm = LLM(str(checkpoints[variant]), num_blocks=64, block_size=16, device="cuda", dtype="float32",
+              max_num_batched_tokens=24)  # fmt: skip
+    ps = [_prompt(n, seed=n) for n in (1, 7, 17, 33, 50)]
+    outs = llm.generate(ps, GREEDY)
+    same = sum(o.token_ids == hf_greedy(references[variant], p, NEW_TOKENS) for p, o in zip(ps, outs))
+    assert same >= len(ps) - 1  # TF32 or reduction order may flip one near-tie
+    assert_idle(llm)
 
 
 # ------------------------------------------------------------------ config and weights
@@ -145,7 +179,10 @@ def test_config_fields(checkpoints: dict) -> None:
         ({"topk_method": "noaux_tc"}, "DeepSeek-V2 routes"),
         ({"n_group": 3}, "divisible by n_group"),
         ({"qk_rope_head_dim": 7}, "even"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "missing key 'factor'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "missing key 'original_max"),
+        ({"kv_lora_rank": None, "q_lora_rank": "x"}, "q_lora_rank must be a number"),
+        ({"routed_scaling_factor": "big"}, "routed_scaling_factor must be a number"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantized checkpoints are not supported"),
     ],
 )
 def test_bad_v2_configs_fail_at_load(edit: dict, message: str, checkpoints: dict) -> None:
@@ -169,7 +206,7 @@ def test_stacked_experts_and_mtp_layers_load(checkpoints: dict, tmp_path: Path, 
         stacked[f"{pre}.gate_up_proj"] = torch.stack(
             [torch.cat([weights[f"{pre}.{e}.gate_proj.weight"], weights[f"{pre}.{e}.up_proj.weight"]]) for e in range(8)])
         stacked[f"{pre}.down_proj"] = torch.stack([weights[f"{pre}.{e}.down_proj.weight"] for e in range(8)])
-    stacked["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(40, 64)  # an MTP layer
+    stacked["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(40, 64)  # the MTP layer
     out = tmp_path / "stacked"
     out.mkdir()
     for f in ("config.json", "tokenizer.json"):
@@ -177,7 +214,26 @@ def test_stacked_experts_and_mtp_layers_load(checkpoints: dict, tmp_path: Path, 
     save_file(stacked, out / "model.safetensors")
     ids = _prompt(20, seed=4)
     torch.testing.assert_close(paged_prefill_logits(load_model(out), ids, 4), hf_logits(references["v3"], ids), **TOL)
+    # Past the one MTP layer (num_nextn_predict_layers: 1) a layer is not skipped but reported.
+    stacked["model.layers.4.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(40, 64)
+    save_file(stacked, out / "model.safetensors")
+    with pytest.raises(ValueError, match=r"unexpected 1 weight\(s\): model\.layers\.4\."):
+        load_model(out)
     del weights["model.layers.2.mlp.experts.5.up_proj.weight"]
     save_file(weights, out / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing 1 weight\(s\): model\.layers\.2\.mlp\.experts\.5\.up_proj"):
         load_model(out)
+
+
+def test_v3_routing_defaults_follow_transformers(checkpoints: dict) -> None:
+    """Keys a V3 config may leave out take transformers' defaults; a missing yarn factor is
+    max_position_embeddings / original_max_position_embeddings."""
+    raw = json.loads((checkpoints["v3"] / "config.json").read_text())
+    for key in ("n_group", "topk_group", "routed_scaling_factor"):
+        raw.pop(key)
+    raw["n_routed_experts"] = 16
+    raw["rope_parameters"].pop("factor")
+    cfg = ModelConfig.from_dict(raw)
+    assert (cfg.moe.n_group, cfg.moe.topk_group, cfg.moe.routed_scaling_factor) == (8, 4, 2.5)
+    assert cfg.rope_scaling.factor == raw["max_position_embeddings"] / 128
+    assert cfg.num_mtp_layers == 1

@@ -15,7 +15,14 @@ TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if TRITON_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from pdserve.engine.kernels.mla import mla_attention, mla_attention_naive, write_latent
+from pdserve.engine.kernels.mla import (
+    absorb_query,
+    expand_latent,
+    mla_attention,
+    mla_attention_mixed,
+    mla_attention_naive,
+    write_latent,
+)
 from pdserve.engine.kernels.mla_reference import mla_absorbed_ref, mla_naive_ref, write_latent_ref
 from pdserve.engine.kernels.torch_paged import plan_attention
 
@@ -36,7 +43,7 @@ class MLABatch:
 
     @property
     def q_absorbed(self) -> torch.Tensor:
-        """``[q_nope @ W_UK | q_pe]``: the absorbed form's query."""
+        """``[q_nope @ W_UK | q_pe]``: the absorbed form's query, written out here."""
         nope = self.q_nope.shape[2]
         q_latent = torch.einsum("nhd,hdr->nhr", self.q_nope, self.w_kv_b[:, :nope])
         return torch.cat([q_latent, self.q_pe], dim=-1).contiguous()
@@ -99,6 +106,20 @@ def test_naive_and_absorbed_references_agree() -> None:
     absorbed = torch.einsum("nhr,hvr->nhv", latent, b.w_kv_b[:, b.q_nope.shape[2] :])
     torch.testing.assert_close(absorbed, naive, atol=1e-5, rtol=1e-5)
     assert not naive.isnan().any()
+    # The helpers the model uses compute the same absorption.
+    torch.testing.assert_close(absorb_query(b.q_nope, b.q_pe, b.w_kv_b), b.q_absorbed)
+    torch.testing.assert_close(expand_latent(latent, b.w_kv_b, b.q_nope.shape[2]), absorbed)
+
+
+@pytest.mark.parametrize("impl", [None, "triton"])
+def test_mixed_form_matches_naive_reference(impl: str | None) -> None:
+    """Decodes absorbed, prefills decompressed, in one batch: the naive reference's result."""
+    b = make_mla_batch(MIXED, block_size=5, seed=11, padding_rows=1)
+    want = mla_naive_ref(b.q_nope, b.q_pe, b.cache, b.w_kv_b, *b.meta(), b.scale)
+    d = b if impl is None else b.to(TRITON_DEVICE)
+    got = mla_attention_mixed(d.q_nope, d.q_pe, d.cache, d.w_kv_b, *d.meta(), d.scale, impl=impl)
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+    assert not got[-1].any()
 
 
 def test_reference_is_plain_attention_over_decompressed_kv() -> None:
@@ -165,18 +186,20 @@ def test_triton_bfloat16() -> None:
     torch.testing.assert_close(got.float().cpu(), want, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("impl", ["torch", "reference"])
+@pytest.mark.parametrize("impl", ["torch", "reference", "triton"])
 def test_write_latent(impl: str) -> None:
+    device = TRITON_DEVICE if impl == "triton" else "cpu"
     g = torch.Generator().manual_seed(1)
     kv = torch.zeros(6, NUM_LAYERS, 1, 4, 1, 10)
-    cache = kv[:, LAYER, 0]
     rows = torch.randn(5, 10, generator=g)
     slots = torch.tensor([3, -1, 17, 8, 0], dtype=torch.int64)
-    write_latent(rows, cache, slots, impl=impl)
+    kv_d = kv.to(device)
+    write_latent(rows.to(device), kv_d[:, LAYER, 0], slots.to(device), impl=impl)
+    cache = kv_d[:, LAYER, 0].cpu()
     expected = torch.zeros(6, 4, 1, 10)
     write_latent_ref(rows, expected, slots)
     torch.testing.assert_close(cache, expected)
-    assert cache[0, 3, 0].equal(rows[0]) and cache[4, 1, 0].equal(rows[2]) and not kv[:, 0].any()
+    assert cache[0, 3, 0].equal(rows[0]) and cache[4, 1, 0].equal(rows[2]) and not kv_d[:, 0].any()
 
 
 @pytest.mark.parametrize("breaker", ["q_width", "cache_heads", "rank", "dtype", "tables_dtype", "impl"])
@@ -187,7 +210,7 @@ def test_mla_attention_rejects_bad_inputs(breaker: str) -> None:
     if breaker == "q_width":
         q = q[..., :-1].contiguous()
     elif breaker == "cache_heads":
-        cache = cache.expand(-1, -1, 2, -1)
+        cache = torch.zeros(*cache.shape[:2], 2, cache.shape[3])  # contiguous: only the head count is wrong
     elif breaker == "rank":
         rank = cache.shape[-1]
     elif breaker == "dtype":
@@ -196,8 +219,16 @@ def test_mla_attention_rejects_bad_inputs(breaker: str) -> None:
         tables = tables.long()
     else:
         impl = "cuda-magic"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match={"q_width": "q must be", "cache_heads": "one row per token",
+                                          "rank": "kv_lora_rank", "dtype": "float16, bfloat16 or float32",
+                                          "tables_dtype": "block_tables", "impl": "impl"}[breaker]):  # fmt: skip
         mla_attention(q, cache, tables, lens, qsl, b.scale, rank, impl=impl)
+
+
+def test_naive_form_has_no_triton_kernel() -> None:
+    b = make_mla_batch([(3, 1)])
+    with pytest.raises(ValueError, match="naive form"):
+        mla_attention_naive(b.q_nope, b.q_pe, b.cache, b.w_kv_b, *b.meta(), b.scale, impl="triton")
 
 
 def test_write_latent_rejects_bad_rows() -> None:
