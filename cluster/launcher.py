@@ -80,7 +80,7 @@ class Service:
     def _start(self) -> tuple[str, str]:
         c = self.config
         if self.model_dir is not None:
-            check_model(self.model_dir, c.engine.cache.kv_cache_dtype)  # here, not as a worker dying at start-up
+            check_model(self.model_dir)  # here, not as a worker actor dying during start-up
         if self.model_dir is None:
             from pdserve.engine.model import make_tiny_model
 

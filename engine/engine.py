@@ -28,7 +28,6 @@ from pdserve.engine.kvcache.events import EventSink
 from pdserve.engine.kvcache.manager import KVCacheManager
 from pdserve.engine.limits import RequestLimits
 from pdserve.engine.model import ModelConfig, load_model, load_tokenizer
-from pdserve.engine.model.loader import check_kv_cache_dtype
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
@@ -129,7 +128,6 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         dtype = _DTYPES[config.dtype] if config.dtype else None
         self.model_config = mc = ModelConfig.from_path(config.model)
-        check_kv_cache_dtype(mc, config.cache.kv_cache_dtype)  # before any weight is read
         self.tokenizer = load_tokenizer(config.model)
         # EOS: the model config's, and generation_config.json's where it names more (Llama 3 instruct).
         self.eos_token_ids = tuple(dict.fromkeys(

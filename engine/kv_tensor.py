@@ -28,9 +28,9 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: torch.dtype  # what the cache stores: the model's dtype, or an FP8 format
-    # An FP8 cache's scales, (k_scale, v_scale) of each layer in turn: stored value * scale is
-    # the K or V value. Empty for a float cache. Part of the layout: bytes written under one
-    # set of scales mean something else under another.
+    # An FP8 cache's scales, one per plane of each layer in turn ((k_scale, v_scale), or the
+    # latent's one scale for MLA): stored value * scale is the value. Empty for a float cache.
+    # Part of the layout: bytes written under one set of scales mean something else under another.
     kv_scales: tuple[float, ...] = ()
     kind: str = "mha"  # "mha": K and V per head; "mla": one latent row per token
     rope_dim: int = 0  # "mla": the trailing rotary values of a row
@@ -46,14 +46,16 @@ class KVLayout:
                              f"num_kv_heads={self.num_kv_heads}, rope_dim={self.rope_dim}, head_dim={self.head_dim}")
         if self.kind == "mha" and self.rope_dim:
             raise ValueError("rope_dim is for MLA layouts only")
-        if self.kv_scales and len(self.kv_scales) != 2 * self.num_layers:
-            raise ValueError(f"kv_scales must hold 2 per layer ({2 * self.num_layers}), got {len(self.kv_scales)}")
+        if self.kv_scales and len(self.kv_scales) != self.planes * self.num_layers:
+            raise ValueError(f"kv_scales must hold {self.planes} per layer ({self.planes * self.num_layers}), "
+                             f"got {len(self.kv_scales)}")  # fmt: skip
 
-    def layer_scales(self, layer: int) -> tuple[float, float]:
-        """(k_scale, v_scale) of one layer (1.0, 1.0 for a float cache)."""
+    def layer_scales(self, layer: int) -> tuple[float, ...]:
+        """The scales of one layer's planes: (k_scale, v_scale), or (scale,) for MLA; 1.0 each for a
+        float cache."""
         if not self.kv_scales:
-            return 1.0, 1.0
-        return self.kv_scales[2 * layer], self.kv_scales[2 * layer + 1]
+            return (1.0,) * self.planes
+        return tuple(self.kv_scales[self.planes * layer : self.planes * (layer + 1)])
 
     @property
     def planes(self) -> int:

@@ -35,7 +35,7 @@ from pdserve.engine.kernels import triton_kernels as tk  # noqa: E402
 DIVISIBLE_BY_16 = {"stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h", "stride_kc_b", "stride_kc_o",
                    "stride_kc_h", "stride_vc_b", "stride_vc_o", "stride_vc_h", "stride_bt_s", "stride_key_t",
                    "stride_key_h", "stride_value_t", "stride_value_h", "stride_qt", "stride_qh", "stride_cb",
-                   "stride_co", "stride_ot", "stride_oh", "stride_bt"}
+                   "stride_co", "stride_ot", "stride_oh", "stride_bt", "stride_lt"}
 
 # Shared memory one thread block may use (opt-in maximum), by compute capability.
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
@@ -107,13 +107,20 @@ def configs(quick: bool) -> list[tuple[str, triton.JITFunction, dict[str, str], 
         ptrs = dict(out_ptr=f"*{dt}", acc_part_ptr="*fp32", ml_part_ptr="*fp32", query_start_loc_ptr="*i32")
         sig = _signature(tk._merge_segments_kernel, ptrs, (), ("v_scale",), consts)
         out.append((f"merge {dt} hd{head_dim}", tk._merge_segments_kernel, sig, consts))
-    for dt, (rank, rope) in itertools.product(dtypes, MLA_SHAPES[:1] if quick else MLA_SHAPES):
+    mla_pairs = [(dt, dt) for dt in dtypes] + [("bf16", "fp8e4nv"), ("bf16", "fp8e5")]
+    for (dt, cache), (rank, rope) in itertools.product(mla_pairs, MLA_SHAPES[:1] if quick else MLA_SHAPES):
+        fp8 = cache.startswith("fp8")
         consts = dict(RANK=rank, ROPE=rope, BLOCK_SIZE=16, BLOCK_H=mt.MLA_BLOCK_H, BLOCK_L=mt.mla_pad(rank),
-                      BLOCK_R=mt.mla_pad(rope), BLOCK_N=mt.MLA_BLOCK_N, DOT_F32=dt == "fp32")  # fmt: skip
-        ptrs = dict(q_ptr=f"*{dt}", cache_ptr=f"*{dt}", out_ptr=f"*{dt}", block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                    query_start_loc_ptr="*i32")  # fmt: skip
-        sig = _signature(mt._mla_decode_kernel, ptrs, ("stride_cb",), ("qk_scale",), consts)
-        out.append((f"mla {dt} rank{rank} rope{rope}", mt._mla_decode_kernel, sig, consts))
+                      BLOCK_R=mt.mla_pad(rope), BLOCK_N=mt.MLA_BLOCK_N, DOT_F32=dt == "fp32", KV_FP8=fp8)  # fmt: skip
+        ptrs = dict(q_ptr=f"*{dt}", cache_ptr=f"*{cache}", out_ptr=f"*{dt}", block_tables_ptr="*i32",
+                    seq_lens_ptr="*i32", query_start_loc_ptr="*i32")  # fmt: skip
+        sig = _signature(mt._mla_decode_kernel, ptrs, ("stride_cb",), ("qk_scale", "kv_scale"), consts)
+        kv_label = f" kv-{cache}" if fp8 else ""
+        out.append((f"mla {dt}{kv_label} rank{rank} rope{rope}", mt._mla_decode_kernel, sig, consts))
+        consts = dict(DIM=rank + rope, BLOCK_D=triton.next_power_of_2(rank + rope), BLOCK_SIZE=16)
+        ptrs = dict(latent_ptr=f"*{cache}", cache_ptr=f"*{cache}", slot_mapping_ptr="*i64")
+        sig = _signature(mt._write_latent_kernel, ptrs, ("stride_cb",), (), consts)
+        out.append((f"write_latent {cache} dim{rank + rope}", mt._write_latent_kernel, sig, consts))
     unique: dict[tuple, tuple] = {}
     for entry in out:
         _, fn, sig, consts = entry

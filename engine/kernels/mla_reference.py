@@ -3,7 +3,8 @@
 A latent cache row (one token of one layer) is ``[kv_lora_rank latent | qk_rope_head_dim rotary
 key]``; caches are ``[num_blocks, block_size, 1, kv_lora_rank + rope_dim]``. Batch semantics are
 those of :class:`engine.kernels.metadata.AttentionMetadata`. Both forms loop over sequences and
-compute in float32; tests hold the fast paths to them and each form to the other.
+compute in float32; tests hold the fast paths to them and each form to the other. An FP8 cache
+stores ``quantize(row, kv_scale)`` (:mod:`engine.kernels.quant`) and is read as ``stored * kv_scale``.
 
 * naive: every visible token's latent is decompressed through ``W_UK``/``W_UV`` (the rows of
   ``kv_b_proj``) to per-head K and V, then standard attention;
@@ -16,16 +17,24 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.kernels.quant import dequantize, is_fp8, quantize
 from pdserve.engine.kernels.reference import gather_seq_kv
 
 
-def write_latent_ref(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_latent_ref(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     kv_scale: float = 1.0) -> None:  # fmt: skip
     """Write ``latent [num_tokens, D]`` rows to their slots (``-1`` skips a token)."""
     block_size = cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:
             block_id, offset = divmod(slot, block_size)
-            cache[block_id, offset, 0] = latent[t]
+            row = quantize(latent[t], kv_scale, cache.dtype) if is_fp8(cache.dtype) else latent[t]
+            cache[block_id, offset, 0] = row
+
+
+def _rows(cache: torch.Tensor, table_row: torch.Tensor, seq_len: int, kv_scale: float) -> torch.Tensor:
+    """A sequence's cache rows ``[seq_len, D]`` in float32 (dequantized)."""
+    return dequantize(gather_seq_kv(cache, table_row, seq_len)[:, 0], kv_scale, torch.float32)
 
 
 def _causal_softmax(scores: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -54,6 +63,7 @@ def mla_naive_ref(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decompressed MLA: ``[num_tokens, H, v_head_dim]`` in ``q_nope.dtype``.
 
@@ -66,7 +76,7 @@ def mla_naive_ref(
     w = w_kv_b.float()
     out = torch.zeros((*q_nope.shape[:2], w_kv_b.shape[1] - nope), dtype=torch.float32, device=q_nope.device)
     for s, start, end, seq_len in _sequences(seq_lens, query_start_loc):
-        rows = gather_seq_kv(cache, block_tables[s], seq_len)[:, 0].float()  # [L, rank + rope]
+        rows = _rows(cache, block_tables[s], seq_len, kv_scale)  # [L, rank + rope]
         kv = torch.einsum("lr,hdr->hld", rows[:, :rank], w)  # [H, L, nope + v]
         k = torch.cat([kv[..., :nope], rows[None, :, rank:].expand(num_heads, -1, -1)], dim=-1)
         q = torch.cat([q_nope[start:end], q_pe[start:end]], dim=-1).float().transpose(0, 1)  # [H, q_len, D]
@@ -83,13 +93,14 @@ def mla_absorbed_ref(
     query_start_loc: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Absorbed MLA: ``q [num_tokens, H, kv_lora_rank + rope_dim]`` (``q_nope @ W_UK`` then the
     rotated ``q_pe``) against the cache rows; returns per-head latents ``[num_tokens, H,
     kv_lora_rank]`` in ``q.dtype`` (rows owned by no sequence are zero)."""
     out = torch.zeros((*q.shape[:2], kv_lora_rank), dtype=torch.float32, device=q.device)
     for s, start, end, seq_len in _sequences(seq_lens, query_start_loc):
-        rows = gather_seq_kv(cache, block_tables[s], seq_len)[:, 0].float()  # [L, D]
+        rows = _rows(cache, block_tables[s], seq_len, kv_scale)  # [L, D]
         qs = q[start:end].float().transpose(0, 1)  # [H, q_len, D]
         probs = _causal_softmax((qs @ rows.T) * scale, seq_len)
         out[start:end] = (probs @ rows[:, :kv_lora_rank]).transpose(0, 1)

@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from pdserve.engine.kernels.quant import is_fp8
+
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(-big - m) is 0, never NaN
 
@@ -28,11 +30,11 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(-big - m) is 0
 @triton.jit
 def _mla_decode_kernel(
     q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, num_heads, qk_scale,
+    num_seqs, num_heads, qk_scale, kv_scale,
     stride_qt, stride_qh, stride_cb, stride_co, stride_ot, stride_oh, stride_bt,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
     head0 = tl.program_id(1) * BLOCK_H
@@ -75,6 +77,9 @@ def _mla_decode_kernel(
         lat = tl.load(row[:, None] + offs_l[None, :], mask=n_ok[:, None] & l_ok[None, :], other=0.0)
         # The rotary part loaded transposed [BLOCK_R, BLOCK_N] for q_pe @ k_pe^T.
         k_pe = tl.load(row[None, :] + RANK + offs_r[:, None], mask=n_ok[None, :] & r_ok[:, None], other=0.0)
+        if KV_FP8:  # dequantized to the query's dtype; kv_scale is folded into qk_scale and the output
+            lat = lat.to(q_ptr.dtype.element_ty)
+            k_pe = k_pe.to(q_ptr.dtype.element_ty)
         if DOT_F32:
             lat = lat.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
@@ -87,7 +92,7 @@ def _mla_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision="ieee")
         m_i = m_new
-    acc = acc / l_i[:, None]
+    acc = acc * (kv_scale / l_i[:, None])
     out = out_ptr + token.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_l[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & l_ok[None, :])
 
@@ -137,6 +142,7 @@ def mla_attention_triton(
     query_start_loc: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """See :func:`engine.kernels.mla.mla_attention` (inputs validated there)."""
     num_tokens, num_heads, dim = q.shape
@@ -148,12 +154,12 @@ def mla_attention_triton(
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     _mla_decode_kernel[grid](
         q, cache, out, block_tables, seq_lens, query_start_loc,
-        block_tables.shape[0], num_heads, scale * _LOG2E,
+        block_tables.shape[0], num_heads, scale * kv_scale * _LOG2E, kv_scale,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0),
         RANK=kv_lora_rank, ROPE=rope, BLOCK_SIZE=cache.shape[1], BLOCK_H=block_h,
         BLOCK_L=mla_pad(kv_lora_rank), BLOCK_R=mla_pad(rope), BLOCK_N=MLA_BLOCK_N,
         # The CPU interpreter's bfloat16 dot is wrong: interpreted, dots run in float32.
-        DOT_F32=q.dtype == torch.float32 or _INTERPRETED,
+        DOT_F32=q.dtype == torch.float32 or _INTERPRETED, KV_FP8=is_fp8(cache.dtype),
     )  # fmt: skip
     return out

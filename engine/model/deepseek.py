@@ -14,6 +14,7 @@ part) and ``W_UV`` (to the value). Attention runs in one of two forms (``MLAAtte
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -51,6 +52,7 @@ class MLAAttention(nn.Module):
         self.rank, self.nope, self.rope, self.v_dim = (mla.kv_lora_rank, mla.qk_nope_head_dim,
                                                        mla.qk_rope_head_dim, mla.v_head_dim)  # fmt: skip
         self.form = "auto"
+        self.kv_scale = 1.0  # an FP8 cache's scale (DeepseekForCausalLM.kv_scales); 1.0 otherwise
         self.rotate = apply_rotary_interleaved if mla.rope_interleave else apply_rotary
         hidden, bias = config.hidden_size, config.attention_bias
         if mla.q_lora_rank is None:
@@ -78,16 +80,18 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q[..., : self.nope], self.rotate(q[..., self.nope :], cos, sin)
         kv_a = self.kv_a_proj_with_mqa(x)
         k_pe = self.rotate(kv_a[:, None, self.rank :], cos, sin)[:, 0]
-        write_latent(torch.cat([self.kv_a_layernorm(kv_a[:, : self.rank]), k_pe], dim=-1), cache, meta.slot_mapping)
+        write_latent(torch.cat([self.kv_a_layernorm(kv_a[:, : self.rank]), k_pe], dim=-1), cache, meta.slot_mapping,
+                     kv_scale=self.kv_scale)  # fmt: skip
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)  # per head: W_UK rows, W_UV rows
         batch = (meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale)
         if self.form == "absorbed" or (self.form == "auto" and meta.max_query_len == 1):
-            latent = mla_attention(absorb_query(q_nope, q_pe, w), cache, *batch, self.rank, plan=meta.torch_plan)
+            latent = mla_attention(absorb_query(q_nope, q_pe, w), cache, *batch, self.rank, plan=meta.torch_plan,
+                                   kv_scale=self.kv_scale)  # fmt: skip
             out = expand_latent(latent, w, self.nope)
         elif self.form == "naive":
-            out = mla_attention_naive(q_nope, q_pe, cache, w, *batch)
+            out = mla_attention_naive(q_nope, q_pe, cache, w, *batch, kv_scale=self.kv_scale)
         else:  # a step with a prefill: its decodes absorbed, its prefills decompressed
-            out = mla_attention_mixed(q_nope, q_pe, cache, w, *batch)
+            out = mla_attention_mixed(q_nope, q_pe, cache, w, *batch, kv_scale=self.kv_scale)
         return self.o_proj(out.reshape(n, h * self.v_dim))
 
 
@@ -126,9 +130,18 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             layer.self_attn.form = form
 
     def kv_scales(self, quantized: bool) -> tuple[float, ...]:
-        if quantized:
-            raise ValueError("an FP8 KV cache is not supported for MLA (DeepSeek) models; use kv_cache_dtype='auto'")
-        return ()
+        """One scale per layer for an FP8 cache of latent rows: the checkpoint's ``self_attn.k_scale``
+        where it has one (vLLM reads an MLA cache with it), else 1.0; empty for a float cache. Also
+        sets them on the attention layers."""
+        found = getattr(self, "checkpoint_kv_scales", {})
+        scales: list[float] = []
+        for i, layer in enumerate(self.model.layers):
+            value = found.get((i, "k"), 1.0) if quantized else 1.0
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"layer {i}: KV-cache scale {value} must be a finite number > 0")
+            layer.self_attn.kv_scale = value
+            scales.append(value)
+        return tuple(scales) if quantized else ()
 
     @torch.no_grad()
     def keep_float32(self) -> None:

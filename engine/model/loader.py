@@ -63,9 +63,9 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def check_model(path: str | Path, kv_cache_dtype: str = "auto") -> None:
+def check_model(path: str | Path) -> None:
     """FileNotFoundError / ValueError naming what is missing or unsupported, before any weight is read."""
-    check_kv_cache_dtype(ModelConfig.from_path(path), kv_cache_dtype)
+    ModelConfig.from_path(path)
     if not str(path).endswith(".gguf"):
         weight_files(path)
     load_tokenizer(path)
@@ -105,13 +105,6 @@ def load_model(
     model.load_weights(weights)
     model.requires_grad_(False)
     return model.eval()
-
-
-def check_kv_cache_dtype(config: ModelConfig, kv_cache_dtype: str) -> None:
-    """ValueError when the model cannot use this KV-cache dtype (an FP8 cache for an MLA model)."""
-    if config.mla is not None and kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: an FP8 KV cache is not supported for MLA (DeepSeek) "
-                         "models; use kv_cache_dtype='auto'")  # fmt: skip
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

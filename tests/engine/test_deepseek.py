@@ -13,7 +13,6 @@ from safetensors.torch import load_file, save_file
 from pdserve import LLM, SamplingParams
 from pdserve.engine.model import ModelConfig, load_model
 from pdserve.engine.model.deepseek import DeepseekForCausalLM
-from pdserve.engine.model.loader import check_model
 from tests.engine.test_engine import assert_idle, hf_greedy
 from tests.support.deepseek_models import DEEPSEEK_VARIANTS, make_deepseek_checkpoint
 from tests.support.models import PagedRunner, hf_logits, load_hf_reference, paged_prefill_logits
@@ -117,18 +116,42 @@ def test_prefix_hits_and_preemption_match(checkpoints: dict, references: dict) -
     assert_idle(tight)
 
 
-def test_fp8_cache_is_refused_before_weights_load(checkpoints: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pdserve.engine.engine as engine_module
-
-    def no_load(*_a, **_k):
-        raise AssertionError("weights were read before the KV-cache dtype was checked")
-
-    monkeypatch.setattr(engine_module, "load_model", no_load)
-    with pytest.raises(ValueError, match="FP8 KV cache is not supported for MLA"):
-        LLM(str(checkpoints["v3"]), num_blocks=8, kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="FP8 KV cache is not supported for MLA"):
-        check_model(checkpoints["v3"], "fp8_e5m2")  # what `up` runs before it starts any worker
-    check_model(checkpoints["v3"])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_latent_cache_with_checkpoint_scales(fp8: torch.dtype, checkpoints: dict, references: dict,
+                                                 tmp_path: Path) -> None:  # fmt: skip
+    """Latent rows stored in FP8 under the checkpoint's per-layer ``self_attn.k_scale`` (0.5 here):
+    every attention form reads the same values back, and the logits stay near transformers'."""
+    src = checkpoints["v3"]
+    weights = load_file(src / "model.safetensors")
+    weights.update({f"model.layers.{i}.self_attn.k_scale": torch.tensor(0.5) for i in range(3)})
+    out = tmp_path / "scaled"
+    out.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        (out / f).write_bytes((src / f).read_bytes())
+    save_file(weights, out / "model.safetensors")
+    model = load_model(out)
+    assert model.kv_scales(quantized=True) == (0.5, 0.5, 0.5)
+    ids = _prompt(45, seed=2)
+    expected = hf_logits(references["v3"], ids)
+    got = {}
+    for form in ("absorbed", "naive", "auto"):
+        model.set_mla_form(form)
+        runner = PagedRunner(model, block_size=4, seed=5)
+        runner.kv_cache = torch.zeros(runner.kv_cache.shape, dtype=fp8)
+        got[form] = torch.cat([runner.step([(0, p)]) for p in [ids[:17], ids[17:40]] + [[t] for t in ids[40:]]])
+    for form in ("absorbed", "naive"):
+        torch.testing.assert_close(got[form], got["auto"], **TOL)
+    # Quantization moves the logits of this unit-scale random model by about 11% (mean, both
+    # formats); latents written or read wrongly (zeros, the wrong rows) move them by far more.
+    err = (got["auto"] - expected).abs().mean().item() / expected.abs().mean().item()
+    top1 = (got["auto"].argmax(-1) == expected.argmax(-1)).float().mean().item()
+    assert err < 0.25 and top1 >= 0.7, (err, top1)
+    llm = LLM(str(out), num_blocks=16, block_size=16, kv_cache_dtype="fp8" if fp8 == torch.float8_e4m3fn
+              else "fp8_e5m2")  # fmt: skip
+    layout = llm.engine.layout
+    assert (layout.dtype, layout.kv_scales, layout.block_nbytes) == (fp8, (0.5, 0.5, 0.5), 3 * 16 * 40)
+    llm.generate([ids], GREEDY)
+    assert_idle(llm)
 
 
 def test_router_gate_stays_float32_in_a_bf16_model(checkpoints: dict) -> None:
@@ -237,3 +260,19 @@ def test_v3_routing_defaults_follow_transformers(checkpoints: dict) -> None:
     assert (cfg.moe.n_group, cfg.moe.topk_group, cfg.moe.routed_scaling_factor) == (8, 4, 2.5)
     assert cfg.rope_scaling.factor == raw["max_position_embeddings"] / 128
     assert cfg.num_mtp_layers == 1
+
+
+def test_latent_blocks_go_through_the_offload_tier(checkpoints: dict, references: dict) -> None:
+    """Four 3-block prefixes through a 6-block pool: the second round restores each prefix's latent
+    blocks from the host tier and still gives transformers' tokens."""
+    path, ref = checkpoints["v2_lite"], references["v2_lite"]
+    prompts = [_prompt(48, seed=40 + i) + [5] for i in range(4)]
+    llm = LLM(str(path), num_blocks=6, block_size=16, kv_offload_gb=0.001)
+    first = [llm.generate([p], GREEDY)[0] for p in prompts]
+    again = [llm.generate([p], GREEDY)[0] for p in prompts]
+    assert [o.num_cached_tokens for o in again] == [48] * 4
+    assert llm.engine.num_tier_hit_tokens >= 3 * 48
+    for p, a, b in zip(prompts, first, again):
+        assert a.token_ids == b.token_ids == hf_greedy(ref, p, NEW_TOKENS)
+    llm.engine.tier.check_invariants()
+    assert_idle(llm)

@@ -237,3 +237,42 @@ def test_write_latent_rejects_bad_rows() -> None:
         write_latent(torch.zeros(3, 9), cache, torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="slot_mapping"):
         write_latent(torch.zeros(3, 10), cache, torch.zeros(3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_cache_every_path_matches_the_references(fp8: torch.dtype) -> None:
+    """Rows written quantized (the same bits by every writer), read back as stored * kv_scale."""
+    kv_scale = 0.37
+    b = make_mla_batch(MIXED, block_size=4, seed=21, padding_rows=1)
+    rows = b.cache.nan_to_num(0.0).reshape(-1, b.cache.shape[-1])  # every slot, in order
+    slots = torch.arange(rows.shape[0], dtype=torch.int64)
+    written = {}
+    for impl in ("reference", "torch", "triton"):
+        device = TRITON_DEVICE if impl == "triton" else "cpu"
+        cache = torch.zeros(b.cache.shape, dtype=fp8, device=device)
+        write_latent(rows.to(device), cache, slots.to(device), impl=impl, kv_scale=kv_scale)
+        written[impl] = cache.cpu()
+    for impl in ("torch", "triton"):
+        assert written[impl].view(torch.uint8).equal(written["reference"].view(torch.uint8)), impl
+    cache = written["reference"]
+    q = b.q_absorbed
+    want_latent = mla_absorbed_ref(q, cache, *b.meta(), b.scale, b.rank, kv_scale)
+    deq = cache.float() * kv_scale
+    torch.testing.assert_close(want_latent, mla_absorbed_ref(q, deq, *b.meta(), b.scale, b.rank), atol=1e-5,
+                               rtol=1e-5)  # fmt: skip
+    got = mla_attention(q, cache, *b.meta(), b.scale, b.rank, impl="torch", kv_scale=kv_scale)
+    torch.testing.assert_close(got, want_latent, atol=1e-5, rtol=1e-5)
+    d = b.to(TRITON_DEVICE)
+    got = mla_attention(d.q_absorbed, cache.to(TRITON_DEVICE), *d.meta(), d.scale, d.rank, impl="triton",
+                        kv_scale=kv_scale)  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want_latent, atol=2e-5, rtol=2e-5)
+    want = mla_naive_ref(b.q_nope, b.q_pe, cache, b.w_kv_b, *b.meta(), b.scale, kv_scale)
+    for fn in (mla_attention_naive, mla_attention_mixed):
+        got = fn(b.q_nope, b.q_pe, cache, b.w_kv_b, *b.meta(), b.scale, kv_scale=kv_scale)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_float_cache_refuses_a_scale() -> None:
+    b = make_mla_batch([(3, 1)])
+    with pytest.raises(ValueError, match="kv_scale applies to an FP8 cache only"):
+        mla_attention(b.q_absorbed, b.cache, *b.meta(), b.scale, b.rank, kv_scale=0.5)

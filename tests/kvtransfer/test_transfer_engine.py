@@ -19,9 +19,9 @@ from pdserve.kvtransfer.pull import pull_kv
 from tests.support import REPO
 
 
-@pytest.mark.parametrize("model", ["llama", "deepseek_v3"])
-def test_pulled_kv_is_bit_exact_and_decodes_the_same(tmp_path: Path, model: str) -> None:
-    """For K/V blocks (Llama) and latent blocks (DeepSeek's MLA) alike."""
+@pytest.mark.parametrize("model,kv_cache_dtype", [("llama", "auto"), ("deepseek_v3", "auto"), ("deepseek_v3", "fp8")])
+def test_pulled_kv_is_bit_exact_and_decodes_the_same(tmp_path: Path, model: str, kv_cache_dtype: str) -> None:
+    """For K/V blocks (Llama) and latent blocks (DeepSeek's MLA, also quantized) alike."""
     if model == "llama":
         model_dir = str(make_tiny_model(tmp_path / "m", seed=5))
     else:
@@ -32,14 +32,16 @@ def test_pulled_kv_is_bit_exact_and_decodes_the_same(tmp_path: Path, model: str)
     prompt = [(i * 37) % 256 for i in range(29)]  # 3 full blocks of 8 + a partial block
     n = 16
     peer = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.kv_engine_peer", model_dir, json.dumps(prompt), str(tmp_path), str(n)],
+        [sys.executable, "-m", "tests.support.kv_engine_peer", model_dir, json.dumps(prompt), str(tmp_path), str(n),
+         kv_cache_dtype],
         stdout=subprocess.PIPE, text=True, cwd=REPO,
     )  # fmt: skip
     try:
         assert peer.stdout is not None
         info = json.loads(peer.stdout.readline())
         # Local engine: a different pool size, so block ids differ from the peer's.
-        local = LLMEngine(EngineConfig(model_dir, cache=CacheConfig(block_size=8, num_blocks=40)))
+        local = LLMEngine(EngineConfig(model_dir, cache=CacheConfig(block_size=8, num_blocks=40,
+                                                                    kv_cache_dtype=kv_cache_dtype)))  # fmt: skip
         assert local.layout.kind == ("mla" if model != "llama" else "mha")
         params = SamplingParams(max_tokens=n, ignore_eos=True)
         req = local.make_request(prompt, params, "pulled")

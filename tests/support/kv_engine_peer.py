@@ -1,7 +1,7 @@
 """A prefill peer for the round-trip test: a real engine prefills a prompt in this process
 (``handoff``) and serves the held KV under a lease over gRPC.
 
-    python -m tests.support.kv_engine_peer MODEL PROMPT_JSON OUT_DIR MAX_TOKENS
+    python -m tests.support.kv_engine_peer MODEL PROMPT_JSON OUT_DIR MAX_TOKENS [KV_CACHE_DTYPE]
 
 Prints one JSON line: {"address", "lease_id", "first_token", "continuation", "blocks_file"}, then
 serves until killed. ``continuation`` is this process's own greedy decode of the same prompt.
@@ -30,8 +30,10 @@ def run(engine: LLMEngine) -> list:
 
 def main() -> None:
     model_dir, prompt_json, out_dir, max_tokens = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+    kv_cache_dtype = sys.argv[5] if len(sys.argv) > 5 else "auto"
     prompt = json.loads(prompt_json)
-    engine = LLMEngine(EngineConfig(model_dir, cache=CacheConfig(block_size=8, num_blocks=64)))
+    engine = LLMEngine(EngineConfig(model_dir, cache=CacheConfig(block_size=8, num_blocks=64,
+                                                                 kv_cache_dtype=kv_cache_dtype)))  # fmt: skip
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     engine.enqueue(engine.make_request(prompt, params, "prefilled", handoff=True))
     done = run(engine)[-1]
