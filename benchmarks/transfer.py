@@ -8,6 +8,11 @@ process pulls them with ``KVTransferClient.pull_into`` into its own KV tensor, a
 (block size, chunk size) it reports the median GB/s (10**9 bytes/s) of ``--repeats`` runs
 and the gRPC/raw ratio; every pulled tensor is verified against the holder's checksum.
 
+The ``bare gRPC`` row is the ceiling of any design that keeps gRPC (Python) as the wire: a
+server-streaming method of raw ``bytes`` messages, built once before the timed region, each
+copied once into the tensor on arrival (no protobuf, no checksum, no lease): what grpcio itself
+moves between two processes on this machine.
+
 Run: ``python -m benchmarks.transfer`` or ``pdserve bench transfer [--json]``.
 """
 
@@ -21,8 +26,10 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import torch
 import xxhash
 
@@ -64,6 +71,7 @@ def serve(num_layers: int, total_bytes: int, chunk_cap: int) -> int:
     source = BlockSource(handover, model_fingerprint="bench", worker_id="holder", config=config)
     lease_id = source.lease(handover.hold(req, req.num_tokens))
     server = start_transfer_server(source, config)
+    bare = _bare_grpc_server(kv, chunk_cap)
 
     raw = socket.create_server(("127.0.0.1", 0))
     payload = memoryview(kv.tensor.reshape(-1).view(torch.uint8).numpy())
@@ -77,11 +85,55 @@ def serve(num_layers: int, total_bytes: int, chunk_cap: int) -> int:
 
     threading.Thread(target=raw_loop, daemon=True).start()
     ready = {"grpc_port": server.port, "raw_port": raw.getsockname()[1], "lease_id": lease_id,
-             "num_blocks": num_blocks, "digest": tensor_digest(kv)}  # fmt: skip
+             "num_blocks": num_blocks, "digest": tensor_digest(kv), "bare_port": bare[1]}  # fmt: skip
     print("READY " + json.dumps(ready), flush=True)
     sys.stdin.read()  # serve until the parent closes our stdin
     server.stop(0)
+    bare[0].stop(0)
     return 0
+
+
+_BARE_METHOD = "/bench.Bare/Stream"
+
+
+def _bare_grpc_server(kv: KVTensor, chunk_cap: int) -> tuple[grpc.Server, int]:
+    """A raw-bytes streaming method: the request names a chunk size, the answer is the tensor in
+    messages of that size, all built before the first call."""
+    flat = kv.tensor.reshape(-1).view(torch.uint8).numpy()
+    cache: dict[int, list[bytes]] = {}
+
+    def stream(request: bytes, _context: grpc.ServicerContext):
+        size = int(request.decode())
+        if size not in cache:
+            cache[size] = [flat[i : i + size].tobytes() for i in range(0, len(flat), size)]
+        yield from cache[size]
+
+    handler = grpc.method_handlers_generic_handler("bench.Bare", {
+        "Stream": grpc.unary_stream_rpc_method_handler(stream),  # bytes in, bytes out: no serializers
+    })  # fmt: skip
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[
+        ("grpc.max_send_message_length", chunk_cap + MiB), ("grpc.max_receive_message_length", chunk_cap + MiB)])
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    for size in (MiB, 4 * MiB, 16 * MiB):  # build the messages outside every timed region
+        if size <= chunk_cap:
+            cache[size] = [flat[i : i + size].tobytes() for i in range(0, len(flat), size)]
+    return server, port
+
+
+def bare_pull(channel: grpc.Channel, chunk: int, dest: KVTensor) -> float:
+    view = memoryview(dest.tensor.reshape(-1).view(torch.uint8).numpy())
+    call = channel.unary_stream(_BARE_METHOD)
+    t0 = time.perf_counter()
+    offset = 0
+    for message in call(str(chunk).encode()):
+        view[offset : offset + len(message)] = message
+        offset += len(message)
+    elapsed = time.perf_counter() - t0
+    if offset != len(view):
+        raise RuntimeError(f"bare gRPC delivered {offset} of {len(view)} bytes")
+    return elapsed
 
 
 # -- puller -------------------------------------------------------------------------------
@@ -136,7 +188,18 @@ def bench_layout(num_layers: int, chunks: list[int], total_bytes: int, repeats: 
                     if stats.num_bytes != nbytes or tensor_digest(dest) != info["digest"]:
                         raise RuntimeError("gRPC pull delivered wrong bytes")
             grpc_gbps = nbytes / statistics.median(times) / 1e9
+            bare_times = []
+            opts = [("grpc.max_receive_message_length", chunk + MiB)]
+            with grpc.insecure_channel(f"127.0.0.1:{info['bare_port']}", options=opts) as channel:
+                grpc.channel_ready_future(channel).result(timeout=30)
+                for _ in range(repeats):
+                    dest.tensor.zero_()
+                    bare_times.append(bare_pull(channel, chunk, dest))
+                    if tensor_digest(dest) != info["digest"]:
+                        raise RuntimeError("bare gRPC delivered wrong bytes")
+            bare_gbps = nbytes / statistics.median(bare_times) / 1e9
             rows.append({
+                "bare_grpc_gbps": bare_gbps, "bare_grpc_over_raw": bare_gbps / raw_gbps,
                 "block_nbytes": layout.block_nbytes, "chunk_bytes": chunk, "num_blocks": n, "total_bytes": nbytes,
                 "num_chunks": stats.num_chunks, "grpc_gbps": grpc_gbps, "raw_tcp_gbps": raw_gbps,
                 "grpc_over_raw": grpc_gbps / raw_gbps, "grpc_seconds": times, "raw_seconds": raw_times,
@@ -174,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         [
             (
                 f"block {r['block_nbytes'] // 1024} KiB, chunk {r['chunk_bytes'] / MiB:g} MiB, {r['total_bytes'] / MiB:.0f} MiB",
-                f"gRPC {r['grpc_gbps']:.2f} GB/s | raw TCP {r['raw_tcp_gbps']:.2f} GB/s | ratio {r['grpc_over_raw']:.2f}",
+                f"gRPC {r['grpc_gbps']:.2f} GB/s | raw TCP {r['raw_tcp_gbps']:.2f} GB/s | ratio {r['grpc_over_raw']:.2f}"
+                f" | bare gRPC {r['bare_grpc_gbps']:.2f} GB/s, ratio {r['bare_grpc_over_raw']:.2f}",
             )
             for r in rows
         ],
