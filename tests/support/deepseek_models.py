@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tests.support.models import copy_tiny_tokenizer
+from tests.support.models import copy_tiny_tokenizer, randomise
 
 DEEPSEEK_VARIANTS: tuple[str, ...] = ("v2_lite", "v2", "v3", "v3_halves")
 
@@ -68,15 +68,8 @@ def _hf_config(variant: str):
 
 @torch.no_grad()
 def _randomise(model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for name, p in sorted(model.named_parameters()):
-        if name.endswith("norm.weight"):
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-        elif name.endswith(".bias"):
-            p.copy_(0.2 * torch.randn(p.shape, generator=g))
-        elif p.dim() >= 2:
-            std = 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5
-            p.copy_(std * torch.randn(p.shape, generator=g))
+    randomise(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
     for name, b in sorted(model.named_buffers()):
         if name.endswith("e_score_correction_bias"):
             b.copy_(0.3 * torch.randn(b.shape, generator=g))

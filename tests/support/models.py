@@ -74,15 +74,15 @@ def _hf_config(variant: str) -> PretrainedConfig:
 
 
 @torch.no_grad()
-def _randomise(model: torch.nn.Module, seed: int) -> None:
+def randomise(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
         if name.endswith("norm.weight"):
             p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
         elif name.endswith(".bias"):
             p.copy_(0.2 * torch.randn(p.shape, generator=g))
-        elif p.dim() == 2:
-            std = 1.0 if "embed_tokens" in name else p.shape[1] ** -0.5
+        elif p.dim() >= 2:  # matrices and stacked experts: unit-scale outputs per row
+            std = 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5
             p.copy_(std * torch.randn(p.shape, generator=g))
 
 
@@ -106,7 +106,7 @@ def make_hf_checkpoint(out_dir: str | Path, variant: str, seed: int = 0) -> Path
     torch.manual_seed(seed)
     cls = {"qwen2_bias": HFQwen2, "mistral_window": HFMistral}.get(variant, HFLlama)
     model = cls(config).float()
-    _randomise(model, seed)
+    randomise(model, seed)
     if config.tie_word_embeddings:
         model.tie_weights()
     shard = "60KB" if variant == "sharded" else "50GB"
