@@ -4,9 +4,12 @@ A holder process (this module with ``--serve``) fills a KV tensor of at least
 ``--total-mb`` MiB, leases all of its blocks and serves them over the KV wire, and also
 sends the same bytes over a plain TCP socket (``sendall`` of the whole tensor). This
 process pulls them with ``KVTransferClient.pull_into`` into its own KV tensor, and with
-``recv_into`` straight into a tensor (the best a socket can do), over loopback. For each
-(block size, chunk size) it reports the median GB/s (10**9 bytes/s) of ``--repeats`` runs
-and the gRPC/raw ratio; every pulled tensor is verified against the holder's checksum.
+``recv_into`` straight into a tensor (the best a socket can do), over loopback. Each round
+pulls once by every method, one after the other; for each (block size, chunk size) it reports
+the median GB/s (10**9 bytes/s) of ``--repeats`` rounds, the median of the per-round ratios
+(shared machines drift between rounds, less within one), and the CPU seconds each process spent
+and minor page faults per GB (read from /proc, all threads, gRPC's included). Every pulled
+tensor is verified against the holder's checksum.
 
 The ``bare gRPC`` row is the ceiling of any design that keeps gRPC (Python) as the wire: a
 server-streaming method of raw ``bytes`` messages, built once before the timed region, each
@@ -20,13 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -39,6 +45,7 @@ from pdserve.engine.kv_tensor import KVLayout, KVTensor
 from pdserve.engine.kvcache.manager import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.allocator import tune_malloc
 from pdserve.kvtransfer.client import KVTransferClient
 from pdserve.kvtransfer.config import MiB, TransferConfig
 from pdserve.kvtransfer.server import start_transfer_server
@@ -57,7 +64,8 @@ def tensor_digest(kv: KVTensor) -> str:
 
 
 # -- holder process -----------------------------------------------------------------------
-def serve(num_layers: int, total_bytes: int, chunk_cap: int) -> int:
+def serve(num_layers: int, total_bytes: int, chunks: list[int]) -> int:
+    tune_malloc()  # as a worker does
     layout = layout_for(num_layers)
     num_blocks = -(-total_bytes // layout.block_nbytes)
     kv = KVTensor(layout, num_blocks)
@@ -66,12 +74,12 @@ def serve(num_layers: int, total_bytes: int, chunk_cap: int) -> int:
     req = Request("bench", [i % 32000 for i in range(num_blocks * layout.block_size)], SamplingParams(), layout.block_size)
     manager.allocate_slots(req, req.num_tokens)
     req.num_computed_tokens = req.num_tokens
-    config = TransferConfig(chunk_bytes=chunk_cap, lease_ttl_s=3600.0)
+    config = TransferConfig(chunk_bytes=max(chunks), lease_ttl_s=3600.0)
     handover = KVHandover(manager, kv)
     source = BlockSource(handover, model_fingerprint="bench", worker_id="holder", config=config)
     lease_id = source.lease(handover.hold(req, req.num_tokens))
     server = start_transfer_server(source, config)
-    bare = _bare_grpc_server(kv, chunk_cap)
+    bare = _bare_grpc_server(kv, chunks)
 
     raw = socket.create_server(("127.0.0.1", 0))
     payload = memoryview(kv.tensor.reshape(-1).view(torch.uint8).numpy())
@@ -96,50 +104,43 @@ def serve(num_layers: int, total_bytes: int, chunk_cap: int) -> int:
 _BARE_METHOD = "/bench.Bare/Stream"
 
 
-def _bare_grpc_server(kv: KVTensor, chunk_cap: int) -> tuple[grpc.Server, int]:
-    """A raw-bytes streaming method: the request names a chunk size, the answer is the tensor in
-    messages of that size, all built before the first call."""
+def _bare_grpc_server(kv: KVTensor, chunks: list[int]) -> tuple[grpc.Server, int]:
+    """A raw-bytes streaming method: the request names a chunk size (one of ``chunks``), the answer
+    is the tensor in messages of that size, all built before the first call."""
     flat = kv.tensor.reshape(-1).view(torch.uint8).numpy()
-    cache: dict[int, list[bytes]] = {}
+    cache = {size: [flat[i : i + size].tobytes() for i in range(0, len(flat), size)] for size in chunks}
 
-    def stream(request: bytes, _context: grpc.ServicerContext):
-        size = int(request.decode())
-        if size not in cache:
-            cache[size] = [flat[i : i + size].tobytes() for i in range(0, len(flat), size)]
-        yield from cache[size]
+    def stream(request: bytes, context: grpc.ServicerContext):
+        messages = cache.get(int(request.decode()))
+        if messages is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no messages built for chunk {request!r}")
+        yield from messages
 
     handler = grpc.method_handlers_generic_handler("bench.Bare", {
         "Stream": grpc.unary_stream_rpc_method_handler(stream),  # bytes in, bytes out: no serializers
     })  # fmt: skip
+    limit = max(chunks) + MiB
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[
-        ("grpc.max_send_message_length", chunk_cap + MiB), ("grpc.max_receive_message_length", chunk_cap + MiB)])
+        ("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)])  # fmt: skip
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    for size in (MiB, 4 * MiB, 16 * MiB):  # build the messages outside every timed region
-        if size <= chunk_cap:
-            cache[size] = [flat[i : i + size].tobytes() for i in range(0, len(flat), size)]
     return server, port
 
 
-def bare_pull(channel: grpc.Channel, chunk: int, dest: KVTensor) -> float:
+def bare_pull(channel: grpc.Channel, chunk: int, dest: KVTensor) -> None:
     view = memoryview(dest.tensor.reshape(-1).view(torch.uint8).numpy())
-    call = channel.unary_stream(_BARE_METHOD)
-    t0 = time.perf_counter()
     offset = 0
-    for message in call(str(chunk).encode()):
+    for message in channel.unary_stream(_BARE_METHOD)(str(chunk).encode()):
         view[offset : offset + len(message)] = message
         offset += len(message)
-    elapsed = time.perf_counter() - t0
     if offset != len(view):
         raise RuntimeError(f"bare gRPC delivered {offset} of {len(view)} bytes")
-    return elapsed
 
 
 # -- puller -------------------------------------------------------------------------------
-def raw_pull(port: int, dest: KVTensor) -> float:
+def raw_pull(port: int, dest: KVTensor) -> None:
     view = memoryview(dest.tensor.reshape(-1).view(torch.uint8).numpy())
-    t0 = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(b"g")
         got = 0
@@ -148,13 +149,52 @@ def raw_pull(port: int, dest: KVTensor) -> float:
             if n == 0:
                 raise ConnectionError(f"raw socket closed after {got} of {len(view)} bytes")
             got += n
-    return time.perf_counter() - t0
+
+
+def process_usage(pid: int) -> tuple[float, int] | None:
+    """CPU seconds (user + system, all threads) and minor page faults of a live process; None
+    where /proc is absent."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])
+
+
+@dataclass
+class Method:
+    """One way of moving the bytes, timed with the CPU both processes spent on each pull."""
+
+    name: str
+    pull: Callable[[], None]
+    seconds: list[float] = field(default_factory=list)
+    holder: list[tuple[float, int]] = field(default_factory=list)  # (CPU s, page faults) per pull
+    puller: list[tuple[float, int]] = field(default_factory=list)
+
+    def run(self, holder_pid: int) -> None:
+        h0, p0, t0 = process_usage(holder_pid), process_usage(os.getpid()), time.perf_counter()
+        self.pull()
+        self.seconds.append(time.perf_counter() - t0)
+        h1, p1 = process_usage(holder_pid), process_usage(os.getpid())
+        for before, after, into in ((h0, h1, self.holder), (p0, p1, self.puller)):
+            if before is not None and after is not None:
+                into.append((after[0] - before[0], after[1] - before[1]))
+
+    def summary(self, nbytes: int) -> dict:
+        gb = nbytes / 1e9
+        out: dict = {"gbps": gb / statistics.median(self.seconds), "seconds": self.seconds}
+        for name, usage in (("holder", self.holder), ("puller", self.puller)):
+            out[f"{name}_cpu_s_per_gb"] = statistics.median(u[0] for u in usage) / gb if usage else None
+            out[f"{name}_page_faults_per_gb"] = statistics.median(u[1] for u in usage) / gb if usage else None
+        return out
 
 
 def bench_layout(num_layers: int, chunks: list[int], total_bytes: int, repeats: int) -> list[dict]:
+    """For each chunk size: ``repeats`` rounds of raw TCP, our pull and bare gRPC, one after the
+    other in each round, so that every ratio compares pulls made moments apart."""
     layout = layout_for(num_layers)
     cmd = [sys.executable, "-m", "pdserve.benchmarks.transfer", "--serve", "--num-layers", str(num_layers),
-           "--total-mb", str(total_bytes // MiB), "--chunk-cap", str(max(chunks))]  # fmt: skip
+           "--total-mb", str(total_bytes // MiB), "--chunk-bytes", ",".join(map(str, chunks))]  # fmt: skip
     holder = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None
@@ -165,44 +205,39 @@ def bench_layout(num_layers: int, chunks: list[int], total_bytes: int, repeats: 
         n = info["num_blocks"]
         dest = KVTensor(layout, n)
         nbytes = n * layout.block_nbytes
-
-        raw_times = []
-        for _ in range(repeats):
-            dest.tensor.zero_()
-            raw_times.append(raw_pull(info["raw_port"], dest))
-            if tensor_digest(dest) != info["digest"]:
-                raise RuntimeError("raw socket delivered wrong bytes")
-        raw_gbps = nbytes / statistics.median(raw_times) / 1e9
-
         rows = []
         for chunk in chunks:
             config = TransferConfig(chunk_bytes=chunk, pull_timeout_s=600.0)
-            with KVTransferClient(f"127.0.0.1:{info['grpc_port']}", config) as client:
-                client.metadata()  # connect outside the timed region, as the raw socket's peer is listening
-                times = []
-                for _ in range(repeats):
-                    dest.tensor.zero_()
-                    t0 = time.perf_counter()
-                    stats = client.pull_into(dest, list(range(n)), lease_id=info["lease_id"])
-                    times.append(time.perf_counter() - t0)
-                    if stats.num_bytes != nbytes or tensor_digest(dest) != info["digest"]:
-                        raise RuntimeError("gRPC pull delivered wrong bytes")
-            grpc_gbps = nbytes / statistics.median(times) / 1e9
-            bare_times = []
             opts = [("grpc.max_receive_message_length", chunk + MiB)]
-            with grpc.insecure_channel(f"127.0.0.1:{info['bare_port']}", options=opts) as channel:
+            with KVTransferClient(f"127.0.0.1:{info['grpc_port']}", config) as client, \
+                    grpc.insecure_channel(f"127.0.0.1:{info['bare_port']}", options=opts) as channel:  # fmt: skip
+                client.metadata()  # connect outside the timed region, as the raw socket's peer is listening
                 grpc.channel_ready_future(channel).result(timeout=30)
+                chunk_counts: list[int] = []
+
+                def ours() -> None:
+                    stats = client.pull_into(dest, list(range(n)), lease_id=info["lease_id"])
+                    if stats.num_bytes != nbytes:
+                        raise RuntimeError(f"gRPC pull delivered {stats.num_bytes} of {nbytes} bytes")
+                    chunk_counts.append(stats.num_chunks)
+
+                methods = [Method("raw", lambda: raw_pull(info["raw_port"], dest)), Method("ours", ours),
+                           Method("bare", lambda: bare_pull(channel, chunk, dest))]  # fmt: skip
+                for m in methods:  # one untimed round: connections, first-touch of buffers
+                    m.pull()
                 for _ in range(repeats):
-                    dest.tensor.zero_()
-                    bare_times.append(bare_pull(channel, chunk, dest))
-                    if tensor_digest(dest) != info["digest"]:
-                        raise RuntimeError("bare gRPC delivered wrong bytes")
-            bare_gbps = nbytes / statistics.median(bare_times) / 1e9
+                    for m in methods:
+                        dest.tensor.zero_()
+                        m.run(holder.pid)
+                        if tensor_digest(dest) != info["digest"]:
+                            raise RuntimeError(f"{m.name} delivered wrong bytes")
+            raw, grpc_pull, bare = methods
+            per_round = lambda a, b: statistics.median(x / y for x, y in zip(a.seconds, b.seconds))  # noqa: E731
             rows.append({
-                "bare_grpc_gbps": bare_gbps, "bare_grpc_over_raw": bare_gbps / raw_gbps,
                 "block_nbytes": layout.block_nbytes, "chunk_bytes": chunk, "num_blocks": n, "total_bytes": nbytes,
-                "num_chunks": stats.num_chunks, "grpc_gbps": grpc_gbps, "raw_tcp_gbps": raw_gbps,
-                "grpc_over_raw": grpc_gbps / raw_gbps, "grpc_seconds": times, "raw_seconds": raw_times,
+                "num_chunks": chunk_counts[-1], "raw_tcp": raw.summary(nbytes), "grpc": grpc_pull.summary(nbytes),
+                "bare_grpc": bare.summary(nbytes), "grpc_over_raw": per_round(raw, grpc_pull),
+                "bare_grpc_over_raw": per_round(raw, bare), "grpc_over_bare": per_round(bare, grpc_pull),
             })  # fmt: skip
         return rows
     finally:
@@ -214,6 +249,10 @@ def bench_layout(num_layers: int, chunks: list[int], total_bytes: int, repeats: 
             holder.kill()
 
 
+def _cpu(summary: dict) -> str:
+    return "/".join("-" if summary[k] is None else f"{summary[k]:.2f}" for k in ("holder_cpu_s_per_gb", "puller_cpu_s_per_gb"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__.splitlines()[0])
     ap.add_argument("--total-mb", type=int, default=256, help="MiB of KV blocks per pull (>= 256 for the report)")
@@ -221,24 +260,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-mb", default="1,4,16", help="comma-separated chunk sizes in MiB")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--malloc-defaults", action="store_true",
+                    help="keep glibc's malloc defaults in both processes (workers raise its thresholds)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--num-layers", type=int, default=4, help=argparse.SUPPRESS)
-    ap.add_argument("--chunk-cap", type=int, default=16 * MiB, help=argparse.SUPPRESS)
+    ap.add_argument("--chunk-bytes", default=str(MiB), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     total = args.total_mb * MiB
     if args.serve:
-        return serve(args.num_layers, total, args.chunk_cap)
+        return serve(args.num_layers, total, [int(c) for c in args.chunk_bytes.split(",")])
 
     chunks = [int(float(c) * MiB) for c in args.chunk_mb.split(",")]
+    if args.malloc_defaults:
+        os.environ["PDSERVE_MALLOC_TUNING"] = "0"  # the holder inherits it
+    malloc_tuned = tune_malloc()
     rows = [r for layers in (int(x) for x in args.layers.split(",")) for r in bench_layout(layers, chunks, total, args.repeats)]
     emit(
-        {"benchmark": "transfer", "repeats": args.repeats, "results": rows},
+        {"benchmark": "transfer", "repeats": args.repeats, "malloc_tuned": malloc_tuned, "results": rows},
         args.json,
         [
             (
                 f"block {r['block_nbytes'] // 1024} KiB, chunk {r['chunk_bytes'] / MiB:g} MiB, {r['total_bytes'] / MiB:.0f} MiB",
-                f"gRPC {r['grpc_gbps']:.2f} GB/s | raw TCP {r['raw_tcp_gbps']:.2f} GB/s | ratio {r['grpc_over_raw']:.2f}"
-                f" | bare gRPC {r['bare_grpc_gbps']:.2f} GB/s, ratio {r['bare_grpc_over_raw']:.2f}",
+                f"gRPC {r['grpc']['gbps']:.2f} GB/s | raw TCP {r['raw_tcp']['gbps']:.2f} | bare gRPC"
+                f" {r['bare_grpc']['gbps']:.2f} | ours/raw {r['grpc_over_raw']:.2f} bare/raw {r['bare_grpc_over_raw']:.2f}"
+                f" ours/bare {r['grpc_over_bare']:.2f} | CPU s/GB holder/puller: ours {_cpu(r['grpc'])}"
+                f" raw {_cpu(r['raw_tcp'])} bare {_cpu(r['bare_grpc'])}",
             )
             for r in rows
         ],

@@ -41,7 +41,7 @@ class TransferConfig:
     ``server_threads`` are refused (``RESOURCE_EXHAUSTED``) instead of queued.
     """
 
-    chunk_bytes: int = 1 * MiB  # 1-2 MiB measured fastest over loopback (benchmarks/transfer.py)
+    chunk_bytes: int = 2 * MiB  # 1-2 MiB measured fastest over loopback (benchmarks/transfer.py, README)
     max_blocks_per_chunk: int = 1024
     lease_ttl_s: float = 30.0
     reap_interval_s: float = 1.0

@@ -172,6 +172,8 @@ class WireFormatError(ValueError):
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    if pos < len(buf) and buf[pos] < 0x80:  # one byte: every tag and most values of a PullChunk
+        return buf[pos], pos + 1
     value = shift = 0
     while True:
         if pos >= len(buf) or shift > 63:
@@ -190,6 +192,8 @@ def _fields(buf: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
     while pos < len(buf):
         key, pos = _read_varint(buf, pos)
         field, wire_type = key >> 3, key & 7
+        if field == 0:
+            raise WireFormatError("field number 0")
         if wire_type == _VARINT:
             value, pos = _read_varint(buf, pos)
         elif wire_type == _FIXED64:
@@ -210,11 +214,14 @@ def _fields(buf: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
         yield field, wire_type, value
 
 
+_PIECE_WIRE_TYPES = {1: _VARINT, 2: _LEN, 3: _VARINT, 4: _VARINT, 5: _LEN, 6: _FIXED64}
+
+
 def _decode_piece(buf: memoryview) -> Piece:
     f: dict[int, int | memoryview] = {}
     for field, wire_type, value in _fields(buf):
-        expected = {2: _LEN, 5: _LEN, 6: _FIXED64}.get(field, _VARINT)
-        if field <= 6 and wire_type != expected:
+        expected = _PIECE_WIRE_TYPES.get(field, wire_type)  # unknown fields: any type, skipped
+        if wire_type != expected:
             raise WireFormatError(f"BlockPiece field {field} has wire type {wire_type}")
         f[field] = value
     block_hash = f.get(2, b"")

@@ -54,6 +54,10 @@ class BlockReceiver:
         self._totals: tuple[int, int] | None = None
         self._t0 = time.perf_counter()
         self._staging: torch.Tensor | None = None  # host bounce buffer for a GPU tensor
+        # A CPU tensor's bytes as one flat view: a piece is written with a slice assignment (a
+        # memcpy), no tensor view made per piece. Blocks are contiguous spans of block_nbytes.
+        t = kv_tensor.tensor
+        self._flat = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.device.type == "cpu" else None
 
     def accept(self, chunk: Chunk) -> None:
         """Validate ``chunk`` and write its pieces. Raises ``ChecksumError`` or ``InvalidPullError``."""
@@ -111,12 +115,13 @@ class BlockReceiver:
         self.stats.seconds = time.perf_counter() - self._t0
         return self.stats
 
-    def _write(self, block_id: int, offset: int, data: bytes) -> None:
+    def _write(self, block_id: int, offset: int, data: bytes | memoryview) -> None:
+        if self._flat is not None:
+            start = block_id * self.block_nbytes + offset
+            self._flat[start : start + len(data)] = data  # the one copy
+            return
         src = np.frombuffer(data, dtype=np.uint8)
         dest = self.kv_tensor.block_bytes(block_id)[offset : offset + len(data)]
-        if dest.device.type == "cpu":
-            dest.numpy()[:] = src  # the one copy
-            return
         if self._staging is None or self._staging.numel() < len(data):
             self._staging = torch.empty(max(len(data), 1 << 20), dtype=torch.uint8, pin_memory=True)
         stage = self._staging[: len(data)]

@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from pdserve.engine.kv_handover import BlocksNotCachedError, HeldKV, KVHandover
 from pdserve.kvtransfer.config import MAX_HASH_BYTES, TransferConfig
 from pdserve.kvtransfer.errors import BlockNotFoundError, InvalidPullError, LayoutMismatchError
@@ -66,6 +68,8 @@ class BlockSource:
         self.model_fingerprint = model_fingerprint
         self.worker_id = worker_id
         self.leases = LeaseTable(self._free_lease, self.config.lease_ttl_s)
+        kv = handover.kv_tensor.tensor  # a CPU cache as one flat byte view: no tensor view per piece
+        self._flat = memoryview(kv.reshape(-1).view(torch.uint8).numpy()) if kv.device.type == "cpu" else None
 
     def metadata(self) -> TransferMetadata:
         return TransferMetadata(self.model_fingerprint, self.layout, self.worker_id, self.config.chunk_bytes)
@@ -157,7 +161,7 @@ class BlockSource:
     def read(self, block_id: int, offset: int, length: int) -> memoryview:
         """Bytes ``[offset, offset+length)`` of one block, as a view of the KV tensor (CPU: no
         copy; the encoder copies it once into the message) or of a host copy (GPU)."""
-        view = self.handover.kv_tensor.block_bytes(block_id)[offset : offset + length]
-        if view.device.type != "cpu":
-            view = view.cpu()
-        return memoryview(view.numpy())
+        if self._flat is not None:
+            start = block_id * self.layout.block_nbytes + offset
+            return self._flat[start : start + length]
+        return memoryview(self.handover.kv_tensor.block_bytes(block_id)[offset : offset + length].cpu().numpy())

@@ -44,3 +44,9 @@ def state_dir() -> str:
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET=1``: Triton runs kernels in its CPU interpreter (tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def malloc_tuning() -> bool:
+    """``PDSERVE_MALLOC_TUNING`` (default on; ``0`` turns it off): workers raise glibc's malloc
+    thresholds so the KV wire's chunk buffers stay resident (``kvtransfer/allocator.py``)."""
+    return os.environ.get("PDSERVE_MALLOC_TUNING", "1") != "0"

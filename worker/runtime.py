@@ -18,6 +18,7 @@ from pdserve.kvindex.config import REDIS_ERRORS, IndexConfig
 from pdserve.kvindex.publisher import KVEventPublisher, remove_worker_blocks
 from pdserve.kvindex.registry import WorkerRegistry
 from pdserve.kvindex.stats import StatsRecorder
+from pdserve.kvtransfer.allocator import tune_malloc
 from pdserve.kvtransfer.client import KVTransferClient
 from pdserve.kvtransfer.server import TransferServer, start_transfer_server
 from pdserve.kvtransfer.source import BlockSource
@@ -69,6 +70,7 @@ def _bind_transfer_server(source: BlockSource, config: WorkerConfig) -> Transfer
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        tune_malloc()  # chunk buffers of the KV wire stay resident (kvtransfer/allocator.py)
         _forget_blocks(config.index, config.worker_id)
         self.publisher = KVEventPublisher(config.index, config.worker_id)
         self.stats = StatsRecorder(config.index, config.worker_id)

@@ -43,3 +43,15 @@ def test_mla_bench_reports_bytes_and_both_forms() -> None:
     assert set(out["decode_ms"]) == {"128", "512"}
     for d in out["decode_ms"].values():
         assert min(d["step_absorbed"], d["step_naive"], d["attn_absorbed"], d["attn_naive"]) > 0
+
+
+def test_transfer_bench_moves_the_bytes_three_ways() -> None:
+    out = bench("transfer", "--total-mb", "4", "--layers", "4", "--chunk-mb", "0.5,1", "--repeats", "2")
+    rows = out["results"]
+    assert [r["chunk_bytes"] for r in rows] == [512 * 1024, 1024 * 1024]
+    for r in rows:  # every pulled tensor was checked against the holder's digest inside the benchmark
+        assert r["total_bytes"] == 16 * 256 * 1024 and r["num_chunks"] == r["total_bytes"] // r["chunk_bytes"]
+        for method in ("raw_tcp", "grpc", "bare_grpc"):
+            assert len(r[method]["seconds"]) == 2 and r[method]["gbps"] > 0
+            assert r[method]["puller_cpu_s_per_gb"] >= 0 and r[method]["puller_page_faults_per_gb"] >= 0  # /proc ticks
+        assert r["grpc_over_raw"] > 0 and r["bare_grpc_over_raw"] > 0 and r["grpc_over_bare"] > 0

@@ -1,0 +1,60 @@
+"""Keep the KV wire's chunk buffers resident: glibc malloc settings for a process that streams KV.
+
+Every message of a pull is a fresh buffer of about ``chunk_bytes`` on each end (the holder's
+encoded chunk, grpcio's assembled message on the puller). Under glibc's defaults such a buffer
+is mmap'ed while it is above the dynamic mmap threshold, and once it is below, freeing it at the
+top of a heap (gRPC's threads allocate in their own arenas) hands its pages back to the kernel
+whenever the free top exceeds the trim threshold (twice the mmap threshold). The next message
+then faults its pages in again and the kernel zeroes them first: page faults and zeroing cost
+the puller about a quarter of its CPU per byte (``pdserve bench transfer``, README).
+Raising both thresholds above any chunk keeps those buffers in the heap, reused, resident.
+
+The price: up to ``trim_threshold`` bytes of freed memory may stay resident per malloc arena
+instead of going back to the kernel, and buffers below ``mmap_threshold`` come from the heap.
+Workers call ``tune_malloc`` once at start; ``PDSERVE_MALLOC_TUNING=0`` turns it off.
+Elsewhere than glibc it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import platform
+
+from pdserve import envs
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+# mallopt parameters (<malloc.h>)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# 32 MiB is the largest mmap threshold every 64-bit glibc accepts (HEAP_MAX_SIZE / 2).
+MMAP_THRESHOLD = 32 * MiB
+TRIM_THRESHOLD = 64 * MiB
+
+
+def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD) -> bool:
+    """Set glibc's mmap and trim thresholds for this process (all threads, from now on).
+
+    Returns True when both were applied; False where the C library is not glibc, where
+    ``PDSERVE_MALLOC_TUNING=0``, or when glibc refused a value (nothing is changed then, or only
+    the first). Idempotent.
+    """
+    if not 0 < mmap_threshold <= trim_threshold:
+        raise ValueError(f"need 0 < mmap_threshold <= trim_threshold, got {mmap_threshold}, {trim_threshold}")
+    if not envs.malloc_tuning() or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError) as exc:
+        logger.debug("no mallopt in this C library: %s", exc)
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+    if not ok:
+        logger.warning("glibc refused mmap_threshold=%d / trim_threshold=%d", mmap_threshold, trim_threshold)
+    return ok
