@@ -4,10 +4,11 @@ Workload: ``--prefixes`` shared prefixes of ``--prefix-tokens`` tokens whose blo
 4x the pool; requests are ``prefix + 16 fresh tokens`` with one output token, the prefixes in a
 shuffled order each round, one request at a time. Without a tier, LRU eviction cycles the pool
 and a prefix is gone by the time it returns; with the tier (big enough for every prefix) it is
-restored by a memory copy. Reported: the prefix hit rate (cached tokens / prompt tokens, a ratio
-of sums) and TTFT (median, p90) of the rounds after the first, each configuration on its own
-engine, run one after the other. Then the TTFT of one prefix restored from the tier against the
-same prompt recomputed (alternating, medians).
+restored by a memory copy; with a disk tier behind a host tier that holds one prefix, most come
+back from disk. Reported: the prefix hit rate (cached tokens / prompt tokens, a ratio of sums) and
+TTFT (median, p90) of the rounds after the first, each configuration on its own engine, run one
+after the other. Then the TTFT of one prefix restored from the host tier, restored from the disk
+tier, and recomputed (in turn, medians).
 
 Run: ``pdserve bench offload [--quick] [--json]``.
 """
@@ -39,8 +40,10 @@ def p90(xs: list[float]) -> float:
     return sorted(xs)[min(len(xs) - 1, int(0.9 * len(xs)))]
 
 
-def make_engine(model_dir: str, num_blocks: int, offload_gb: float, block_size: int) -> LLMEngine:
-    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_offload_gb=offload_gb)
+def make_engine(model_dir: str, num_blocks: int, offload_gb: float, block_size: int, disk_gb: float = 0.0,
+                disk_dir: str | None = None) -> LLMEngine:  # fmt: skip
+    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_offload_gb=offload_gb,
+                        kv_offload_disk_gb=disk_gb, kv_offload_disk_dir=disk_dir)  # fmt: skip
     return LLMEngine(EngineConfig(model_dir, dtype="float32", device="cpu", cache=cache,
                                   scheduler=SchedulerConfig(max_num_batched_tokens=4096)))  # fmt: skip
 
@@ -62,6 +65,14 @@ def run_workload(engine: LLMEngine, prefixes: list[list[int]], rounds: int, seed
         log(f"round {r + 1}/{rounds}: {cached_tokens} of {prompt_tokens} prompt tokens cached so far")
     return {"hit_rate": cached_tokens / prompt_tokens, "ttft_median_s": statistics.median(times),
             "ttft_p90_s": p90(times), "requests": len(times)}  # fmt: skip
+
+
+def restore_ttft(engine: LLMEngine, target: list[int], others: list[list[int]], suffix: list[int]) -> tuple[float, int]:
+    """TTFT of ``target + suffix`` after it was cached and pushed out of the pool by ``others``."""
+    ttft(engine, target + suffix, None)
+    for other in others:
+        ttft(engine, other + suffix, None)
+    return ttft(engine, target + suffix, None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,31 +102,37 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = str(build_model(tmp))
         probe = make_engine(model_dir, 1, 0.0, bs)
         tier_gb = 2 * args.prefixes * prefix_blocks * probe.layout.block_nbytes / 1024**3  # every prefix, twice over
-        result["tier_gb"] = tier_gb
-        for name, gb in (("without tier", 0.0), ("with tier", tier_gb)):
+        small_gb = prefix_blocks * probe.layout.block_nbytes / 1024**3  # one prefix: the rest spills to disk
+        result["tier_gb"], result["small_host_tier_gb"] = tier_gb, small_gb
+        configs = {"without tier": (0.0, 0.0), "with tier": (tier_gb, 0.0), "with disk tier": (small_gb, tier_gb)}
+        for name, (gb, disk_gb) in configs.items():
             log(f"{name}: {args.prefixes} prefixes of {prefix_blocks} blocks, pool {pool_blocks} blocks")
-            engine = make_engine(model_dir, pool_blocks, gb, bs)
+            engine = make_engine(model_dir, pool_blocks, gb, bs, disk_gb, tmp)
             ttft(engine, prefixes[0] + [1] * SUFFIX, "warmup")
             result[name] = run_workload(engine, prefixes, args.rounds, args.seed)
-        # Restore vs recompute of one prefix, alternating on one engine with a tier.
-        engine = make_engine(model_dir, pool_blocks, tier_gb, bs)
-        restore: list[float] = []
-        recompute: list[float] = []
-        target, others = prefixes[0], prefixes[1:]
+            if engine.tier is not None and engine.tier.spill is not None:
+                result[name]["disk_loaded_blocks"] = engine.tier.spill.stats().loaded
+        # One prefix recomputed, restored from the host tier, restored from the disk tier (a one-block
+        # host tier in front of it), in turn.
+        host = make_engine(model_dir, pool_blocks, tier_gb, bs)
+        disk = make_engine(model_dir, pool_blocks, probe.layout.block_nbytes / 1024**3, bs, tier_gb, tmp)
+        times: dict[str, list[float]] = {"recompute": [], "host": [], "disk": []}
+        target, others = prefixes[0], prefixes[1:5]
         for i in range(args.repeats):
             suffix = [rng.randrange(NUM_BYTES) for _ in range(SUFFIX)]
-            t, cached = ttft(engine, target + suffix, f"cold-{i}")  # a salt: nothing to reuse
-            recompute.append(t)
-            ttft(engine, target + suffix, None)  # cache it (salt-free) ...
-            for other in others[:4]:  # ... and push it out of the pool into the tier
-                ttft(engine, other + suffix, None)
-            t, cached = ttft(engine, target + suffix, None)
-            restore.append(t)
-            log(f"pair {i + 1}/{args.repeats}: recompute {recompute[-1] * 1000:.1f} ms, restore "
-                f"{restore[-1] * 1000:.1f} ms ({cached} tokens from the tier)")
-        result["restore_ttft_median_s"] = statistics.median(restore)
-        result["recompute_ttft_median_s"] = statistics.median(recompute)
-    without, with_ = result["without tier"], result["with tier"]
+            times["recompute"].append(ttft(host, target + suffix, f"cold-{i}")[0])  # a salt: nothing to reuse
+            for name, engine in (("host", host), ("disk", disk)):
+                t, cached = restore_ttft(engine, target, others, suffix)
+                times[name].append(t)
+                if cached < len(target):
+                    raise RuntimeError(f"restore from the {name} tier found {cached} of {len(target)} tokens")
+            log(f"round {i + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1] * 1000:.1f} ms" for k, v in times.items()))
+        for name, ts in times.items():
+            result[f"{name}_ttft_median_s"] = statistics.median(ts)
+        result["restore_ttft_median_s"] = result.pop("host_ttft_median_s")
+        result["disk_restore_ttft_median_s"] = result.pop("disk_ttft_median_s")
+    without, with_, disk_ = result["without tier"], result["with tier"], result["with disk tier"]
+    small_gb = result["small_host_tier_gb"]
     rows = [
         ("model", f"llama {MODEL_KWARGS['num_layers']}L h{MODEL_KWARGS['hidden_size']}, fp32 CPU, block {bs}"),
         ("workload", f"{args.prefixes} prefixes x {prefix_blocks * bs} tokens = 4x a {pool_blocks}-block pool, "
@@ -124,10 +141,16 @@ def main(argv: list[str] | None = None) -> int:
                          f"p90 {without['ttft_p90_s'] * 1000:.1f} ms"),
         ("with tier", f"hit rate {with_['hit_rate']:.1%}, TTFT median {with_['ttft_median_s'] * 1000:.1f} ms, "
                       f"p90 {with_['ttft_p90_s'] * 1000:.1f} ms ({tier_gb * 1024:.0f} MiB tier)"),
-        ("TTFT with / without", f"{with_['ttft_median_s'] / without['ttft_median_s']:.3f}"),
-        ("restore from tier vs recompute", f"{result['restore_ttft_median_s'] * 1000:.1f} ms vs "
-                                           f"{result['recompute_ttft_median_s'] * 1000:.1f} ms "
-                                           f"({result['restore_ttft_median_s'] / result['recompute_ttft_median_s']:.3f})"),
+        ("with disk tier", f"hit rate {disk_['hit_rate']:.1%}, TTFT median {disk_['ttft_median_s'] * 1000:.1f} ms, "
+                           f"p90 {disk_['ttft_p90_s'] * 1000:.1f} ms ({small_gb * 1024:.1f} MiB host tier, "
+                           f"{disk_['disk_loaded_blocks']} blocks loaded from disk)"),
+        ("TTFT with / without", f"host tier {with_['ttft_median_s'] / without['ttft_median_s']:.3f}, "
+                                f"disk tier {disk_['ttft_median_s'] / without['ttft_median_s']:.3f}"),
+        ("restore vs recompute", f"host tier {result['restore_ttft_median_s'] * 1000:.1f} ms, disk tier "
+                                 f"{result['disk_restore_ttft_median_s'] * 1000:.1f} ms, recompute "
+                                 f"{result['recompute_ttft_median_s'] * 1000:.1f} ms "
+                                 f"({result['restore_ttft_median_s'] / result['recompute_ttft_median_s']:.3f}, "
+                                 f"{result['disk_restore_ttft_median_s'] / result['recompute_ttft_median_s']:.3f})"),
     ]  # fmt: skip
     emit(result, args.json, rows)
     return 0

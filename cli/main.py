@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache storage (default auto: the model's dtype; fp8: one byte per value)")
     p.add_argument("--kv-offload-gb", type=float, default=None, metavar="GIB",
                    help="host memory per worker for blocks its pool evicts (default 0: no offload tier)")
+    p.add_argument("--kv-offload-disk-gb", type=float, default=None, metavar="GIB",
+                   help="local disk per worker for blocks the host tier drops (default 0: none; needs --kv-offload-gb)")
+    p.add_argument("--kv-offload-disk-dir", default=None, metavar="DIR",
+                   help="where the disk tier's unnamed file lives (default: the system's temporary directory)")
     p.add_argument("--kv-transfer-ports", default=None, metavar="LO-HI",
                    help="the workers' KV-transfer ports: the first free one of this range (default: any)")
     p.add_argument("--log-level", type=str.upper, default=None, choices=LOG_LEVELS,

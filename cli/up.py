@@ -36,6 +36,8 @@ def run_up(args: argparse.Namespace) -> int:
         engine__cache__block_size=args.block_size,
         engine__cache__kv_cache_dtype=args.kv_cache_dtype,
         engine__cache__kv_offload_gb=args.kv_offload_gb,
+        engine__cache__kv_offload_disk_gb=args.kv_offload_disk_gb,
+        engine__cache__kv_offload_disk_dir=args.kv_offload_disk_dir,
         index__url=args.redis_url,
         index__namespace=args.namespace,
         transfer__port_range=args.kv_transfer_ports,

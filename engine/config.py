@@ -25,11 +25,21 @@ class CacheConfig:
     # vLLM's --kv-offload-gb: host memory (GiB) for a second tier that keeps blocks the pool
     # evicts (engine/kv_offload.py); 0: none.
     kv_offload_gb: float = 0.0
+    # A disk tier behind the host tier (GiB of local disk per engine): blocks the host tier drops
+    # for room are written there instead of lost. Needs kv_offload_gb > 0. The file is unnamed and
+    # owner-only, in kv_offload_disk_dir (None: the system's temporary directory).
+    kv_offload_disk_gb: float = 0.0
+    kv_offload_disk_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.kv_offload_gb, bool) or not isinstance(self.kv_offload_gb, (int, float)) \
-                or not 0 <= self.kv_offload_gb < float("inf"):
-            raise ValueError(f"kv_offload_gb must be a number >= 0, got {self.kv_offload_gb!r}")
+        for name in ("kv_offload_gb", "kv_offload_disk_gb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.kv_offload_disk_gb > 0 and self.kv_offload_gb <= 0:
+            raise ValueError("kv_offload_disk_gb needs kv_offload_gb > 0: the disk tier takes what the host tier drops")
+        if self.kv_offload_disk_dir is not None and not isinstance(self.kv_offload_disk_dir, str):
+            raise ValueError(f"kv_offload_disk_dir must be a directory path, got {self.kv_offload_disk_dir!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, "
                              f"got {self.kv_cache_dtype!r}")  # fmt: skip

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.kernels.quant import KV_CACHE_DTYPES, is_fp8
 from pdserve.engine.kv_handover import HeldKV, KVHandover, KVLoad, RemotePrefill
-from pdserve.engine.kv_offload import OffloadTier
+from pdserve.engine.kv_offload import FileSlots, OffloadTier
 from pdserve.engine.kv_tensor import KVLayout, KVTensor
 from pdserve.engine.kvcache.events import EventSink
 from pdserve.engine.kvcache.manager import KVCacheManager
@@ -86,11 +86,30 @@ class EngineStats:
     offload_hit_tokens: int = 0
     offload_stored_blocks: int = 0
     offload_corrupted_blocks: int = 0
+    # The disk tier behind it (zeros without one): its size and use.
+    offload_disk_blocks: int = 0
+    offload_disk_used_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:
         """Share of the pool's blocks in use (cached free blocks count as free: they can be evicted)."""
         return 1.0 - self.free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+def _offload_tiers(cc: CacheConfig, block_nbytes: int, event_sink: EventSink | None, pin_memory: bool) -> OffloadTier:
+    """The host tier of ``cc.kv_offload_gb``, with a disk tier of ``cc.kv_offload_disk_gb`` behind it if set."""
+    sizes = {}
+    for name in ("kv_offload_gb", "kv_offload_disk_gb"):
+        gb = getattr(cc, name)
+        sizes[name] = int(gb * 1024**3) // block_nbytes
+        if gb > 0 and sizes[name] < 1:
+            raise ValueError(f"{name}={gb} holds no block of {block_nbytes} bytes")
+    disk = None
+    if sizes["kv_offload_disk_gb"]:
+        storage = FileSlots(cc.kv_offload_disk_dir, sizes["kv_offload_disk_gb"], block_nbytes)
+        disk = OffloadTier(sizes["kv_offload_disk_gb"], block_nbytes, cc.block_size, event_sink, storage=storage)
+    return OffloadTier(sizes["kv_offload_gb"], block_nbytes, cc.block_size, event_sink, pin_memory=pin_memory,
+                       spill=disk)  # fmt: skip
 
 
 def _token_ids(prompt_token_ids: Sequence[int]) -> list[int]:
@@ -155,11 +174,7 @@ class LLMEngine:
         )
         self.tier: OffloadTier | None = None
         if cc.kv_offload_gb > 0:
-            tier_blocks = int(cc.kv_offload_gb * 1024**3) // layout.block_nbytes
-            if tier_blocks < 1:
-                raise ValueError(f"kv_offload_gb={cc.kv_offload_gb} holds no block of {layout.block_nbytes} bytes")
-            self.tier = OffloadTier(tier_blocks, layout.block_nbytes, cc.block_size, event_sink,
-                                    pin_memory=self.device.type == "cuda")  # fmt: skip
+            self.tier = _offload_tiers(cc, layout.block_nbytes, event_sink, pin_memory=self.device.type == "cuda")
             tier = self.tier
 
             def offload(block_id: int, block_hash: bytes) -> None:
@@ -244,10 +259,10 @@ class LLMEngine:
         max_blocks = (request.num_tokens - 1) // bs
         hit, _ = self.kv_manager.get_computed_blocks(request)
         n = min(self.tier.match(hashes[len(hit) : max_blocks]), self.kv_manager.num_free_blocks())
-        corrupted = self.tier.stats().corrupted
+        corrupted = self.tier.num_corrupted
         if n and self.handover.restore_from_tier(hashes[len(hit) : len(hit) + n], keep=hashes[: len(hit)]):
             self.num_tier_hit_tokens += n * bs
-        elif self.tier.stats().corrupted > corrupted:
+        elif self.tier.num_corrupted > corrupted:
             logger.warning("request %s: an offload-tier block had changed since it was stored; its prompt is "
                            "computed instead", request.request_id)  # fmt: skip
 
@@ -341,12 +356,18 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         with self.lock:
             m, sched = self.kv_manager, self.scheduler
-            tier = self.tier.stats() if self.tier is not None else None
+            offload: dict[str, int] = {}
+            if self.tier is not None:
+                t = self.tier.stats()
+                offload = dict(offload_blocks=t.num_blocks, offload_used_blocks=t.used_blocks,
+                               offload_hit_tokens=self.num_tier_hit_tokens, offload_stored_blocks=t.stored,
+                               offload_corrupted_blocks=self.tier.num_corrupted)  # fmt: skip
+                if self.tier.spill is not None:
+                    d = self.tier.spill.stats()
+                    offload.update(offload_disk_blocks=d.num_blocks, offload_disk_used_blocks=d.used_blocks)
             return EngineStats(
                 m.num_blocks, m.num_free_blocks(), len(sched.running), len(sched.waiting) + len(sched.handed_over),
-                sched.num_preemptions, m.stats.queries, m.stats.hits,
-                *((tier.num_blocks, tier.used_blocks, self.num_tier_hit_tokens, tier.stored, tier.corrupted)
-                  if tier is not None else ()),
+                sched.num_preemptions, m.stats.queries, m.stats.hits, **offload,
             )  # fmt: skip
 
     # -- stepping ---------------------------------------------------------------------------

@@ -1,33 +1,46 @@
-"""OffloadTier: a bounded second tier of KV blocks in host memory, keyed by block hash, LRU.
+"""OffloadTier: bounded lower tiers of KV blocks, keyed by block hash, each with its own LRU.
 
-Blocks the device pool evicts are copied here (``store``, called by the pool as it evicts, before
-the block is reused), so a prefix that no longer fits the pool is restored by a memory copy
-instead of recomputed. The engine looks up a new request's prefix in the pool first and then
-here, and loads the blocks found here through the KV-handover API as external KV
-(``LLMEngine._restore_from_tier``). Every stored block keeps an xxh3_64 of its bytes, checked
-when it is loaded: a block whose bytes changed is dropped and reported, never used.
+Blocks the device pool evicts are copied into the host-memory tier (``store``, called by the pool as
+it evicts, before the block is reused), so a prefix that no longer fits the pool is restored by a
+memory copy instead of recomputed. With a disk tier behind it (``spill``), the blocks the host tier
+drops for room are written there instead of lost. The engine looks up a new request's prefix in the
+pool first and then here (host, then disk), and loads the blocks found here through the
+KV-handover API as external KV (``LLMEngine._restore_from_tier``). Every stored block keeps an
+xxh3_64 of its bytes, checked when it is loaded: a block whose bytes changed (or could not be read
+back) is dropped and reported, never used.
 
-Events (the pool's sink, so Redis sees them): ``BlockStored`` / ``BlockRemoved`` with
-``medium=MEDIUM`` as blocks enter and leave the tier. They carry hashes only (no parent, no
-tokens): the tier keeps bytes, not token ids.
+Where the bytes live is a ``SlotStorage``: ``HostSlots`` (one tensor, pinned for CUDA engines) or
+``FileSlots`` (an unnamed file, owner-only, gone when the process ends, space reserved up front).
+
+Events (the pool's sink, so Redis sees them): ``BlockStored`` / ``BlockRemoved`` with the tier's
+``medium`` (``CPU_TIER``, ``DISK_TIER``) as blocks enter and leave it. They carry hashes only (no
+parent, no tokens): the tiers keep bytes, not token ids.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import tempfile
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import xxhash
 
 from pdserve.engine.kvcache.events import BlockRemoved, BlockStored, EventSink
 
+logger = logging.getLogger(__name__)
+
 MEDIUM = "CPU_TIER"
+DISK_MEDIUM = "DISK_TIER"
 
 
 class TierCorruptionError(RuntimeError):
-    """A tier block's bytes no longer match the checksum taken when it was stored."""
+    """A tier block's bytes no longer match the checksum taken when it was stored, or could not be
+    read back."""
 
 
 @dataclass(frozen=True)
@@ -44,34 +57,144 @@ def _digest(data: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(data.numpy())
 
 
+class SlotStorage(Protocol):
+    """``num_blocks`` slots of ``block_nbytes`` bytes."""
+
+    num_blocks: int
+    block_nbytes: int
+    medium: str
+
+    def write(self, slot: int, src: torch.Tensor) -> int:
+        """Store ``src`` (one block's bytes, any device) in ``slot``; return the xxh3_64 of what was stored."""
+
+    def read(self, slot: int) -> torch.Tensor:
+        """The bytes of ``slot`` as a host uint8 tensor, valid until the next ``read`` (raises ``OSError``)."""
+
+    def close(self) -> None: ...
+
+
+class HostSlots:
+    """Slots in one host tensor (pinned: CUDA copies to and from it are fast)."""
+
+    medium = MEDIUM
+
+    def __init__(self, num_blocks: int, block_nbytes: int, pin_memory: bool = False) -> None:
+        self.num_blocks, self.block_nbytes = num_blocks, block_nbytes
+        self.data = torch.empty((num_blocks, block_nbytes), dtype=torch.uint8, pin_memory=pin_memory)
+
+    def write(self, slot: int, src: torch.Tensor) -> int:
+        dst = self.data[slot]
+        dst.copy_(src.reshape(-1))
+        return _digest(dst)
+
+    def read(self, slot: int) -> torch.Tensor:
+        return self.data[slot]
+
+    def close(self) -> None:
+        pass
+
+
+class FileSlots:
+    """Slots in an unnamed temporary file under ``directory``: created owner-only and unlinked at
+    once, so no other process can open it by name and nothing is left behind, even after a crash.
+    Its space is reserved when it is made (``ValueError`` if the disk cannot hold it), so a full
+    disk never fails a write later. Reads and writes go through the page cache."""
+
+    medium = DISK_MEDIUM
+
+    def __init__(self, directory: str | None, num_blocks: int, block_nbytes: int) -> None:
+        self.num_blocks, self.block_nbytes = num_blocks, block_nbytes
+        directory = directory or tempfile.gettempdir()
+        try:
+            self._file = tempfile.TemporaryFile(dir=directory, prefix="pdserve-kv-")
+        except OSError as exc:
+            raise ValueError(f"cannot create the disk tier's file in {directory!r}: {exc}") from None
+        self._fd = self._file.fileno()
+        size = num_blocks * block_nbytes
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(self._fd, 0, size)
+            else:
+                os.ftruncate(self._fd, size)
+        except OSError as exc:
+            self._file.close()
+            raise ValueError(f"cannot reserve {size / 1024**3:.2f} GiB for the disk tier in {directory!r}: {exc}") from None
+        self._stage = torch.empty(block_nbytes, dtype=torch.uint8)
+
+    def write(self, slot: int, src: torch.Tensor) -> int:
+        data = src.reshape(-1).cpu()
+        view = memoryview(data.numpy())
+        offset, done = slot * self.block_nbytes, 0
+        while done < len(view):  # pwrite may write less than asked
+            done += os.pwrite(self._fd, view[done:], offset + done)
+        return _digest(data)
+
+    def read(self, slot: int) -> torch.Tensor:
+        view = memoryview(self._stage.numpy())
+        offset, done = slot * self.block_nbytes, 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n == 0:
+                raise OSError(f"disk tier file ends inside slot {slot}")
+            done += n
+        return self._stage
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class OffloadTier:
-    """``num_blocks`` slots of ``block_nbytes`` bytes. Not thread-safe: the engine calls it under
-    its lock. ``pin_memory`` (CUDA engines) makes device-host copies asynchronous-capable and fast."""
+    """``num_blocks`` slots of ``block_nbytes`` bytes in host memory (``pin_memory`` for CUDA
+    engines), or in ``storage``; ``spill``: the tier that takes the blocks this one drops for room
+    (a disk tier behind the host tier). Lookups (``__contains__``, ``match``, ``touch``, ``load``)
+    see both. Not thread-safe: the engine calls it under its lock."""
 
     def __init__(self, num_blocks: int, block_nbytes: int, block_size: int, event_sink: EventSink | None = None,
-                 pin_memory: bool = False) -> None:  # fmt: skip
+                 pin_memory: bool = False, *, storage: SlotStorage | None = None,
+                 spill: OffloadTier | None = None) -> None:  # fmt: skip
         if num_blocks < 1:
             raise ValueError(f"an offload tier needs at least one block, got {num_blocks}")
+        self.storage = storage or HostSlots(num_blocks, block_nbytes, pin_memory)
+        if (self.storage.num_blocks, self.storage.block_nbytes) != (num_blocks, block_nbytes):
+            raise ValueError("the storage's slots do not match the tier's")
+        if spill is not None and spill.block_nbytes != block_nbytes:
+            raise ValueError(f"a spill tier of {spill.block_nbytes}-byte blocks behind {block_nbytes}-byte ones")
         self.num_blocks = num_blocks
         self.block_nbytes = block_nbytes
         self.block_size = block_size
-        self.data = torch.empty((num_blocks, block_nbytes), dtype=torch.uint8, pin_memory=pin_memory)
+        self.medium = self.storage.medium
+        self.spill = spill
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, least recently used first
         self._free = list(range(num_blocks - 1, -1, -1))
         self._checksums = [0] * num_blocks
         self._sink = event_sink
         self._stored = self._evicted = self._loaded = self._corrupted = 0
 
+    @property
+    def data(self) -> torch.Tensor:
+        """The host tier's slots (``[num_blocks, block_nbytes]``)."""
+        if not isinstance(self.storage, HostSlots):
+            raise AttributeError("only a host tier keeps its blocks in a tensor")
+        return self.storage.data
+
     def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self._slots
+        return block_hash in self._slots or (self.spill is not None and block_hash in self.spill)
 
     def stats(self) -> TierStats:
+        """This tier's own counters (the spill tier has its own)."""
         return TierStats(self.num_blocks, len(self._slots), self._stored, self._evicted, self._loaded,
                          self._corrupted)  # fmt: skip
 
+    @property
+    def num_corrupted(self) -> int:
+        """Blocks found changed or unreadable at load, in this tier and its spill (lifetime)."""
+        return self._corrupted + (self.spill.num_corrupted if self.spill is not None else 0)
+
     def store(self, block_hash: bytes, src: torch.Tensor) -> None:
         """Copy one block (``src``: its ``block_nbytes`` bytes, any device) in under ``block_hash``,
-        dropping the least recently used block when full. A hash already here is only refreshed."""
+        making room by dropping the least recently used block (into ``spill`` when there is one).
+        A hash already here is only refreshed. Never raises for an I/O failure: the block is then
+        not kept (logged)."""
         if src.numel() != self.block_nbytes:
             raise ValueError(f"a tier block is {self.block_nbytes} bytes, got {src.numel()}")
         if block_hash in self._slots:
@@ -80,25 +203,43 @@ class OffloadTier:
         gone: list[bytes] = []
         if not self._free:
             old, slot = self._slots.popitem(last=False)
+            if self.spill is not None:
+                self._spill(old, slot)
             self._free.append(slot)
             self._evicted += 1
             gone.append(old)
         slot = self._free.pop()
-        dst = self.data[slot]
-        dst.copy_(src.reshape(-1))
-        self._checksums[slot] = _digest(dst)
-        self._slots[block_hash] = slot
-        self._stored += 1
+        try:
+            self._checksums[slot] = self.storage.write(slot, src)
+        except OSError as exc:
+            self._free.append(slot)
+            logger.warning("%s: could not store block %s: %s", self.medium, block_hash.hex(), exc)
+            stored = False
+        else:
+            self._slots[block_hash] = slot
+            self._stored += 1
+            stored = True
         if self._sink is not None:
             if gone:
-                self._sink(BlockRemoved(gone, MEDIUM))
-            self._sink(BlockStored([block_hash], None, [], self.block_size, None, MEDIUM))
+                self._sink(BlockRemoved(gone, self.medium))
+            if stored:
+                self._sink(BlockStored([block_hash], None, [], self.block_size, None, self.medium))
+
+    def _spill(self, block_hash: bytes, slot: int) -> None:
+        assert self.spill is not None
+        try:
+            data = self.storage.read(slot)
+        except OSError as exc:
+            logger.warning("%s: could not read block %s to spill it: %s", self.medium, block_hash.hex(), exc)
+            return
+        if _digest(data) == self._checksums[slot]:  # a changed block is dropped, not passed on
+            self.spill.store(block_hash, data)
 
     def match(self, block_hashes: Sequence[bytes]) -> int:
-        """How many leading hashes of ``block_hashes`` are here."""
+        """How many leading hashes of ``block_hashes`` are here (in this tier or its spill)."""
         n = 0
         for h in block_hashes:
-            if h not in self._slots:
+            if h not in self:
                 break
             n += 1
         return n
@@ -109,17 +250,30 @@ class OffloadTier:
         for h in block_hashes:
             if h in self._slots:
                 self._slots.move_to_end(h)
+        if self.spill is not None:
+            self.spill.touch(block_hashes)
 
     def load(self, block_hash: bytes, dst: torch.Tensor) -> None:
-        """Copy the block stored under ``block_hash`` into ``dst`` (a block's bytes, any device),
-        after checking its bytes. Raises ``KeyError`` if absent and ``TierCorruptionError`` if its
-        bytes changed since ``store`` (the block is dropped then)."""
-        slot = self._slots[block_hash]
-        src = self.data[slot]
+        """Copy the block stored under ``block_hash`` (here, else in ``spill``) into ``dst`` (a
+        block's bytes, any device), after checking its bytes. Raises ``KeyError`` if absent and
+        ``TierCorruptionError`` if its bytes changed since ``store`` or cannot be read (the block is
+        dropped then)."""
+        slot = self._slots.get(block_hash)
+        if slot is None:
+            if self.spill is None:
+                raise KeyError(block_hash)
+            self.spill.load(block_hash, dst)
+            return
+        try:
+            src = self.storage.read(slot)
+        except OSError as exc:
+            self._drop(block_hash)
+            self._corrupted += 1
+            raise TierCorruptionError(f"{self.medium} block {block_hash.hex()} could not be read: {exc}") from None
         if _digest(src) != self._checksums[slot]:
             self._drop(block_hash)
             self._corrupted += 1
-            raise TierCorruptionError(f"offload-tier block {block_hash.hex()} changed since it was stored")
+            raise TierCorruptionError(f"{self.medium} block {block_hash.hex()} changed since it was stored")
         dst.reshape(-1).copy_(src)
         self._slots.move_to_end(block_hash)
         self._loaded += 1
@@ -127,11 +281,19 @@ class OffloadTier:
     def _drop(self, block_hash: bytes) -> None:
         self._free.append(self._slots.pop(block_hash))
         if self._sink is not None:
-            self._sink(BlockRemoved([block_hash], MEDIUM))
+            self._sink(BlockRemoved([block_hash], self.medium))
+
+    def close(self) -> None:
+        """Release the storage (a disk tier's file), this tier's and its spill's."""
+        self.storage.close()
+        if self.spill is not None:
+            self.spill.close()
 
     def check_invariants(self) -> None:
-        """Every slot is either free or holds exactly one hash."""
+        """Every slot is either free or holds exactly one hash (in this tier and its spill)."""
         used = list(self._slots.values())
         assert len(set(used)) == len(used), "a tier slot holds two hashes"
         assert not set(used) & set(self._free), "a tier slot is both free and used"
         assert len(used) + len(self._free) == self.num_blocks, "a tier slot went missing"
+        if self.spill is not None:
+            self.spill.check_invariants()

@@ -7,7 +7,7 @@ What it writes (docs/redis.md; ``{ns}`` is ``IndexConfig.namespace``):
 - ``{ns}:events`` stream, capped with ``MAXLEN ~ events_maxlen`` (approximate: Redis trims whole
   stream nodes, so the length may exceed the cap by up to one node, 100 entries by default).
   Every entry has ``type`` (``BlockStored``/``BlockRemoved``/``AllBlocksCleared``), ``worker``,
-  ``medium`` (``GPU``/``CPU``: the pool; ``CPU_TIER``: the offload tier) and ``ts_ms``. BlockStored adds ``block_hashes`` (JSON list of 32-hex strings),
+  ``medium`` (``GPU``/``CPU``: the pool; ``CPU_TIER``/``DISK_TIER``: the offload tiers) and ``ts_ms``. BlockStored adds ``block_hashes`` (JSON list of 32-hex strings),
   ``parent_block_hash`` (32 hex, ``""`` for a chain root), ``block_size``, ``lora_name`` (``""``
   if none) and, only with ``IndexConfig.events_include_token_ids``, ``token_ids`` (JSON list:
   they are the tenants' prompts); BlockRemoved adds ``block_hashes``.

@@ -53,6 +53,9 @@ class _EngineCollector:
                           s.offload_stored_blocks)  # fmt: skip
             yield counter("pdserve_kv_offload_corrupted_blocks", "Offload-tier blocks whose bytes changed "
                           "(dropped, the prompt computed instead).", s.offload_corrupted_blocks)  # fmt: skip
+        if s.offload_disk_blocks:
+            yield gauge("pdserve_kv_offload_disk_usage_ratio", "Share of the disk tier's blocks in use.",
+                        s.offload_disk_used_blocks / s.offload_disk_blocks)  # fmt: skip
 
 
 class WorkerMetrics:

@@ -5,7 +5,10 @@ field while either tier holds the block."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import stat
 
 import pytest
 import torch
@@ -13,8 +16,8 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.kv_offload import MEDIUM, OffloadTier, TierCorruptionError
-from pdserve.engine.kvcache.events import BlockRemoved
+from pdserve.engine.kv_offload import DISK_MEDIUM, MEDIUM, FileSlots, OffloadTier, TierCorruptionError, TierStats
+from pdserve.engine.kvcache.events import BlockRemoved, BlockStored
 from pdserve.kvindex.config import IndexConfig
 from pdserve.kvindex.publisher import KVEventPublisher
 from tests.support.redis import unique_namespace
@@ -159,3 +162,117 @@ def test_a_remote_prefill_pulls_only_what_the_local_tier_lacks(tiny_model: str) 
         engine.step()
     engine.handover.check_invariants()
     assert engine.kv_usage().free_blocks == 10
+
+
+# -- the disk tier ------------------------------------------------------------------------------
+def disk_tiers(tmp_path, events: list, host: int = 2, disk: int = 3) -> OffloadTier:  # noqa: ANN001
+    spill = OffloadTier(disk, 8, 16, events.append, storage=FileSlots(str(tmp_path), disk, 8))
+    return OffloadTier(host, 8, 16, events.append, spill=spill)
+
+
+def test_blocks_the_host_tier_drops_go_to_disk_and_come_back(tmp_path) -> None:  # noqa: ANN001
+    events: list = []
+    tier = disk_tiers(tmp_path, events)
+    blocks = {bytes([i]) * 16: torch.full((8,), i, dtype=torch.uint8) for i in range(6)}
+    hashes = list(blocks)
+    for h in hashes[:5]:
+        tier.store(h, blocks[h])
+    disk = tier.spill
+    assert [h in tier._slots for h in hashes[:5]] == [False, False, False, True, True]  # noqa: SLF001
+    assert [h in disk for h in hashes[:5]] == [True, True, True, False, False]
+    assert tier.match(hashes) == 5 and hashes[5] not in tier
+    out = torch.empty(8, dtype=torch.uint8)
+    for h in hashes[:5]:  # from whichever tier holds it, bytes intact
+        tier.load(h, out)
+        assert torch.equal(out, blocks[h])
+    # A full disk tier drops its least recently used block: hashes[0] was loaded first.
+    tier.store(hashes[5], blocks[hashes[5]])  # host drops hashes[3] into disk, disk drops its LRU
+    assert hashes[0] not in tier and hashes[3] in disk
+    stored = [e.block_hashes[0] for e in events if isinstance(e, BlockStored) and e.medium == DISK_MEDIUM]
+    removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == DISK_MEDIUM for h in e.block_hashes]
+    assert stored == [hashes[0], hashes[1], hashes[2], hashes[3]] and removed == [hashes[0]]
+    tier.check_invariants()
+    assert disk.stats() == TierStats(3, 3, 4, 1, 3, 0) and tier.stats().stored == 6
+    tier.close()
+
+
+def test_a_changed_disk_block_is_detected_and_dropped(tmp_path) -> None:  # noqa: ANN001
+    events: list = []
+    tier = disk_tiers(tmp_path, events, host=1, disk=2)
+    a, b = bytes([1]) * 16, bytes([2]) * 16
+    tier.store(a, torch.full((8,), 1, dtype=torch.uint8))
+    tier.store(b, torch.full((8,), 2, dtype=torch.uint8))  # a goes to disk
+    disk = tier.spill
+    slot = disk._slots[a]  # noqa: SLF001
+    os.pwrite(disk.storage._fd, b"\xff", slot * 8 + 3)  # noqa: SLF001 - the file changes behind the tier's back
+    with pytest.raises(TierCorruptionError, match=a.hex()):
+        tier.load(a, torch.empty(8, dtype=torch.uint8))
+    assert a not in tier and tier.num_corrupted == 1 and events[-1] == BlockRemoved([a], DISK_MEDIUM)
+    tier.check_invariants()
+    tier.close()
+
+
+def test_the_disk_tier_file_is_private_and_leaves_nothing_behind(tmp_path) -> None:  # noqa: ANN001
+    tier = disk_tiers(tmp_path, [])
+    assert os.listdir(tmp_path) == []  # unnamed: no other process can open it by path
+    st = os.fstat(tier.spill.storage._fd)  # noqa: SLF001
+    assert st.st_size == 3 * 8 and stat.S_IMODE(st.st_mode) & 0o077 == 0
+    tier.close()
+    with pytest.raises(ValueError, match="cannot create the disk tier"):
+        FileSlots(str(tmp_path / "missing"), 1, 8)
+
+
+def test_disk_tier_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="needs kv_offload_gb"):
+        CacheConfig(kv_offload_disk_gb=1.0)
+    with pytest.raises(ValueError, match="kv_offload_disk_gb must be a number"):
+        CacheConfig(kv_offload_gb=1.0, kv_offload_disk_gb=-1.0)
+
+
+def test_prefixes_come_back_from_disk_with_the_same_tokens(tiny_model: str, tmp_path) -> None:  # noqa: ANN001
+    """Eight 6-block prefixes through a 12-block pool and a 6-block host tier: most come back from
+    the disk tier behind it, restored, with the tokens of an engine that never evicted."""
+    prompts = [p + [5] for p in prefixes(8, seed=21)]
+    expected = [o.token_ids for o in LLM(tiny_model, num_blocks=256).generate(prompts, PARAMS)]
+    block_gb = LLM(tiny_model, num_blocks=1).engine.layout.block_nbytes / 1024**3
+    llm = LLM(tiny_model, num_blocks=12, kv_offload_gb=6 * block_gb, kv_offload_disk_gb=0.01,
+              kv_offload_disk_dir=str(tmp_path))  # fmt: skip
+    engine = llm.engine
+    first = [llm.generate([p], PARAMS)[0] for p in prompts]
+    again = [llm.generate([p], PARAMS)[0] for p in prompts]
+    assert [o.num_cached_tokens for o in again] == [96] * 8
+    assert [o.token_ids for o in first] == [o.token_ids for o in again] == expected
+    stats = engine.stats()
+    assert stats.offload_blocks == 6 and stats.offload_disk_used_blocks >= 8 * 6 - 12 - 6
+    assert engine.tier.spill.stats().loaded >= 5 * 6  # most prefixes came from disk
+    engine.handover.check_invariants()
+    engine.tier.check_invariants()
+    usage = engine.kv_usage()
+    assert usage.free_blocks == usage.num_blocks and usage.requests == 0
+
+
+def test_redis_names_the_disk_tier_and_keeps_its_holders(tiny_model: str, redis_server, tmp_path) -> None:  # noqa: ANN001
+    cfg = IndexConfig(redis_server.url, namespace=unique_namespace())
+    client = cfg.client()
+    publisher = KVEventPublisher(cfg, "w0")
+    block_gb = LLM(tiny_model, num_blocks=1).engine.layout.block_nbytes / 1024**3
+    cache = CacheConfig(16, 8, kv_offload_gb=block_gb, kv_offload_disk_gb=3 * block_gb,
+                        kv_offload_disk_dir=str(tmp_path))  # fmt: skip
+    engine = LLMEngine(EngineConfig(tiny_model, device="cpu", cache=cache), event_sink=publisher)
+    a, b = (p + [5] for p in prefixes(2, length=96, seed=7))
+    run(engine, a)
+    run(engine, b)  # a's blocks: pool -> 1-block host tier -> 3-block disk tier -> gone
+    assert publisher.flush(10)
+    hashes_a = engine.make_request(a, PARAMS).block_hashes
+    disk = engine.tier.spill
+    on_disk = [h for h in hashes_a if h in disk]
+    gone = [h for h in hashes_a if h not in engine.tier and engine.kv_manager.pool.get_cached_block(h) is None]
+    assert len(on_disk) == 3 and gone
+    assert all(client.hexists(cfg.block_key(h), "w0") for h in on_disk)
+    assert not any(client.hexists(cfg.block_key(h), "w0") for h in gone)
+    stream = [f for _, f in client.xrange(cfg.events_key)]
+    assert {f["medium"] for f in stream} == {"CPU", MEDIUM, DISK_MEDIUM}
+    disk_stored = {h for f in stream if f["type"] == "BlockStored" and f["medium"] == DISK_MEDIUM
+                   for h in json.loads(f["block_hashes"])}  # fmt: skip
+    assert {h.hex() for h in on_disk} <= disk_stored
+    publisher.close()

@@ -28,8 +28,9 @@ SECRET = TransferConfig(cluster_secret="worker-services-test-secret")
 
 def runtime(model: str, url: str, ns: str, wid: str, role: str, block_size: int = 16,
             transfer: TransferConfig = SECRET, kv_cache_dtype: str = "auto", num_blocks: int = 64,
-            kv_offload_gb: float = 0.0) -> WorkerRuntime:  # fmt: skip
-    cache = CacheConfig(block_size, num_blocks, kv_cache_dtype=kv_cache_dtype, kv_offload_gb=kv_offload_gb)
+            kv_offload_gb: float = 0.0, kv_offload_disk_gb: float = 0.0) -> WorkerRuntime:  # fmt: skip
+    cache = CacheConfig(block_size, num_blocks, kv_cache_dtype=kv_cache_dtype, kv_offload_gb=kv_offload_gb,
+                        kv_offload_disk_gb=kv_offload_disk_gb)  # fmt: skip
     engine = EngineConfig(model, device="cpu", cache=cache)
     return WorkerRuntime(WorkerConfig(wid, role, engine, IndexConfig(url, namespace=ns), transfer,
                                       bind_host="127.0.0.1"))  # fmt: skip
@@ -177,11 +178,15 @@ def test_a_peer_with_another_kv_cache_dtype_is_refused_and_the_prompt_recomputed
         prt.close()
 
 
-def test_a_decode_worker_pulls_blocks_from_a_peers_offload_tier(tiny_model: str, redis_server) -> None:
-    """The holder's pool evicted a prefix into its offload tier; a pull by hash over gRPC restores
-    it there (KV-handover API) and streams it; the puller decodes the tokens one engine does."""
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_decode_worker_pulls_blocks_from_a_peers_offload_tier(tiny_model: str, redis_server, tier: str) -> None:
+    """The holder's pool evicted a prefix into its offload tier (with ``disk``: a one-block host tier
+    that spills into a disk tier); a pull by hash over gRPC restores it there (KV-handover API) and
+    streams it; the puller decodes the tokens one engine does."""
     ns = unique_namespace()
-    holder = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill", num_blocks=8, kv_offload_gb=0.01)
+    block_gb = LLM(tiny_model, num_blocks=1).engine.layout.block_nbytes / 1024**3
+    sizes = {"kv_offload_gb": 0.01} if tier == "host" else {"kv_offload_gb": block_gb, "kv_offload_disk_gb": 0.01}
+    holder = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill", num_blocks=8, **sizes)
     puller = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode")
     try:
         params = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -199,6 +204,11 @@ def test_a_decode_worker_pulls_blocks_from_a_peers_offload_tier(tiny_model: str,
         pool = holder.engine.kv_manager.pool
         in_pool = [pool.get_cached_block(h) is not None for h in hashes]
         assert not all(in_pool) and all(h in holder.engine.tier for h, p in zip(hashes, in_pool) if not p)
+        if tier == "disk":  # all but at most one of them only on disk
+            disk = holder.engine.tier.spill
+            evicted = [h for h, p in zip(hashes, in_pool) if not p]
+            only_on_disk = [h for h in evicted if h in disk and h not in holder.engine.tier._slots]  # noqa: SLF001
+            assert len(evicted) >= 2 and len(only_on_disk) >= len(evicted) - 1
         load = engine.handover.reserve(req, 96)
         assert load is not None and load.num_external_tokens == 96
         ok = False
