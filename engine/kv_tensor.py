@@ -50,13 +50,6 @@ class KVLayout:
             raise ValueError(f"kv_scales must hold {self.planes} per layer ({self.planes * self.num_layers}), "
                              f"got {len(self.kv_scales)}")  # fmt: skip
 
-    def layer_scales(self, layer: int) -> tuple[float, ...]:
-        """The scales of one layer's planes: (k_scale, v_scale), or (scale,) for MLA; 1.0 each for a
-        float cache."""
-        if not self.kv_scales:
-            return (1.0,) * self.planes
-        return tuple(self.kv_scales[self.planes * layer : self.planes * (layer + 1)])
-
     @property
     def planes(self) -> int:
         return 1 if self.kind == "mla" else 2

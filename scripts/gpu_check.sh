@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks that need an NVIDIA GPU, in one run (a few minutes): the Triton kernel tests (paged and MLA
-# attention) compiled on CUDA, the CUDA model and engine checks against transformers (Llama family and
+# attention, float and FP8 caches) compiled on CUDA, the CUDA model and engine checks against transformers (Llama family and
 # DeepSeek), then the decode-attention timing table.
 # Results go to $OUT (default ./gpu-check): pytest logs and attention_gpu.{json,md}.
 set -uo pipefail
@@ -12,7 +12,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
   | tee -a "$OUT/gpu.txt"
 status=0
-python -m pytest -q -p no:cacheprovider tests/engine/test_kernels.py tests/engine/test_mla_kernels.py 2>&1 \
+python -m pytest -q -p no:cacheprovider tests/engine/test_kernels.py tests/engine/test_kernels_fp8.py \
+  tests/engine/test_mla_kernels.py 2>&1 \
   | tee "$OUT/kernels.log" | tail -3 || status=1
 python -m pytest -q -p no:cacheprovider tests/engine/test_model.py tests/engine/test_engine.py \
   tests/engine/test_deepseek.py -k cuda 2>&1 | tee "$OUT/cuda_model.log" | tail -3 || status=1

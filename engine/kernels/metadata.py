@@ -29,6 +29,8 @@ class AttentionMetadata:
     max_seq_len: int
     # CPU only: the torch path's per-step index plan, shared by every layer (see torch_paged).
     torch_plan: object | None = None
+    # MLA models: the mixed step's plan (kernels.mla.plan_mixed), made by the first layer, shared by all.
+    mla_plan: object | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -218,6 +219,39 @@ def mla_attention_naive(
     return out
 
 
+@dataclass(frozen=True)
+class MixedPlan:
+    """How a mixed step splits, built once per step (one host read of its lengths) and shared by
+    every layer: decodes go absorbed as one sub-batch (its rows, block tables, lengths, and the torch
+    path's plan on the CPU), prefills and chunks decompressed per sequence."""
+
+    starts: list[int]
+    lens: list[int]
+    prefills: list[int]
+    decode_rows: torch.Tensor | None  # int64 query rows of the decodes; None without decodes
+    decode_batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # block tables, seq lens, query starts
+    decode_torch_plan: TorchAttentionPlan | None
+
+
+def plan_mixed(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+               block_size: int | None = None) -> MixedPlan:  # fmt: skip
+    """The :class:`MixedPlan` of one step (``block_size``: the cache's, for the torch path's decode
+    plan on the CPU; None skips it)."""
+    _check_batch(block_tables, seq_lens, query_start_loc)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    decodes = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
+    prefills = [s for s in range(len(lens)) if starts[s + 1] - starts[s] > 1]
+    if not decodes:
+        return MixedPlan(starts, lens, prefills, None, None, None)
+    device = seq_lens.device
+    rows = torch.tensor([starts[s] for s in decodes], dtype=torch.int64, device=device)
+    seqs = torch.tensor(decodes, dtype=torch.int64, device=device)
+    batch = (block_tables[seqs].contiguous(), seq_lens[seqs].contiguous(),
+             torch.arange(len(decodes) + 1, dtype=torch.int32, device=device))  # fmt: skip
+    torch_plan = plan_attention(*batch, block_size) if block_size is not None and device.type == "cpu" else None
+    return MixedPlan(starts, lens, prefills, rows, batch, torch_plan)
+
+
 def mla_attention_mixed(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -230,26 +264,24 @@ def mla_attention_mixed(
     *,
     impl: str | None = None,
     kv_scale: float = 1.0,
+    plan: MixedPlan | None = None,
 ) -> torch.Tensor:
     """Each sequence in the form that suits it: decodes (one query) absorbed, through
     :func:`mla_attention` with ``impl``; prefills and chunks decompressed. Same contract and result
-    as :func:`mla_attention_naive`; reads the batch's lengths on the host (one sync)."""
+    as :func:`mla_attention_naive`. ``plan``: ``plan_mixed`` of this batch, shared by every layer of
+    the step; without it one is built here (a host read of the lengths)."""
     _check_naive(q_nope, q_pe, cache, w_kv_b, block_tables, seq_lens, query_start_loc, kv_scale)
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    if plan is None:
+        plan = plan_mixed(block_tables, seq_lens, query_start_loc, cache.shape[1])
     nope, rank = q_nope.shape[2], w_kv_b.shape[2]
     out = q_nope.new_zeros((*q_nope.shape[:2], w_kv_b.shape[1] - nope))
-    decodes = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
-    if decodes:
-        device = q_nope.device
-        rows = torch.tensor([starts[s] for s in decodes], dtype=torch.int64, device=device)
-        seqs = torch.tensor(decodes, dtype=torch.int64, device=device)
-        latent = mla_attention(absorb_query(q_nope[rows], q_pe[rows], w_kv_b).contiguous(), cache,
-                               block_tables[seqs].contiguous(), seq_lens[seqs].contiguous(),
-                               torch.arange(len(decodes) + 1, dtype=torch.int32, device=device), scale, rank,
-                               impl=impl, kv_scale=kv_scale)  # fmt: skip
+    if plan.decode_rows is not None and plan.decode_batch is not None:
+        rows = plan.decode_rows
+        latent = mla_attention(absorb_query(q_nope[rows], q_pe[rows], w_kv_b).contiguous(), cache, *plan.decode_batch,
+                               scale, rank, impl=impl, plan=plan.decode_torch_plan, kv_scale=kv_scale)  # fmt: skip
         out[rows] = expand_latent(latent, w_kv_b, nope)
-    prefills = [s for s in range(len(lens)) if starts[s + 1] - starts[s] > 1]
-    _naive_torch(q_nope, q_pe, cache, w_kv_b, block_tables, starts, lens, float(scale), float(kv_scale), prefills, out)
+    _naive_torch(q_nope, q_pe, cache, w_kv_b, block_tables, plan.starts, plan.lens, float(scale), float(kv_scale),
+                 plan.prefills, out)  # fmt: skip
     return out
 
 

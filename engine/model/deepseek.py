@@ -27,6 +27,7 @@ from pdserve.engine.kernels.mla import (
     mla_attention,
     mla_attention_mixed,
     mla_attention_naive,
+    plan_mixed,
     write_latent,
 )
 from pdserve.engine.model.config import ModelConfig
@@ -91,7 +92,9 @@ class MLAAttention(nn.Module):
         elif self.form == "naive":
             out = mla_attention_naive(q_nope, q_pe, cache, w, *batch, kv_scale=self.kv_scale)
         else:  # a step with a prefill: its decodes absorbed, its prefills decompressed
-            out = mla_attention_mixed(q_nope, q_pe, cache, w, *batch, kv_scale=self.kv_scale)
+            if meta.mla_plan is None:  # the first layer plans the step for all of them
+                meta.mla_plan = plan_mixed(meta.block_tables, meta.seq_lens, meta.query_start_loc, cache.shape[1])
+            out = mla_attention_mixed(q_nope, q_pe, cache, w, *batch, kv_scale=self.kv_scale, plan=meta.mla_plan)
         return self.o_proj(out.reshape(n, h * self.v_dim))
 
 

@@ -197,9 +197,10 @@ def parse_deepseek(cfg: dict[str, Any], arch: str) -> tuple[MLAConfig, MoEConfig
         method = cfg["quantization_config"].get("quant_method", "?") if isinstance(cfg["quantization_config"], dict) else "?"
         raise ValueError(f"quantized checkpoints are not supported (quantization_config: {method}); "
                          "use a bf16 or float32 checkpoint")  # fmt: skip
-    q_lora = cfg.get("q_lora_rank")
+    # Absent: transformers' default (1536); null: no low-rank query projection (V2-Lite).
+    q_lora = cfg.get("q_lora_rank", 1536)
     mla = MLAConfig(
-        q_lora_rank=None if q_lora is None else _num(cfg, "q_lora_rank", None),
+        q_lora_rank=None if q_lora is None else _num({"q_lora_rank": q_lora}, "q_lora_rank", None),
         kv_lora_rank=_num(cfg, "kv_lora_rank", 512),
         qk_nope_head_dim=_num(cfg, "qk_nope_head_dim", 128),
         qk_rope_head_dim=_num(cfg, "qk_rope_head_dim", 64),

@@ -52,7 +52,7 @@ class Attention(nn.Module):
         self.qk_size = config.q_size + config.kv_size
         self.qk_heads = config.num_attention_heads + config.num_key_value_heads
         self.scale = config.head_dim**-0.5
-        # An FP8 KV cache's per-tensor scales (LlamaForCausalLM.set_kv_scales); 1.0 otherwise.
+        # An FP8 KV cache's per-tensor scales (set by LlamaForCausalLM.kv_scales); 1.0 otherwise.
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.sliding_window = config.sliding_window

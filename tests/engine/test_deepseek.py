@@ -276,3 +276,13 @@ def test_latent_blocks_go_through_the_offload_tier(checkpoints: dict, references
         assert a.token_ids == b.token_ids == hf_greedy(ref, p, NEW_TOKENS)
     llm.engine.tier.check_invariants()
     assert_idle(llm)
+
+
+def test_an_absent_q_lora_rank_is_transformers_default_and_null_is_none(checkpoints: dict) -> None:
+    from transformers import DeepseekV2Config
+
+    raw = json.loads((checkpoints["v2"] / "config.json").read_text())
+    del raw["q_lora_rank"]
+    assert ModelConfig.from_dict(raw).mla.q_lora_rank == DeepseekV2Config().q_lora_rank == 1536
+    raw["q_lora_rank"] = None
+    assert ModelConfig.from_dict(raw).mla.q_lora_rank is None

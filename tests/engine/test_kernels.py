@@ -74,6 +74,13 @@ def device_for(impl: str) -> str:
     return TRITON_DEVICE if impl == "triton" else "cpu"
 
 
+def skip_without_triton_fp8(dtype: torch.dtype) -> None:
+    """Compiled Triton has float8_e4m3fn from compute capability 8.9 (Ada, Hopper) on; the engine
+    refuses that cache there too. The interpreter and e5m2 run anywhere."""
+    if dtype == torch.float8_e4m3fn and TRITON_DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8_e4m3fn needs compute capability 8.9+ in compiled Triton")
+
+
 def make_batch(
     seqs: list[tuple[int, int]],
     *,

@@ -8,7 +8,16 @@ import torch
 
 from pdserve.engine.kernels import paged_attention, paged_attention_ref, write_kv, write_kv_ref
 from pdserve.engine.kernels.quant import KV_CACHE_DTYPES, dequantize, fp8_max, quantize
-from tests.engine.test_kernels import LAYER, NUM_LAYERS, SCENARIOS, Batch, device_for, make_batch, rel_err
+from tests.engine.test_kernels import (
+    LAYER,
+    NUM_LAYERS,
+    SCENARIOS,
+    Batch,
+    device_for,
+    make_batch,
+    rel_err,
+    skip_without_triton_fp8,
+)
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
@@ -44,6 +53,8 @@ def test_round_trip_is_within_the_formats_error(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_quantizes_exactly_like_the_reference(impl: str, dtype: torch.dtype, src_dtype: torch.dtype) -> None:
+    if impl == "triton":
+        skip_without_triton_fp8(dtype)
     gen = torch.Generator().manual_seed(7)
     num_blocks, block_size, heads, head_dim, num_tokens = 5, 16, 2, 64, 19
     kv = quantize(torch.randn(num_blocks, NUM_LAYERS, 2, block_size, heads, head_dim, generator=gen), 1.0, dtype)
@@ -80,6 +91,7 @@ def test_torch_attention_over_fp8_matches_reference(dtype: torch.dtype, scenario
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("scenario", ["decode", "mixed", "chunked"])
 def test_triton_attention_over_fp8_matches_reference(dtype: torch.dtype, scenario: str) -> None:
+    skip_without_triton_fp8(dtype)
     b = make_batch(SCENARIOS[scenario], num_heads=8, num_kv_heads=2, head_dim=64, seed=9)
     q8 = fp8_batch(b, dtype, k_scale=0.5, v_scale=1.5)
     ref = paged_attention_ref(*q8.args()[:7], k_scale=0.5, v_scale=1.5)
@@ -92,6 +104,7 @@ def test_triton_split_kv_over_fp8_applies_v_scale_once() -> None:
     """The split-KV path merges partials in a second kernel: v_scale must apply exactly once."""
     from pdserve.engine.kernels.triton_kernels import paged_attention_triton
 
+    skip_without_triton_fp8(torch.float8_e4m3fn)
     b = make_batch([(70, 1), (33, 1)], num_heads=4, num_kv_heads=2, head_dim=32, seed=3)
     q8 = fp8_batch(b, torch.float8_e4m3fn, k_scale=2.0, v_scale=0.125)
     ref = paged_attention_ref(*q8.args()[:7], k_scale=2.0, v_scale=0.125)

@@ -21,10 +21,12 @@ from pdserve.engine.kernels.mla import (
     mla_attention,
     mla_attention_mixed,
     mla_attention_naive,
+    plan_mixed,
     write_latent,
 )
 from pdserve.engine.kernels.mla_reference import mla_absorbed_ref, mla_naive_ref, write_latent_ref
 from pdserve.engine.kernels.torch_paged import plan_attention
+from tests.engine.test_kernels import skip_without_triton_fp8
 
 NUM_LAYERS, LAYER = 2, 1  # a non-zero layer: cache views have an offset and a block stride
 
@@ -120,6 +122,12 @@ def test_mixed_form_matches_naive_reference(impl: str | None) -> None:
     got = mla_attention_mixed(d.q_nope, d.q_pe, d.cache, d.w_kv_b, *d.meta(), d.scale, impl=impl)
     torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
     assert not got[-1].any()
+    # The step's plan, made once and passed to every layer, gives the same result.
+    plan = plan_mixed(*d.meta()[:3], d.cache.shape[1])
+    assert plan.prefills and plan.decode_rows is not None
+    assert (plan.decode_torch_plan is not None) == (d.cache.device.type == "cpu")
+    again = mla_attention_mixed(d.q_nope, d.q_pe, d.cache, d.w_kv_b, *d.meta(), d.scale, impl=impl, plan=plan)
+    assert torch.equal(again, got)
 
 
 def test_reference_is_plain_attention_over_decompressed_kv() -> None:
@@ -242,6 +250,7 @@ def test_write_latent_rejects_bad_rows() -> None:
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_fp8_cache_every_path_matches_the_references(fp8: torch.dtype) -> None:
     """Rows written quantized (the same bits by every writer), read back as stored * kv_scale."""
+    skip_without_triton_fp8(fp8)
     kv_scale = 0.37
     b = make_mla_batch(MIXED, block_size=4, seed=21, padding_rows=1)
     rows = b.cache.nan_to_num(0.0).reshape(-1, b.cache.shape[-1])  # every slot, in order
