@@ -7,6 +7,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from pdserve.cluster.errors import WorkerStartError
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # as pdserve.cluster.config (not imported: slow)
 
 
@@ -206,6 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad input, missing files, ports: a message, not a traceback
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
+    except WorkerStartError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 1
     ap.error(f"unknown command {args.command}")
     return 2
 

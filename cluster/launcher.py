@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import sys
 import tempfile
@@ -14,6 +15,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster.config import ServiceConfig
+from pdserve.cluster.errors import WorkerStartError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model.loader import check_model
 from pdserve.kvindex.config import IndexConfig, redact_url
@@ -24,6 +26,13 @@ from pdserve.worker.config import WorkerConfig
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
+
+
+def _last_line(message: str) -> str:
+    """The line of a Ray actor-creation error that says what was raised (its traceback's last line)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in message.splitlines()]
+    lines = [line for line in lines if line]
+    return lines[-1] if lines else message
 
 class Service:
     """Owns what it started: a local Ray (unless joining one), an embedded Redis (unless a URL
@@ -139,8 +148,11 @@ class Service:
         while pending:
             done, _ = ray.wait(list(pending), timeout=5.0)
             for ref in done:
-                info = ray.get(ref)
                 wid = pending.pop(ref)
+                try:
+                    info = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:  # its __init__ raised: a message, not Ray's traceback
+                    raise WorkerStartError(f"worker {wid} failed to start: {_last_line(str(exc))}") from None
                 pool_blocks.append(info["num_blocks"])
                 self.progress(
                     f"[{total - len(pending)}/{total}] {wid} loaded the model ({info['num_blocks']} KV blocks, "

@@ -226,3 +226,16 @@ def test_bench_help_lists_the_benchmarks() -> None:
     assert pdserve("bench").returncode == 2
     r = pdserve("bench", "serve", "--help")
     assert r.returncode == 0 and "--http" in r.stdout
+
+
+@pytest.mark.slow
+def test_a_worker_that_cannot_start_is_named_in_one_line(model_dir: str, tmp_path: Path) -> None:
+    """A worker's start-up failure (here its disk tier's directory is missing) ends ``up`` with a
+    message naming the worker and the cause, not the driver's traceback."""
+    r = pdserve("up", "--model", model_dir, "--prefill", "1", "--decode", "1", "--port", "0", "--http-port", "off",
+                "--namespace", unique_namespace(), "--kv-offload-gb", "0.01", "--kv-offload-disk-gb", "0.01",
+                "--kv-offload-disk-dir", str(tmp_path / "missing"), timeout=300)  # fmt: skip
+    assert r.returncode == 1, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("pdserve: error: worker ") and "failed to start: ValueError: cannot create the disk tier" in last
+    assert 'launcher.py", line' not in r.stderr and 'up.py", line' not in r.stderr  # no driver traceback
