@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             result[name] = run_workload(engine, prefixes, args.rounds, args.seed)
             if engine.tier is not None and engine.tier.spill is not None:
                 result[name]["disk_loaded_blocks"] = engine.tier.spill.stats().loaded
+            engine.close()
         # One prefix recomputed, restored from the host tier, restored from the disk tier (a one-block
         # host tier in front of it), in turn.
         host = make_engine(model_dir, pool_blocks, tier_gb, bs)
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"round {i + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1] * 1000:.1f} ms" for k, v in times.items()))
         for name, ts in times.items():
             result[f"{name}_ttft_median_s"] = statistics.median(ts)
+        host.close()
+        disk.close()
         result["restore_ttft_median_s"] = result.pop("host_ttft_median_s")
         result["disk_restore_ttft_median_s"] = result.pop("disk_ttft_median_s")
     without, with_, disk_ = result["without tier"], result["with tier"], result["with disk tier"]

@@ -37,7 +37,9 @@ def run_up(args: argparse.Namespace) -> int:
         engine__cache__kv_cache_dtype=args.kv_cache_dtype,
         engine__cache__kv_offload_gb=args.kv_offload_gb,
         engine__cache__kv_offload_disk_gb=args.kv_offload_disk_gb,
-        engine__cache__kv_offload_disk_dir=args.kv_offload_disk_dir,
+        # Workers resolve it in their own working directory: make it absolute here.
+        engine__cache__kv_offload_disk_dir=os.path.abspath(os.path.expanduser(args.kv_offload_disk_dir))
+        if args.kv_offload_disk_dir else None,
         index__url=args.redis_url,
         index__namespace=args.namespace,
         transfer__port_range=args.kv_transfer_ports,

@@ -27,12 +27,12 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-
 def _last_line(message: str) -> str:
     """The line of a Ray actor-creation error that says what was raised (its traceback's last line)."""
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in message.splitlines()]
     lines = [line for line in lines if line]
     return lines[-1] if lines else message
+
 
 class Service:
     """Owns what it started: a local Ray (unless joining one), an embedded Redis (unless a URL

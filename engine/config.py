@@ -38,7 +38,8 @@ class CacheConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.kv_offload_disk_gb > 0 and self.kv_offload_gb <= 0:
             raise ValueError("kv_offload_disk_gb needs kv_offload_gb > 0: the disk tier takes what the host tier drops")
-        if self.kv_offload_disk_dir is not None and not isinstance(self.kv_offload_disk_dir, str):
+        if self.kv_offload_disk_dir is not None and (not isinstance(self.kv_offload_disk_dir, str)
+                                                     or not self.kv_offload_disk_dir):  # fmt: skip
             raise ValueError(f"kv_offload_disk_dir must be a directory path, got {self.kv_offload_disk_dir!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, "

@@ -263,7 +263,7 @@ class LLMEngine:
         if n and self.handover.restore_from_tier(hashes[len(hit) : len(hit) + n], keep=hashes[: len(hit)]):
             self.num_tier_hit_tokens += n * bs
         elif self.tier.num_corrupted > corrupted:
-            logger.warning("request %s: an offload-tier block had changed since it was stored; its prompt is "
+            logger.warning("request %s: an offload-tier block had changed or could not be read; its prompt is "
                            "computed instead", request.request_id)  # fmt: skip
 
     def add_remote(self, request: Request, remote: RemotePrefill) -> KVLoad | None:
@@ -347,6 +347,13 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def close(self) -> None:
+        """Give back what the engine holds beyond memory: its disk tier's file (and the space
+        reserved for it). Call it when done with the engine; idempotent."""
+        with self.lock:
+            if self.tier is not None:
+                self.tier.close()
 
     def kv_usage(self) -> KVUsage:
         with self.lock:

@@ -97,14 +97,17 @@ class HostSlots:
 class FileSlots:
     """Slots in an unnamed temporary file under ``directory``: created owner-only and unlinked at
     once, so no other process can open it by name and nothing is left behind, even after a crash.
-    Its space is reserved when it is made (``ValueError`` if the disk cannot hold it), so a full
-    disk never fails a write later. Reads and writes go through the page cache."""
+    Its space is reserved when it is made where the filesystem supports it (``ValueError`` if the
+    disk cannot hold it), so a full disk does not fail writes later on ordinary filesystems
+    (copy-on-write ones promise less; a failed write only loses that block). Reads and writes go
+    through the page cache. ``directory`` None: the system's temporary directory (often a tmpfs,
+    i.e. memory: give a directory on a disk)."""
 
     medium = DISK_MEDIUM
 
     def __init__(self, directory: str | None, num_blocks: int, block_nbytes: int) -> None:
         self.num_blocks, self.block_nbytes = num_blocks, block_nbytes
-        directory = directory or tempfile.gettempdir()
+        directory = os.path.expanduser(directory) if directory else tempfile.gettempdir()
         try:
             self._file = tempfile.TemporaryFile(dir=directory, prefix="pdserve-kv-")
         except OSError as exc:
@@ -122,14 +125,19 @@ class FileSlots:
         self._stage = torch.empty(block_nbytes, dtype=torch.uint8)
 
     def write(self, slot: int, src: torch.Tensor) -> int:
+        self._check_open()
         data = src.reshape(-1).cpu()
         view = memoryview(data.numpy())
         offset, done = slot * self.block_nbytes, 0
         while done < len(view):  # pwrite may write less than asked
-            done += os.pwrite(self._fd, view[done:], offset + done)
+            n = os.pwrite(self._fd, view[done:], offset + done)
+            if n == 0:
+                raise OSError(f"disk tier write of slot {slot} made no progress")
+            done += n
         return _digest(data)
 
     def read(self, slot: int) -> torch.Tensor:
+        self._check_open()
         view = memoryview(self._stage.numpy())
         offset, done = slot * self.block_nbytes, 0
         while done < len(view):
@@ -139,7 +147,12 @@ class FileSlots:
             done += n
         return self._stage
 
+    def _check_open(self) -> None:
+        if self._fd < 0:  # a closed descriptor's number may belong to another file by now
+            raise OSError("the disk tier's file is closed")
+
     def close(self) -> None:
+        self._fd = -1
         self._file.close()
 
 
@@ -203,17 +216,19 @@ class OffloadTier:
         gone: list[bytes] = []
         if not self._free:
             old, slot = self._slots.popitem(last=False)
-            if self.spill is not None:
-                self._spill(old, slot)
-            self._free.append(slot)
-            self._evicted += 1
-            gone.append(old)
+            try:
+                if self.spill is not None:
+                    self._spill(old, slot)
+            finally:  # whatever the spill did, the slot is free and the block gone from this tier
+                self._free.append(slot)
+                self._evicted += 1
+                gone.append(old)
         slot = self._free.pop()
         try:
             self._checksums[slot] = self.storage.write(slot, src)
-        except OSError as exc:
+        except Exception:  # noqa: BLE001 - an eviction must not fail: the block is just not kept
             self._free.append(slot)
-            logger.warning("%s: could not store block %s: %s", self.medium, block_hash.hex(), exc)
+            logger.warning("%s: could not store block %s", self.medium, block_hash.hex(), exc_info=True)
             stored = False
         else:
             self._slots[block_hash] = slot
@@ -226,14 +241,20 @@ class OffloadTier:
                 self._sink(BlockStored([block_hash], None, [], self.block_size, None, self.medium))
 
     def _spill(self, block_hash: bytes, slot: int) -> None:
+        """Pass the block in ``slot`` on to the spill tier, if its bytes are intact. Never raises."""
         assert self.spill is not None
         try:
             data = self.storage.read(slot)
-        except OSError as exc:
-            logger.warning("%s: could not read block %s to spill it: %s", self.medium, block_hash.hex(), exc)
+            intact = _digest(data) == self._checksums[slot]
+            if intact:
+                self.spill.store(block_hash, data)
+        except Exception:  # noqa: BLE001 - as in store: the block is lost, the eviction goes on
+            logger.warning("%s: could not spill block %s", self.medium, block_hash.hex(), exc_info=True)
             return
-        if _digest(data) == self._checksums[slot]:  # a changed block is dropped, not passed on
-            self.spill.store(block_hash, data)
+        if not intact:  # a changed block is dropped, not passed on
+            self._corrupted += 1
+            logger.warning("%s: block %s changed since it was stored; dropped, not spilled", self.medium,
+                           block_hash.hex())  # fmt: skip
 
     def match(self, block_hashes: Sequence[bytes]) -> int:
         """How many leading hashes of ``block_hashes`` are here (in this tier or its spill)."""
@@ -257,7 +278,7 @@ class OffloadTier:
         """Copy the block stored under ``block_hash`` (here, else in ``spill``) into ``dst`` (a
         block's bytes, any device), after checking its bytes. Raises ``KeyError`` if absent and
         ``TierCorruptionError`` if its bytes changed since ``store`` or cannot be read (the block is
-        dropped then)."""
+        dropped then; an intact copy in ``spill`` is loaded instead if there is one)."""
         slot = self._slots.get(block_hash)
         if slot is None:
             if self.spill is None:
@@ -266,14 +287,16 @@ class OffloadTier:
             return
         try:
             src = self.storage.read(slot)
+            problem = None if _digest(src) == self._checksums[slot] else "changed since it was stored"
         except OSError as exc:
+            problem = f"could not be read: {exc}"
+        if problem is not None:
             self._drop(block_hash)
             self._corrupted += 1
-            raise TierCorruptionError(f"{self.medium} block {block_hash.hex()} could not be read: {exc}") from None
-        if _digest(src) != self._checksums[slot]:
-            self._drop(block_hash)
-            self._corrupted += 1
-            raise TierCorruptionError(f"{self.medium} block {block_hash.hex()} changed since it was stored")
+            if self.spill is not None and block_hash in self.spill:  # an intact copy below
+                self.spill.load(block_hash, dst)
+                return
+            raise TierCorruptionError(f"{self.medium} block {block_hash.hex()} {problem}")
         dst.reshape(-1).copy_(src)
         self._slots.move_to_end(block_hash)
         self._loaded += 1

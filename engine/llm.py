@@ -52,6 +52,10 @@ class LLM:
         self.engine = LLMEngine(build_engine_config(model, **options))
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Release the engine's disk tier, if it has one (``LLMEngine.close``)."""
+        self.engine.close()
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, special tokens added the way the tokenizer says (BOS for Llama 3)."""
         return self.tokenizer.encode(text)

@@ -10,7 +10,9 @@ the puller about a quarter of its CPU per byte (``pdserve bench transfer``, READ
 Raising both thresholds above any chunk keeps those buffers in the heap, reused, resident.
 
 The price: up to ``trim_threshold`` bytes of freed memory may stay resident per malloc arena
-instead of going back to the kernel, and buffers below ``mmap_threshold`` come from the heap.
+(glibc makes up to 8 per core; in practice the few threads that stream chunks) instead of going
+back to the kernel, and buffers below ``mmap_threshold`` come from the heap. Chunks above
+``mmap_threshold`` (``chunk_bytes`` may be up to 1 GiB) are still mmap'ed per message.
 Workers call ``tune_malloc`` once at start; ``PDSERVE_MALLOC_TUNING=0`` turns it off.
 Elsewhere than glibc it does nothing.
 """
@@ -18,7 +20,6 @@ Elsewhere than glibc it does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import platform
 
@@ -47,8 +48,7 @@ def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM
     if not envs.malloc_tuning() or platform.libc_ver()[0] != "glibc":
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the running process's C library
     except (OSError, AttributeError) as exc:
         logger.debug("no mallopt in this C library: %s", exc)
         return False

@@ -57,7 +57,7 @@ class BlockReceiver:
         # A CPU tensor's bytes as one flat view: a piece is written with a slice assignment (a
         # memcpy), no tensor view made per piece. Blocks are contiguous spans of block_nbytes.
         t = kv_tensor.tensor
-        self._flat = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.device.type == "cpu" else None
+        self._flat = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.device.type == "cpu" else None
 
     def accept(self, chunk: Chunk) -> None:
         """Validate ``chunk`` and write its pieces. Raises ``ChecksumError`` or ``InvalidPullError``."""

@@ -69,7 +69,7 @@ class BlockSource:
         self.worker_id = worker_id
         self.leases = LeaseTable(self._free_lease, self.config.lease_ttl_s)
         kv = handover.kv_tensor.tensor  # a CPU cache as one flat byte view: no tensor view per piece
-        self._flat = memoryview(kv.reshape(-1).view(torch.uint8).numpy()) if kv.device.type == "cpu" else None
+        self._flat = memoryview(kv.view(-1).view(torch.uint8).numpy()) if kv.device.type == "cpu" else None
 
     def metadata(self) -> TransferMetadata:
         return TransferMetadata(self.model_fingerprint, self.layout, self.worker_id, self.config.chunk_bytes)

@@ -168,6 +168,7 @@ class WorkerRuntime:
         self.registry.close()
         self.loop.stop()
         self.server.stop()
+        self.engine.close()
         with self._clients_lock:
             clients, self._clients = list(self._clients.values()), {}
         for c in clients:

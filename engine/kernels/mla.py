@@ -273,6 +273,8 @@ def mla_attention_mixed(
     _check_naive(q_nope, q_pe, cache, w_kv_b, block_tables, seq_lens, query_start_loc, kv_scale)
     if plan is None:
         plan = plan_mixed(block_tables, seq_lens, query_start_loc, cache.shape[1])
+    elif len(plan.lens) != seq_lens.shape[0] or len(plan.starts) != query_start_loc.shape[0]:
+        raise ValueError(f"the plan is for {len(plan.lens)} sequences, the batch has {seq_lens.shape[0]}")
     nope, rank = q_nope.shape[2], w_kv_b.shape[2]
     out = q_nope.new_zeros((*q_nope.shape[:2], w_kv_b.shape[1] - nope))
     if plan.decode_rows is not None and plan.decode_batch is not None:

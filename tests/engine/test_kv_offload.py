@@ -222,6 +222,77 @@ def test_the_disk_tier_file_is_private_and_leaves_nothing_behind(tmp_path) -> No
         FileSlots(str(tmp_path / "missing"), 1, 8)
 
 
+def test_disk_io_failures_lose_a_block_never_a_slot_or_an_eviction(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """ENOSPC on a write and EIO on a read: the eviction goes on, the block is not kept (no
+    DISK_TIER event claims it), the load fails cleanly, and every slot is accounted for."""
+    import errno
+
+    events: list = []
+    tier = disk_tiers(tmp_path, events, host=1, disk=2)
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    tier.store(a, torch.full((8,), 1, dtype=torch.uint8))
+
+    def no_space(*_: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", no_space)
+    tier.store(b, torch.full((8,), 2, dtype=torch.uint8))  # a spills: the disk write fails
+    monkeypatch.undo()
+    assert a not in tier and b in tier
+    assert not any(isinstance(e, BlockStored) and e.medium == DISK_MEDIUM for e in events)
+    assert events[-2] == BlockRemoved([a], MEDIUM)  # the host let go of it: Redis drops the holder
+    tier.store(c, torch.full((8,), 3, dtype=torch.uint8))  # b spills, written this time
+    assert b in tier.spill
+
+    def io_error(*_: object) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", io_error)
+    with pytest.raises(TierCorruptionError, match="could not be read"):
+        tier.load(b, torch.empty(8, dtype=torch.uint8))
+    monkeypatch.undo()
+    assert b not in tier and tier.num_corrupted == 1 and events[-1] == BlockRemoved([b], DISK_MEDIUM)
+    tier.check_invariants()
+    tier.close()
+    with pytest.raises(OSError, match="closed"):  # a closed file's descriptor number is never reused here
+        tier.spill.storage.read(0)
+
+
+def test_a_failing_or_changed_spill_keeps_the_host_tier_whole(tmp_path) -> None:  # noqa: ANN001
+    events: list = []
+    tier = disk_tiers(tmp_path, events, host=1, disk=2)
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    tier.store(a, torch.full((8,), 1, dtype=torch.uint8))
+    tier.data[tier._slots[a]][0] ^= 0xFF  # noqa: SLF001 - a's host copy changes
+    tier.store(b, torch.full((8,), 2, dtype=torch.uint8))  # a is dropped, not spilled, and counted
+    assert a not in tier and tier.num_corrupted == 1 and events[-2] == BlockRemoved([a], MEDIUM)
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("spill tier broke")
+
+    tier.spill.store = broken  # anything, not only an OSError
+    tier.store(c, torch.full((8,), 3, dtype=torch.uint8))  # b's spill raises: the eviction still completes
+    assert b not in tier and c in tier and events[-2] == BlockRemoved([b], MEDIUM)
+    tier.check_invariants()
+    tier.close()
+
+
+def test_a_bad_host_copy_falls_back_to_the_disk_copy(tmp_path) -> None:  # noqa: ANN001
+    tier = disk_tiers(tmp_path, [], host=1, disk=2)
+    a, b = bytes([1]) * 16, bytes([2]) * 16
+    block = torch.full((8,), 1, dtype=torch.uint8)
+    tier.store(a, block)
+    tier.store(b, torch.full((8,), 2, dtype=torch.uint8))  # a: disk only
+    out = torch.empty(8, dtype=torch.uint8)
+    tier.store(a, block)  # a again in the host tier (b spills): a copy in each tier
+    assert a in tier._slots and a in tier.spill  # noqa: SLF001
+    tier.data[tier._slots[a]][5] ^= 0xFF  # noqa: SLF001
+    tier.load(a, out)
+    assert torch.equal(out, block) and tier.num_corrupted == 1 and a not in tier._slots  # noqa: SLF001
+    tier.check_invariants()
+    tier.close()
+
+
 def test_disk_tier_config_is_checked() -> None:
     with pytest.raises(ValueError, match="needs kv_offload_gb"):
         CacheConfig(kv_offload_disk_gb=1.0)
