@@ -60,7 +60,7 @@ def layout_for(num_layers: int) -> KVLayout:
 
 
 def tensor_digest(kv: KVTensor) -> str:
-    return xxhash.xxh3_64_hexdigest(kv.tensor.reshape(-1).view(torch.uint8).numpy())
+    return xxhash.xxh3_64_hexdigest(kv.host_bytes())
 
 
 # -- holder process -----------------------------------------------------------------------
@@ -82,7 +82,7 @@ def serve(num_layers: int, total_bytes: int, chunks: list[int]) -> int:
     bare = _bare_grpc_server(kv, chunks)
 
     raw = socket.create_server(("127.0.0.1", 0))
-    payload = memoryview(kv.tensor.reshape(-1).view(torch.uint8).numpy())
+    payload = kv.host_bytes()
 
     def raw_loop() -> None:
         while True:
@@ -107,7 +107,7 @@ _BARE_METHOD = "/bench.Bare/Stream"
 def _bare_grpc_server(kv: KVTensor, chunks: list[int]) -> tuple[grpc.Server, int]:
     """A raw-bytes streaming method: the request names a chunk size (one of ``chunks``), the answer
     is the tensor in messages of that size, all built before the first call."""
-    flat = kv.tensor.reshape(-1).view(torch.uint8).numpy()
+    flat = kv.host_bytes()
     cache = {size: [flat[i : i + size].tobytes() for i in range(0, len(flat), size)] for size in chunks}
 
     def stream(request: bytes, context: grpc.ServicerContext):
@@ -129,7 +129,7 @@ def _bare_grpc_server(kv: KVTensor, chunks: list[int]) -> tuple[grpc.Server, int
 
 
 def bare_pull(channel: grpc.Channel, chunk: int, dest: KVTensor) -> None:
-    view = memoryview(dest.tensor.reshape(-1).view(torch.uint8).numpy())
+    view = dest.host_bytes()
     offset = 0
     for message in channel.unary_stream(_BARE_METHOD)(str(chunk).encode()):
         view[offset : offset + len(message)] = message
@@ -140,7 +140,7 @@ def bare_pull(channel: grpc.Channel, chunk: int, dest: KVTensor) -> None:
 
 # -- puller -------------------------------------------------------------------------------
 def raw_pull(port: int, dest: KVTensor) -> None:
-    view = memoryview(dest.tensor.reshape(-1).view(torch.uint8).numpy())
+    view = dest.host_bytes()
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(b"g")
         got = 0

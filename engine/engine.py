@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels.quant import KV_CACHE_DTYPES, is_fp8
 from pdserve.engine.kv_handover import HeldKV, KVHandover, KVLoad, RemotePrefill
-from pdserve.engine.kv_offload import FileSlots, OffloadTier
+from pdserve.engine.kv_offload import OffloadTier, offload_tiers
 from pdserve.engine.kv_tensor import KVLayout, KVTensor
 from pdserve.engine.kvcache.events import EventSink
 from pdserve.engine.kvcache.manager import KVCacheManager
@@ -96,22 +96,6 @@ class EngineStats:
         return 1.0 - self.free_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
-def _offload_tiers(cc: CacheConfig, block_nbytes: int, event_sink: EventSink | None, pin_memory: bool) -> OffloadTier:
-    """The host tier of ``cc.kv_offload_gb``, with a disk tier of ``cc.kv_offload_disk_gb`` behind it if set."""
-    sizes = {}
-    for name in ("kv_offload_gb", "kv_offload_disk_gb"):
-        gb = getattr(cc, name)
-        sizes[name] = int(gb * 1024**3) // block_nbytes
-        if gb > 0 and sizes[name] < 1:
-            raise ValueError(f"{name}={gb} holds no block of {block_nbytes} bytes")
-    disk = None
-    if sizes["kv_offload_disk_gb"]:
-        storage = FileSlots(cc.kv_offload_disk_dir, sizes["kv_offload_disk_gb"], block_nbytes)
-        disk = OffloadTier(sizes["kv_offload_disk_gb"], block_nbytes, cc.block_size, event_sink, storage=storage)
-    return OffloadTier(sizes["kv_offload_gb"], block_nbytes, cc.block_size, event_sink, pin_memory=pin_memory,
-                       spill=disk)  # fmt: skip
-
-
 def _token_ids(prompt_token_ids: Sequence[int]) -> list[int]:
     """Plain ints from any integer sequence (numpy and 0-d tensor ids too); bools are refused."""
     if isinstance(prompt_token_ids, (str, bytes)):
@@ -174,7 +158,7 @@ class LLMEngine:
         )
         self.tier: OffloadTier | None = None
         if cc.kv_offload_gb > 0:
-            self.tier = _offload_tiers(cc, layout.block_nbytes, event_sink, pin_memory=self.device.type == "cuda")
+            self.tier = offload_tiers(cc, layout.block_nbytes, event_sink, pin_memory=self.device.type == "cuda")
             tier = self.tier
 
             def offload(block_id: int, block_hash: bytes) -> None:

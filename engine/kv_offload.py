@@ -9,8 +9,7 @@ KV-handover API as external KV (``LLMEngine._restore_from_tier``). Every stored 
 xxh3_64 of its bytes, checked when it is loaded: a block whose bytes changed (or could not be read
 back) is dropped and reported, never used.
 
-Where the bytes live is a ``SlotStorage``: ``HostSlots`` (one tensor, pinned for CUDA engines) or
-``FileSlots`` (an unnamed file, owner-only, gone when the process ends, space reserved up front).
+Where the bytes live is a ``SlotStorage`` (``engine/kv_slots.py``): host memory or an unnamed file.
 
 Events (the pool's sink, so Redis sees them): ``BlockStored`` / ``BlockRemoved`` with the tier's
 ``medium`` (``CPU_TIER``, ``DISK_TIER``) as blocks enter and leave it. They carry hashes only (no
@@ -20,22 +19,18 @@ parent, no tokens): the tiers keep bytes, not token ids.
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
-import xxhash
 
+from pdserve.engine.config import CacheConfig
+from pdserve.engine.kv_slots import FileSlots, HostSlots, SlotStorage, digest
 from pdserve.engine.kvcache.events import BlockRemoved, BlockStored, EventSink
 
 logger = logging.getLogger(__name__)
 
-MEDIUM = "CPU_TIER"
-DISK_MEDIUM = "DISK_TIER"
 
 
 class TierCorruptionError(RuntimeError):
@@ -51,109 +46,6 @@ class TierStats:
     evicted: int  # blocks dropped for room (LRU)
     loaded: int  # blocks copied back into the pool
     corrupted: int  # blocks found changed at load time (dropped)
-
-
-def _digest(data: torch.Tensor) -> int:
-    return xxhash.xxh3_64_intdigest(data.numpy())
-
-
-class SlotStorage(Protocol):
-    """``num_blocks`` slots of ``block_nbytes`` bytes."""
-
-    num_blocks: int
-    block_nbytes: int
-    medium: str
-
-    def write(self, slot: int, src: torch.Tensor) -> int:
-        """Store ``src`` (one block's bytes, any device) in ``slot``; return the xxh3_64 of what was stored."""
-
-    def read(self, slot: int) -> torch.Tensor:
-        """The bytes of ``slot`` as a host uint8 tensor, valid until the next ``read`` (raises ``OSError``)."""
-
-    def close(self) -> None: ...
-
-
-class HostSlots:
-    """Slots in one host tensor (pinned: CUDA copies to and from it are fast)."""
-
-    medium = MEDIUM
-
-    def __init__(self, num_blocks: int, block_nbytes: int, pin_memory: bool = False) -> None:
-        self.num_blocks, self.block_nbytes = num_blocks, block_nbytes
-        self.data = torch.empty((num_blocks, block_nbytes), dtype=torch.uint8, pin_memory=pin_memory)
-
-    def write(self, slot: int, src: torch.Tensor) -> int:
-        dst = self.data[slot]
-        dst.copy_(src.reshape(-1))
-        return _digest(dst)
-
-    def read(self, slot: int) -> torch.Tensor:
-        return self.data[slot]
-
-    def close(self) -> None:
-        pass
-
-
-class FileSlots:
-    """Slots in an unnamed temporary file under ``directory``: created owner-only and unlinked at
-    once, so no other process can open it by name and nothing is left behind, even after a crash.
-    Its space is reserved when it is made where the filesystem supports it (``ValueError`` if the
-    disk cannot hold it), so a full disk does not fail writes later on ordinary filesystems
-    (copy-on-write ones promise less; a failed write only loses that block). Reads and writes go
-    through the page cache. ``directory`` None: the system's temporary directory (often a tmpfs,
-    i.e. memory: give a directory on a disk)."""
-
-    medium = DISK_MEDIUM
-
-    def __init__(self, directory: str | None, num_blocks: int, block_nbytes: int) -> None:
-        self.num_blocks, self.block_nbytes = num_blocks, block_nbytes
-        directory = os.path.expanduser(directory) if directory else tempfile.gettempdir()
-        try:
-            self._file = tempfile.TemporaryFile(dir=directory, prefix="pdserve-kv-")
-        except OSError as exc:
-            raise ValueError(f"cannot create the disk tier's file in {directory!r}: {exc}") from None
-        self._fd = self._file.fileno()
-        size = num_blocks * block_nbytes
-        try:
-            if hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(self._fd, 0, size)
-            else:
-                os.ftruncate(self._fd, size)
-        except OSError as exc:
-            self._file.close()
-            raise ValueError(f"cannot reserve {size / 1024**3:.2f} GiB for the disk tier in {directory!r}: {exc}") from None
-        self._stage = torch.empty(block_nbytes, dtype=torch.uint8)
-
-    def write(self, slot: int, src: torch.Tensor) -> int:
-        self._check_open()
-        data = src.reshape(-1).cpu()
-        view = memoryview(data.numpy())
-        offset, done = slot * self.block_nbytes, 0
-        while done < len(view):  # pwrite may write less than asked
-            n = os.pwrite(self._fd, view[done:], offset + done)
-            if n == 0:
-                raise OSError(f"disk tier write of slot {slot} made no progress")
-            done += n
-        return _digest(data)
-
-    def read(self, slot: int) -> torch.Tensor:
-        self._check_open()
-        view = memoryview(self._stage.numpy())
-        offset, done = slot * self.block_nbytes, 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], offset + done)
-            if n == 0:
-                raise OSError(f"disk tier file ends inside slot {slot}")
-            done += n
-        return self._stage
-
-    def _check_open(self) -> None:
-        if self._fd < 0:  # a closed descriptor's number may belong to another file by now
-            raise OSError("the disk tier's file is closed")
-
-    def close(self) -> None:
-        self._fd = -1
-        self._file.close()
 
 
 class OffloadTier:
@@ -245,7 +137,7 @@ class OffloadTier:
         assert self.spill is not None
         try:
             data = self.storage.read(slot)
-            intact = _digest(data) == self._checksums[slot]
+            intact = digest(data) == self._checksums[slot]
             if intact:
                 self.spill.store(block_hash, data)
         except Exception:  # noqa: BLE001 - as in store: the block is lost, the eviction goes on
@@ -287,7 +179,7 @@ class OffloadTier:
             return
         try:
             src = self.storage.read(slot)
-            problem = None if _digest(src) == self._checksums[slot] else "changed since it was stored"
+            problem = None if digest(src) == self._checksums[slot] else "changed since it was stored"
         except OSError as exc:
             problem = f"could not be read: {exc}"
         if problem is not None:
@@ -320,3 +212,19 @@ class OffloadTier:
         assert len(used) + len(self._free) == self.num_blocks, "a tier slot went missing"
         if self.spill is not None:
             self.spill.check_invariants()
+
+
+def offload_tiers(cc: CacheConfig, block_nbytes: int, event_sink: EventSink | None, pin_memory: bool) -> OffloadTier:
+    """The host tier of ``cc.kv_offload_gb``, with a disk tier of ``cc.kv_offload_disk_gb`` behind it if set."""
+    sizes = {}
+    for name in ("kv_offload_gb", "kv_offload_disk_gb"):
+        gb = getattr(cc, name)
+        sizes[name] = int(gb * 1024**3) // block_nbytes
+        if gb > 0 and sizes[name] < 1:
+            raise ValueError(f"{name}={gb} holds no block of {block_nbytes} bytes")
+    disk = None
+    if sizes["kv_offload_disk_gb"]:
+        storage = FileSlots(cc.kv_offload_disk_dir, sizes["kv_offload_disk_gb"], block_nbytes)
+        disk = OffloadTier(sizes["kv_offload_disk_gb"], block_nbytes, cc.block_size, event_sink, storage=storage)
+    return OffloadTier(sizes["kv_offload_gb"], block_nbytes, cc.block_size, event_sink, pin_memory=pin_memory,
+                       spill=disk)  # fmt: skip

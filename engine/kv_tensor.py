@@ -101,3 +101,11 @@ class KVTensor:
     def block_bytes(self, block_id: int) -> torch.Tensor:
         """One block as a flat uint8 tensor sharing memory with the cache."""
         return self.tensor[block_id].reshape(-1).view(torch.uint8)
+
+    def host_bytes(self) -> memoryview | None:
+        """A CPU cache's bytes as one flat view sharing its memory (block ``b`` is
+        ``[b * block_nbytes, (b + 1) * block_nbytes)``): copies in and out by slice, with no tensor
+        view per block. None for a cache on a GPU."""
+        if self.tensor.device.type != "cpu":
+            return None
+        return memoryview(self.tensor.view(-1).view(torch.uint8).numpy())

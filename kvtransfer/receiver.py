@@ -54,10 +54,7 @@ class BlockReceiver:
         self._totals: tuple[int, int] | None = None
         self._t0 = time.perf_counter()
         self._staging: torch.Tensor | None = None  # host bounce buffer for a GPU tensor
-        # A CPU tensor's bytes as one flat view: a piece is written with a slice assignment (a
-        # memcpy), no tensor view made per piece. Blocks are contiguous spans of block_nbytes.
-        t = kv_tensor.tensor
-        self._flat = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.device.type == "cpu" else None
+        self._flat = kv_tensor.host_bytes()  # a CPU cache: each piece is one slice assignment (a memcpy)
 
     def accept(self, chunk: Chunk) -> None:
         """Validate ``chunk`` and write its pieces. Raises ``ChecksumError`` or ``InvalidPullError``."""

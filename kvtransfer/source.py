@@ -13,8 +13,6 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from pdserve.engine.kv_handover import BlocksNotCachedError, HeldKV, KVHandover
 from pdserve.kvtransfer.config import MAX_HASH_BYTES, TransferConfig
 from pdserve.kvtransfer.errors import BlockNotFoundError, InvalidPullError, LayoutMismatchError
@@ -68,8 +66,7 @@ class BlockSource:
         self.model_fingerprint = model_fingerprint
         self.worker_id = worker_id
         self.leases = LeaseTable(self._free_lease, self.config.lease_ttl_s)
-        kv = handover.kv_tensor.tensor  # a CPU cache as one flat byte view: no tensor view per piece
-        self._flat = memoryview(kv.view(-1).view(torch.uint8).numpy()) if kv.device.type == "cpu" else None
+        self._flat = handover.kv_tensor.host_bytes()  # a CPU cache: pieces are slices of it
 
     def metadata(self) -> TransferMetadata:
         return TransferMetadata(self.model_fingerprint, self.layout, self.worker_id, self.config.chunk_bytes)

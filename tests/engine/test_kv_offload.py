@@ -16,7 +16,8 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.kv_offload import DISK_MEDIUM, MEDIUM, FileSlots, OffloadTier, TierCorruptionError, TierStats
+from pdserve.engine.kv_offload import OffloadTier, TierCorruptionError, TierStats
+from pdserve.engine.kv_slots import DISK_MEDIUM, MEDIUM, FileSlots
 from pdserve.engine.kvcache.events import BlockRemoved, BlockStored
 from pdserve.kvindex.config import IndexConfig
 from pdserve.kvindex.publisher import KVEventPublisher
