@@ -36,4 +36,5 @@ class DecodeWorker:
         return self.rt.pool_state()
 
     async def shutdown(self) -> None:
+        self.service.close()
         self.rt.close()

@@ -173,6 +173,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._loading: dict[str, tuple[Request, KVLoad, RemotePrefill]] = {}
         self._aborted_loads: set[str] = set()
+        self._writing_loads: set[str] = set()  # loads a writer claimed with begin_load
         self.num_tier_hit_tokens = 0  # prompt tokens restored from the offload tier (lifetime)
         self.driver: object | None = None  # what steps this engine (an EngineLoop), if not its caller
 
@@ -253,9 +254,10 @@ class LLMEngine:
     def add_remote(self, request: Request, remote: RemotePrefill) -> KVLoad | None:
         """Continue ``request`` (built by :meth:`make_request`) after another engine prefilled it.
 
-        Returns where its KV must be written; pair with exactly one :meth:`finish_load`. Returns
-        None when this pool has no room for it now: the request is then queued to recompute its
-        prompt here (after the tokens sampled elsewhere), and no ``finish_load`` follows.
+        Returns where its KV must be written: a writer claims it with :meth:`begin_load` and, when
+        that returned True, ends it with exactly one :meth:`finish_load`. Returns None when this pool
+        has no room for it now: the request is then queued to recompute its prompt here (after the
+        tokens sampled elsewhere), and no load follows.
         """
         with self.lock:
             self._check_id_free(request.request_id)
@@ -292,13 +294,25 @@ class LLMEngine:
             len(remote.output_token_ids),
         )  # fmt: skip
 
-    def finish_load(self, request_id: str, ok: bool) -> None:
-        """The load of :meth:`add_remote` ended: ``ok`` means every block of it was written. The
-        request then runs from that KV; otherwise it recomputes. If it was aborted meanwhile, its
-        blocks go back to the pool now."""
+    def begin_load(self, request_id: str) -> bool:
+        """Claim the load of :meth:`add_remote` for writing; False when the request was aborted
+        before (its blocks are back in the pool then, and nothing may be written). After True,
+        the writer must call :meth:`finish_load`, and an abort waits for it: so a load ends
+        exactly once whether its writer starts, never starts, or the request goes first."""
         with self.lock:
-            if request_id not in self._loading:
-                raise ValueError(f"request {request_id!r} has no KV load in progress")
+            if request_id not in self._loading or request_id in self._aborted_loads:
+                return False
+            self._writing_loads.add(request_id)
+            return True
+
+    def finish_load(self, request_id: str, ok: bool) -> None:
+        """The load claimed by :meth:`begin_load` ended: ``ok`` means every block of it was
+        written. The request then runs from that KV; otherwise it recomputes. If it was aborted
+        meanwhile, its blocks go back to the pool now."""
+        with self.lock:
+            if request_id not in self._writing_loads:
+                raise ValueError(f"request {request_id!r} has no KV load being written")
+            self._writing_loads.discard(request_id)
             request, load, _ = self._loading.pop(request_id)
             aborted = request_id in self._aborted_loads
             self._aborted_loads.discard(request_id)
@@ -314,8 +328,9 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request and return its blocks; False if it is unknown or already finished.
 
-        A request whose KV is loading keeps its blocks until ``finish_load`` (they may be
-        being written); a handed-off request's blocks are freed by ``handover.release``.
+        A request whose KV a writer is loading keeps its blocks until ``finish_load`` (they may
+        be being written); one whose load no writer claimed yet frees them now. A handed-off
+        request's blocks are freed by ``handover.release``.
         """
         with self.lock:
             req = self.requests.pop(request_id, None)
@@ -323,8 +338,12 @@ class LLMEngine:
                 return False
             self.runner.sampler.forget(request_id)
             if request_id in self._loading:
-                self._aborted_loads.add(request_id)
                 req.status = RequestStatus.FINISHED_ABORTED
+                if request_id in self._writing_loads:
+                    self._aborted_loads.add(request_id)
+                else:
+                    request, load, _ = self._loading.pop(request_id)
+                    self.handover.complete(request, load, ok=False)
                 return True
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             return True

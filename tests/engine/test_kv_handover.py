@@ -55,6 +55,7 @@ def hand_over(src: LLMEngine, dst: LLMEngine, prompt: list[int], params: Samplin
     for s_id, d_id in zip(held.block_ids[load.first_block :], load.block_ids):
         dst.kv_tensor.block(d_id).copy_(src.kv_tensor.block(s_id))
     assert src.handover.release(held.request_id) and not src.handover.release(held.request_id)
+    assert dst.begin_load(req.request_id)
     dst.finish_load(req.request_id, ok=True)
     return req
 
@@ -122,6 +123,7 @@ def test_consumer_reuses_its_own_prefix_and_loads_only_the_rest(model: str) -> N
     for s_id, d_id in zip(held.block_ids[load.first_block :], load.block_ids):
         dst.kv_tensor.block(d_id).copy_(src.kv_tensor.block(s_id))
     src.handover.release(held.request_id)
+    assert dst.begin_load(req.request_id)
     dst.finish_load(req.request_id, ok=True)
     outs = run(dst)
     assert out.new_token_ids + [t for o in outs for t in o.new_token_ids] == expected
@@ -142,6 +144,7 @@ def test_failed_load_recomputes_and_no_room_recomputes(model: str) -> None:
     req = dst.make_request(prompt, params)
     load = dst.add_remote(req, RemotePrefill(len(prompt), tuple(out.new_token_ids)))
     assert load is not None
+    assert dst.begin_load(req.request_id)
     dst.finish_load(req.request_id, ok=False)
     assert out.new_token_ids + [t for o in run(dst) for t in o.new_token_ids] == expected
     assert_idle(dst)
@@ -164,6 +167,7 @@ def test_abort_during_a_load_frees_only_when_the_load_ends(model: str) -> None:
     req = dst.make_request(list(range(50)), params)
     load = dst.add_remote(req, RemotePrefill(50, (7,)))
     assert load is not None and dst.kv_usage().free_blocks == 32 - len(load.block_ids)
+    assert dst.begin_load(req.request_id)  # a writer claimed it
     assert dst.abort(req.request_id)
     assert dst.kv_usage().free_blocks == 32 - len(load.block_ids)  # still reserved for the writer
     with pytest.raises(ValueError, match="already in use"):
@@ -173,6 +177,19 @@ def test_abort_during_a_load_frees_only_when_the_load_ends(model: str) -> None:
     assert_idle(dst)
     with pytest.raises(ValueError, match="no KV load"):
         dst.finish_load(req.request_id, ok=True)
+
+
+def test_abort_before_any_writer_claimed_the_load_frees_at_once(model: str) -> None:
+    """A request aborted before its pull started (a cancelled task whose pull never ran) gives
+    its blocks back at once; the writer that comes later is told not to write."""
+    dst = engine(model)
+    req = dst.make_request(list(range(50)), SamplingParams(max_tokens=4, ignore_eos=True))
+    load = dst.add_remote(req, RemotePrefill(50, (7,)))
+    assert load is not None and dst.kv_usage().free_blocks < 32
+    assert dst.abort(req.request_id)
+    assert not dst.begin_load(req.request_id)
+    assert not dst.has_unfinished()
+    assert_idle(dst)
 
 
 def test_pinned_reads_of_cached_blocks(model: str) -> None:

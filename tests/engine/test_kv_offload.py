@@ -158,6 +158,7 @@ def test_a_remote_prefill_pulls_only_what_the_local_tier_lacks(tiny_model: str) 
     load = engine.add_remote(req, RemotePrefill(req.num_prompt_tokens, (7,)))
     assert load is not None and load.num_local_hit_tokens == 96  # restored from the tier, not pulled
     assert load.num_external_tokens == req.num_prompt_tokens - 96
+    assert engine.begin_load(req.request_id)
     engine.finish_load(req.request_id, ok=False)  # nothing was pulled: it recomputes here
     while engine.has_unfinished():
         engine.step()

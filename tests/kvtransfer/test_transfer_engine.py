@@ -53,6 +53,7 @@ def test_pulled_kv_is_bit_exact_and_decodes_the_same(tmp_path: Path, model: str,
             assert stats.num_tokens == 29
             pulled = b"".join(local.kv_tensor.block_bytes(b).numpy().tobytes() for b in load.block_ids)
             assert pulled == Path(info["blocks_file"]).read_bytes()  # bit-exact, partial block included
+        assert local.begin_load(req.request_id)
         local.finish_load(req.request_id, ok=True)
         outs = []
         while local.has_unfinished():

@@ -1,0 +1,156 @@
+"""DecodeCall: one request's hold on a decode worker, from registration to its end.
+
+A request takes three things on this worker: its registration with the engine (blocks, a
+callback), the prefill worker's lease on its KV, and a pull of that KV into reserved blocks.
+Each has one owner here that ends it exactly once, on every path (finished, failed, cancelled
+while queued or while pulling, consumer gone, worker stopping):
+
+* the registration: ``DecodeCall`` (an async context manager) aborts it on exit; the abort
+  runs on a thread that is never cancelled, so a second cancellation cannot drop it;
+* the pull: ``pull`` claims the engine's load with ``begin_load`` on its own thread and ends
+  it with ``finish_load`` in that thread's ``finally``; a pull that never starts (its task
+  was cancelled while queued) claims nothing, and the abort frees the blocks at once;
+* the lease: ``settle_lease`` releases it once (after the pull, or unpulled), and the exit
+  settles it if nothing did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+from types import TracebackType
+from typing import TypeVar
+
+from pdserve.engine.engine_loop import OutputCallback
+from pdserve.engine.kv_handover import KVLoad, RemotePrefill
+from pdserve.kvtransfer.client import KVTransferClient
+from pdserve.kvtransfer.errors import LayoutMismatchError, PeerUnavailableError, TransferError
+from pdserve.kvtransfer.pull import pull_kv
+from pdserve.worker.messages import PrefillResult, RequestSpec
+from pdserve.worker.runtime import WorkerRuntime
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def run_to_end(executor: Executor, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on ``executor`` and wait for it. Unlike ``asyncio.to_thread``, cancelling the
+    waiter never drops ``fn`` while it is still queued: it runs to its end regardless."""
+    inner = asyncio.wrap_future(executor.submit(fn))
+    # A waiter cancelled meanwhile never reads the result: retrieve it so no error is logged twice.
+    inner.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return await asyncio.shield(inner)
+
+
+class DecodeCall:
+    """``async with DecodeCall(...) as call:`` after the engine registered ``spec``'s request.
+
+    ``pulls`` runs pulls, ``ender`` aborts and lease releases: executors owned by the service,
+    whose queued work is never cancelled.
+    """
+
+    def __init__(self, rt: WorkerRuntime, spec: RequestSpec, prefill: PrefillResult | None,
+                 pulls: Executor, ender: Executor) -> None:  # fmt: skip
+        self.rt = rt
+        self.spec = spec
+        self.prefill = prefill
+        self._pulls = pulls
+        self._ender = ender
+        self._lease_settled = prefill is None or not prefill.lease_id
+        self._registered = False
+
+    def register(self, on_output: OutputCallback) -> KVLoad | None:
+        """Build the request and register it with the engine loop, its outputs to ``on_output``:
+        to prefill here, or (after a remote prefill) to continue after the first token with a
+        ``KVLoad`` to pull (None when this pool has no room: it recomputes instead). Raises
+        ValueError for a bad request or an id in use (then nothing is registered)."""
+        spec, rt, prefill = self.spec, self.rt, self.prefill
+        req = rt.engine.make_request(spec.prompt_token_ids, spec.params, spec.request_id, spec.cache_salt)
+        if prefill is None:
+            rt.loop.submit(req, on_output)
+            self._registered = True
+            return None
+        # The first token came from the prefill worker; the engine continues after it.
+        load = rt.loop.submit_remote(req, on_output, RemotePrefill(len(spec.prompt_token_ids), (prefill.first_token,)))
+        self._registered = True
+        return load
+
+    async def __aenter__(self) -> DecodeCall:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:  # fmt: skip
+        # Finished (a no-op then), failed, cancelled or the consumer left: the engine drops the
+        # request and its blocks (a load being written keeps them until its finish_load).
+        rid = self.spec.request_id
+        if self._registered:  # an id in use elsewhere is not this call's to abort
+            await run_to_end(self._ender, lambda: self.rt.loop.abort(rid))
+        if not self._lease_settled:
+            self.settle_lease(pulled=None)
+
+    def settle_lease(self, pulled: KVTransferClient | None) -> None:
+        """Release the prefill worker's lease once, without waiting: with the client that pulled
+        it when the KV landed, else through the runtime (a failure only means it expires)."""
+        if self._lease_settled:
+            return
+        self._lease_settled = True
+        prefill = self.prefill
+        assert prefill is not None and prefill.lease_id is not None
+        lease_id = prefill.lease_id
+
+        def release() -> None:
+            try:
+                if pulled is not None:
+                    pulled.release(lease_id)
+                else:
+                    self.rt.release_lease(prefill.address, lease_id)
+            except Exception as exc:  # noqa: BLE001 - the lease expires by itself
+                logger.debug("release of lease %s on %s failed: %s", lease_id, prefill.address, exc)
+
+        self._ender.submit(release)
+
+    async def pull(self, load: KVLoad) -> bool:
+        """Fill ``load`` from the prefill worker's lease: True when the KV landed, False when the
+        request recomputes its prompt here instead (the pull failed, or the request was aborted
+        before it started). The lease is settled either way."""
+        prefill, rt, rid = self.prefill, self.rt, self.spec.request_id
+        assert prefill is not None
+        used: list[KVTransferClient] = []
+
+        def work() -> KVTransferClient | None:
+            if not rt.loop.begin_load(rid):
+                return None  # aborted before the pull began: nothing to write, blocks already free
+            ok = False
+            try:
+                client = rt.client(prefill.address)
+                used.append(client)
+                pulled = pull_kv(client, rt.engine.handover.kv_tensor, load, lease_id=prefill.lease_id)
+                rt.metrics.transfer_done(pulled.num_bytes, pulled.num_blocks, pulled.seconds)
+                ok = True
+                return client
+            finally:
+                rt.loop.finish_load(rid, ok)
+
+        try:
+            client = await run_to_end(self._pulls, work)
+        except TransferError as exc:
+            logger.warning("pull of %s from %s failed (%s); recomputing", rid, prefill.address, exc)
+            if isinstance(exc, (PeerUnavailableError, LayoutMismatchError)):
+                rt.drop_client(prefill.address, used[0] if used else None)
+            self._count_failure()
+            client = None
+        except Exception:  # noqa: BLE001 - a bug in the pull must not fail the request
+            logger.exception("pull of %s from %s failed; recomputing", rid, prefill.address)
+            self._count_failure()
+            client = None
+        # The KV is here (or will not come): give the lease back now, beside what follows, so a
+        # hung peer cannot delay the recompute.
+        self.settle_lease(pulled=client)
+        return client is not None
+
+    def _count_failure(self) -> None:
+        self.rt.stats.record({"transfer_failures": 1}, self.spec.cache_salt)
+        self.rt.metrics.transfer_failed()
