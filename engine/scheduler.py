@@ -10,11 +10,19 @@ the next admitted: nothing is lost and the oldest work always progresses.
 At most ``min(max_num_seqs, max_num_batched_tokens)`` requests run at once, so a budget
 smaller than ``max_num_seqs`` cannot leave admitted requests holding blocks without a
 token of progress while others decode.
+
+Tenants (a request's ``cache_salt``; requests without one share a tenant) share the running
+slots fairly: a free slot goes to the waiting request of the tenant with the fewest running
+(arrival order among equals), and when every slot is taken while a tenant below its share
+(``max_running // tenants with work``, at least 1) waits, the newest request of the tenant
+furthest above its share is preempted for it. So no tenant holds more than its share of the
+slots while another waits, and a flood delays only its own tenant; with one tenant this is
+first come, first served.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import SchedulerConfig
@@ -53,6 +61,45 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.handed_over)
 
+    @staticmethod
+    def tenant(request: Request) -> str:
+        return request.cache_salt or ""
+
+    def _running_per_tenant(self) -> Counter[str]:
+        return Counter(self.tenant(r) for r in self.running)
+
+    def _fair_pick(self, queue: deque[Request], running: Counter[str]) -> int:
+        """Index in ``queue`` of the next request to admit: the first of the tenant with the fewest running."""
+        best, best_key = 0, None
+        seen: set[str] = set()
+        for i, req in enumerate(queue):
+            t = self.tenant(req)
+            if t in seen:
+                continue
+            seen.add(t)
+            if best_key is None or running[t] < best_key:
+                best, best_key = i, running[t]
+                if best_key == 0:
+                    break
+        return best
+
+    def _make_room_for_starved(self, out: SchedulerOutput) -> None:
+        """While every slot is taken and a tenant below its fair share waits, preempt the newest
+        request of the tenant furthest above its share (it waits at the front of its tenant's line)."""
+        waiting = {self.tenant(r) for r in self.waiting} | {self.tenant(r) for r in self.handed_over}
+        if not waiting or len(self.running) < self.max_running:
+            return
+        running = self._running_per_tenant()
+        share = max(1, self.max_running // len(waiting | set(running)))
+        starved = [t for t in waiting if running[t] < share]
+        for _ in starved:
+            richest, held = max(running.items(), key=lambda kv: kv[1], default=("", 0))
+            if held <= share:
+                return
+            victim = next(r for r in reversed(self.running) if self.tenant(r) == richest)
+            self._preempt(victim, out)
+            running[richest] -= 1
+
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.kv_manager.free(victim)
@@ -65,10 +112,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._make_room_for_starved(out)
+        fair_preempted = len(out.preempted)
+        running = self._running_per_tenant()
         while self.handed_over and len(self.running) < self.max_running:
-            req = self.handed_over.popleft()
+            i = self._fair_pick(self.handed_over, running)
+            req = self.handed_over[i]
+            del self.handed_over[i]
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            running[self.tenant(req)] += 1
         for req in list(self.running):
             if budget == 0:
                 break
@@ -86,15 +139,18 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens + num_new == req.num_tokens))
             budget -= num_new
 
-        # Admitting while preempting would only thrash: wait for blocks to come back.
-        if not out.preempted:
+        # Admitting while preempting for blocks would only thrash: wait for blocks to come back.
+        # (Preempting for fairness frees a slot that the starved tenant takes now.)
+        if len(out.preempted) == fair_preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_running:
-                req = self.waiting[0]
+                i = self._fair_pick(self.waiting, running)
+                req = self.waiting[i]
                 hit, num_hit = self.kv_manager.get_computed_blocks(req)
                 num_new = min(req.num_tokens - num_hit, budget)
                 if self.kv_manager.allocate_slots(req, num_new, num_hit, hit, trim_window=not req.handoff) is None:
                     break
-                self.waiting.popleft()
+                del self.waiting[i]
+                running[self.tenant(req)] += 1
                 req.num_computed_tokens = num_hit
                 if req.num_cached_tokens is None:
                     req.num_cached_tokens = num_hit
