@@ -1,5 +1,11 @@
 """RouterCore: route one request through a prefill worker and a decode worker, stream its tokens.
 
+A request's path reads top to bottom in ``_generate``: route (prefix lookup, pick workers) ->
+prefill (first token, KV under a lease) -> decode with retry (another decode worker when one
+fails before its first token). A ``RequestAccount`` (``router/accounting.py``) counts what it
+did, once, when it ends; a ``_LeaseHold`` owns the prefill worker's lease on the router side
+until a decode worker takes it over.
+
 Plain Python over two narrow dependencies: a ``WorkerClient`` (how to call workers;
 Ray in production) and a ``PrefixLookup`` (Redis). The gRPC servicer converts proto
 messages at the edge and iterates ``RouterCore.generate``.
@@ -18,9 +24,9 @@ from typing import Protocol
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.kvcache.hashing import block_hashes
 from pdserve.engine.sampling_params import TokenLogprobs
-from pdserve.kvindex.config import tenant_digest
 from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.stats import StatsRecorder
+from pdserve.router.accounting import Outcome, RequestAccount, log_access
 from pdserve.router.admission import Admission, Draining, Overloaded
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
@@ -28,7 +34,8 @@ from pdserve.router.policy import pick_worker, prefill_locally
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 
 logger = logging.getLogger(__name__)
-access_log = logging.getLogger("pdserve.access")
+
+__all__ = ["Outcome", "RouterCore", "StreamEvent", "WorkerClient", "WorkerUnavailableError"]
 
 
 class WorkerUnavailableError(RuntimeError):
@@ -44,7 +51,7 @@ class WorkerClient(Protocol):
     def decode(self, worker_id: str, spec: RequestSpec, prefill: PrefillResult | None) -> AsyncIterator[DecodeEvent]: ...
 
     def release(self, worker_id: str, lease_id: str) -> None:
-        """Fire and forget: end a lease that no decode worker will pull."""
+        """Fire and forget: end a lease that no decode worker took over."""
 
 
 @dataclass
@@ -58,14 +65,6 @@ class StreamEvent:
     ttft_ms: float | None = None
     usage: dict[str, int] = field(default_factory=dict)
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the params ask for them
-
-
-@dataclass
-class Outcome:
-    """How a consumer that stopped reading ended the request (a stop string it found ends it
-    with ``"stop"``); without it, a closed stream counts as the client leaving (``"abort"``)."""
-
-    finish_reason: str | None = None
 
 
 @dataclass
@@ -119,7 +118,7 @@ class RouterCore:
         """Stream one request's tokens, once admission gives it a slot (``Overloaded`` /
         ``Draining`` otherwise, before any work). Counters go to Redis exactly once per request,
         when it ends (finished, failed or cancelled), credited to the worker that did the work. A
-        lease that no decode worker pulled is released when the request ends, whatever the reason."""
+        lease that no decode worker took over is released when the request ends, whatever the reason."""
         t_arrive = time.perf_counter()
         async with contextlib.AsyncExitStack() as stack:
             try:
@@ -127,151 +126,109 @@ class RouterCore:
             except (Overloaded, Draining) as exc:
                 reason = "overloaded" if isinstance(exc, Overloaded) else "draining"
                 self.metrics.rejected.labels(reason=reason).inc()
-                self._access(spec, f"rejected:{reason}", {}, 0, None, t_arrive, t_arrive)
+                log_access(spec, f"rejected:{reason}", {}, 0, None, t_arrive, t_arrive, self.config.access_log)
                 raise
             t_admit = time.perf_counter()
             self.metrics.queue.observe(t_admit - t_arrive)
-            async with contextlib.aclosing(self._generate(spec, t_arrive, t_admit, outcome)) as events:
-                async for event in events:
-                    yield event
+            account = RequestAccount(spec, t_arrive, t_admit, self.metrics, self.stats, self.config.access_log)
+            with account.open(outcome):
+                async with contextlib.aclosing(self._generate(spec, account)) as events:
+                    async for event in events:
+                        yield event
 
-    def _access(self, spec: RequestSpec, status: str, usage: dict[str, int], generated: int, ttft_ms: float | None,
-                t_arrive: float, t_admit: float) -> None:  # fmt: skip
-        """One access-log line per request (logger ``pdserve.access``); its fields are record
-        attributes, which a JSON log shows as keys. No prompt text: the tenant is a digest."""
-        if not (self.config.access_log and access_log.isEnabledFor(logging.INFO)):
-            return
-        now = time.perf_counter()
-        fields = {
-            "request_id": spec.request_id,
-            "tenant": tenant_digest(spec.cache_salt) if spec.cache_salt is not None else "-",
-            "status": status,
-            "prompt_tokens": len(spec.prompt_token_ids),
-            "cached_tokens": usage.get("cached_tokens", 0),
-            "transferred_tokens": usage.get("transferred_tokens", 0),
-            "generated_tokens": generated,
-            "ttft_ms": None if ttft_ms is None else round(ttft_ms, 2),
-            "queue_ms": round((t_admit - t_arrive) * 1000, 2),
-            "e2e_ms": round((now - t_arrive) * 1000, 2),
-        }
-        access_log.info("request %s %s", spec.request_id, status, extra=fields)
-
-    async def _generate(self, spec: RequestSpec, t0: float, t_admit: float,
-                        outcome: Outcome | None) -> AsyncIterator[StreamEvent]:  # fmt: skip
-        cfg = self.config
-        bs = self.cache.block_size
-        m = self.metrics
-        status = "abort"  # until it finishes or fails
-        first_ms: float | None = None
-        last_t = t0
-        prompt_len = len(spec.prompt_token_ids)
-        usage = {"prompt_tokens": prompt_len, "cached_tokens": 0, "transferred_tokens": 0}
-        front = {"requests": 1, "prompt_tokens": prompt_len, "prefix_hit_tokens": 0}  # who computed the prompt
-        back: dict[str, int] = {}  # what the decode worker reused or pulled
-        front_worker = self.workers.decode_ids[0]
-        prefill: PrefillResult | None = None
-        d = front_worker
-        sent = 0
-        try:
-            hashes = block_hashes(spec.prompt_token_ids, bs, self.cache.hash_seed, spec.cache_salt)
-            ids = self.workers.prefill_ids + self.workers.decode_ids
-            overlaps = await asyncio.to_thread(self.lookup.longest_prefix, hashes, ids) if hashes else {}
-            picked = pick_worker(
-                self.workers.decode_ids, overlaps, self.decode_load.queued, bs, cfg.load_weight
-            )
-            assert picked is not None
-            d = front_worker = picked
-            if not prefill_locally(prompt_len, overlaps.get(d, 0), bs, cfg.local_prefill_threshold):
-                p = pick_worker(
-                    self.workers.prefill_ids, overlaps, self.prefill_load.queued, bs, cfg.load_weight
-                )
-                assert p is not None
-                prefill = await self._prefill(spec, p, prompt_len - overlaps.get(p, 0) * bs)
+    async def _generate(self, spec: RequestSpec, account: RequestAccount) -> AsyncIterator[StreamEvent]:
+        route = await self._route(spec)
+        account.front_worker = route.decode
+        prefill = await self._prefill_first(spec, route)
+        async with _LeaseHold(self.workers, prefill, account):
             if prefill is not None:
-                front_worker = prefill.worker_id
-                usage["cached_tokens"] = front["prefix_hit_tokens"] = prefill.num_cached_tokens
-                last_t = time.perf_counter()
-                ttft = first_ms = (last_t - t0) * 1000
-                m.ttft.observe(ttft / 1000)
-                sent = 1
-                if prefill.finished:
-                    status = prefill.finish_reason or "stop"
+                ttft = account.prefilled(prefill)
                 first_lp = None if prefill.first_logprobs is None else [prefill.first_logprobs]
-                yield StreamEvent([prefill.first_token], prefill.finished, prefill.finish_reason, ttft, dict(usage),
-                                  first_lp)  # fmt: skip
+                yield StreamEvent([prefill.first_token], prefill.finished, prefill.finish_reason, ttft,
+                                  dict(account.usage), first_lp)  # fmt: skip
                 if prefill.finished:
                     return
+            async for event in self._decode_with_retry(spec, route, prefill, account):
+                yield event
 
-            tried: set[str] = set()
-            footprint = prompt_len + min(spec.params.max_tokens, cfg.max_output_load_tokens)
-            while True:
-                cur = d
-                tried.add(cur)
-                if prefill is None:
-                    front_worker = cur
-                self.decode_load.add(cur, footprint)
-                decoded = 0
-                try:
-                    async with contextlib.aclosing(self.workers.decode(cur, spec, prefill)) as stream:
-                        async for ev in stream:
-                            decoded += len(ev.token_ids)
-                            if prefill is None:
-                                usage["cached_tokens"] = front["prefix_hit_tokens"] = ev.num_local_hit_tokens
-                            else:
-                                back = {
-                                    "transferred_tokens": ev.num_transferred_tokens,
-                                    "decode_local_hit_tokens": ev.num_local_hit_tokens,
-                                }
-                            usage["transferred_tokens"] = ev.num_transferred_tokens
-                            ttft = None
-                            if ev.token_ids:
-                                now = time.perf_counter()
-                                if sent == 0:
-                                    ttft = first_ms = (now - t0) * 1000
-                                    m.ttft.observe(ttft / 1000)
-                                    m.observe_token_gap(0.0, len(ev.token_ids) - 1)  # arrived with the first
-                                else:
-                                    m.observe_token_gap(now - last_t, len(ev.token_ids))
-                                last_t = now
-                            sent += len(ev.token_ids)
-                            if ev.finished:
-                                status = ev.finish_reason or "stop"
-                            yield StreamEvent(
-                                list(ev.token_ids), ev.finished, ev.finish_reason, ttft, dict(usage),
-                                None if ev.logprobs is None else list(ev.logprobs),
-                            )  # fmt: skip
-                            if ev.finished:
-                                return
-                    raise WorkerUnavailableError(f"decode worker {cur} ended the stream of {spec.request_id} early")
-                except WorkerUnavailableError as exc:
-                    nxt = pick_worker(
-                        self.workers.decode_ids, overlaps, self.decode_load.queued, bs, cfg.load_weight,
-                        exclude=frozenset(tried),
-                    )  # fmt: skip
-                    if decoded or nxt is None or len(tried) > cfg.decode_retries:
-                        raise WorkerUnavailableError(
-                            f"decode worker {cur} failed after {sent} token(s) of request {spec.request_id}: {exc}"
-                        ) from exc
-                    logger.warning("decode worker %s failed before any decode token; retrying on %s", cur, nxt)
-                    d = nxt
-                finally:
-                    self.decode_load.add(cur, -footprint)
-        except (GeneratorExit, asyncio.CancelledError):
-            if status == "abort" and outcome is not None and outcome.finish_reason:
-                status = outcome.finish_reason  # the consumer ended it (a stop string), not the client
-            raise
-        except BaseException:
-            if status == "abort":
-                status = "error"
-            raise
-        finally:
-            m.observe_end(status, prompt_len, sent,
-                          usage["cached_tokens"], usage["transferred_tokens"], time.perf_counter() - t0)
-            self._access(spec, status, usage, sent, first_ms, t0, t_admit)
-            if prefill is not None and prefill.lease_id and not back:
-                # No decode worker reported pulling it (cancelled, failed, or never started):
-                # release it now. Idempotent, and deferred while a pull still streams.
-                self.workers.release(prefill.worker_id, prefill.lease_id)
-            self.stats.record(front, spec.cache_salt, front_worker)
-            if back:
-                self.stats.record(back, spec.cache_salt, d)
+    async def _route(self, spec: RequestSpec) -> _Route:
+        """Who holds the prompt's longest prefix (Redis), and the decode worker that should take it."""
+        cfg, bs = self.config, self.cache.block_size
+        hashes = block_hashes(spec.prompt_token_ids, bs, self.cache.hash_seed, spec.cache_salt)
+        ids = self.workers.prefill_ids + self.workers.decode_ids
+        overlaps = await asyncio.to_thread(self.lookup.longest_prefix, hashes, ids) if hashes else {}
+        d = pick_worker(self.workers.decode_ids, overlaps, self.decode_load.queued, bs, cfg.load_weight)
+        assert d is not None
+        return _Route(overlaps, d)
+
+    async def _prefill_first(self, spec: RequestSpec, route: _Route) -> PrefillResult | None:
+        """The prefill on the best prefill worker; None when the decode worker prefills itself (what
+        it lacks is short) or the prefill worker is unavailable."""
+        cfg, bs = self.config, self.cache.block_size
+        prompt_len = len(spec.prompt_token_ids)
+        if prefill_locally(prompt_len, route.overlaps.get(route.decode, 0), bs, cfg.local_prefill_threshold):
+            return None
+        p = pick_worker(self.workers.prefill_ids, route.overlaps, self.prefill_load.queued, bs, cfg.load_weight)
+        assert p is not None
+        return await self._prefill(spec, p, prompt_len - route.overlaps.get(p, 0) * bs)
+
+    async def _decode_with_retry(self, spec: RequestSpec, route: _Route, prefill: PrefillResult | None,
+                                 account: RequestAccount) -> AsyncIterator[StreamEvent]:  # fmt: skip
+        """Stream the decode worker's tokens; a worker that fails before its first decode token is
+        replaced by the next best (up to ``decode_retries``), one that fails later fails the request."""
+        cfg, bs = self.config, self.cache.block_size
+        tried: set[str] = set()
+        footprint = len(spec.prompt_token_ids) + min(spec.params.max_tokens, cfg.max_output_load_tokens)
+        nxt: str | None = route.decode
+        while nxt is not None:
+            d = nxt
+            tried.add(d)
+            self.decode_load.add(d, footprint)
+            decoded = 0
+            try:
+                async with contextlib.aclosing(self.workers.decode(d, spec, prefill)) as stream:
+                    async for ev in stream:
+                        decoded += len(ev.token_ids)
+                        ttft = account.decoded(ev, d, remote_prefill=prefill is not None)
+                        yield StreamEvent(list(ev.token_ids), ev.finished, ev.finish_reason, ttft, dict(account.usage),
+                                          None if ev.logprobs is None else list(ev.logprobs))  # fmt: skip
+                        if ev.finished:
+                            return
+                raise WorkerUnavailableError(f"decode worker {d} ended the stream of {spec.request_id} early")
+            except WorkerUnavailableError as exc:
+                nxt = pick_worker(self.workers.decode_ids, route.overlaps, self.decode_load.queued, bs,
+                                  cfg.load_weight, exclude=frozenset(tried))  # fmt: skip
+                if decoded or nxt is None or len(tried) > cfg.decode_retries:
+                    raise WorkerUnavailableError(
+                        f"decode worker {d} failed after {account.sent} token(s) of request {spec.request_id}: {exc}"
+                    ) from exc
+                logger.warning("decode worker %s failed before any decode token; retrying on %s", d, nxt)
+            finally:
+                self.decode_load.add(d, -footprint)
+
+
+@dataclass(frozen=True)
+class _Route:
+    overlaps: dict[str, int]  # worker id -> blocks of the prompt's prefix it holds (Redis)
+    decode: str  # the decode worker picked first
+
+
+class _LeaseHold:
+    """The router's side of a prefill worker's lease: from the prefill's result until a decode
+    worker takes it over (reports continuing after the remote prefill; its own ``DecodeCall``
+    settles it then). If none did when the request ends (finished on the first token, cancelled,
+    every decode worker failed), the lease is released here. Release is idempotent on the
+    holder, deferred there while a pull still streams, and the lease's TTL is the backstop."""
+
+    def __init__(self, workers: WorkerClient, prefill: PrefillResult | None, account: RequestAccount) -> None:
+        self._workers = workers
+        self._prefill = prefill
+        self._account = account
+
+    async def __aenter__(self) -> _LeaseHold:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        p = self._prefill
+        if p is not None and p.lease_id and not self._account.decode_took_over:
+            self._workers.release(p.worker_id, p.lease_id)
