@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from pdserve.engine.engine import LLMEngine, RequestOutput
@@ -27,7 +28,11 @@ OutputCallback = Callable[[RequestOutput | BaseException], None]
 class EngineLoop:
     MAX_UNATTRIBUTED_FAILURES = 3  # consecutive failed steps before every request is failed
 
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05,
+                 on_idle: Callable[[], object] | None = None, on_idle_after_s: float = 1.0) -> None:  # fmt: skip
+        """``on_idle`` runs on the loop thread once per idle period, when the engine has had no
+        work for ``on_idle_after_s`` (a worker gives memory back then, not between the steps of
+        a busy stretch); it must be quick."""
         if engine.driver is not None:
             raise RuntimeError("the engine is already stepped by another driver")
         engine.driver = self
@@ -37,6 +42,8 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopped = False
         self._idle_wait_s = idle_wait_s
+        self._on_idle = on_idle
+        self._on_idle_after_s = on_idle_after_s
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -63,6 +70,10 @@ class EngineLoop:
             self._wake.set()
         return load
 
+    def begin_load(self, request_id: str) -> bool:
+        """``engine.begin_load``: claim a load for writing (False: the request was aborted)."""
+        return self.engine.begin_load(request_id)
+
     def finish_load(self, request_id: str, ok: bool) -> None:
         """``engine.finish_load``, then step: the request can run now."""
         self.engine.finish_load(request_id, ok)
@@ -71,6 +82,12 @@ class EngineLoop:
     def _check_free(self, request_id: str) -> None:
         if request_id in self._callbacks:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+
+    @property
+    def num_registered(self) -> int:
+        """Requests whose outputs this loop still delivers (submitted, not finished or aborted)."""
+        with self.engine.lock:
+            return len(self._callbacks)
 
     def abort(self, request_id: str) -> bool:
         with self.engine.lock:
@@ -102,11 +119,16 @@ class EngineLoop:
 
     def _run(self) -> None:
         failures = 0
+        idle_since: float | None = None  # None: busy, or the idle hook already ran for this idle period
         while not self._stopped:
             if not self.engine.has_unfinished():
+                if idle_since is not None and time.monotonic() - idle_since >= self._on_idle_after_s:
+                    idle_since = None
+                    self._idle_hook()
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
                 continue
+            idle_since = time.monotonic()  # from now on until the next step
             try:
                 # Outputs are matched with callbacks under the lock that produced them, so an
                 # abort (and a reuse of the id) right after the step cannot misroute them.
@@ -145,6 +167,14 @@ class EngineLoop:
             for cb, out in targets:
                 if cb is not None:
                     self._deliver(cb, out)
+
+    def _idle_hook(self) -> None:
+        if self._on_idle is None:
+            return
+        try:
+            self._on_idle()
+        except Exception:  # noqa: BLE001 - housekeeping must not stop the engine
+            logger.exception("idle hook failed")
 
     def wake(self) -> None:
         """Blocks were freed outside the engine (a lease ended): try to schedule now."""

@@ -15,13 +15,21 @@ back to the kernel, and buffers below ``mmap_threshold`` come from the heap. Chu
 ``mmap_threshold`` (``chunk_bytes`` may be up to 1 GiB) are still mmap'ed per message.
 Workers call ``tune_malloc`` once at start; ``PDSERVE_MALLOC_TUNING=0`` turns it off.
 Elsewhere than glibc it does nothing.
+
+What stays resident is bounded in two ways: the arenas are capped (``ARENA_MAX``; gRPC's many
+threads would otherwise each get one, every one keeping up to the trim threshold), and
+``HeapTrimmer`` hands free heap memory back (``malloc_trim``) when the worker goes idle, at most
+every few seconds, so a burst of long prompts does not leave its peak resident for good.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import platform
+import time
+from collections.abc import Callable
 
 from pdserve import envs
 
@@ -31,9 +39,11 @@ MiB = 1 << 20
 # mallopt parameters (<malloc.h>)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 # 32 MiB is the largest mmap threshold every 64-bit glibc accepts (HEAP_MAX_SIZE / 2).
 MMAP_THRESHOLD = 32 * MiB
 TRIM_THRESHOLD = 64 * MiB
+ARENA_MAX = 4
 
 
 def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD) -> bool:
@@ -57,4 +67,41 @@ def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM
     ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
     if not ok:
         logger.warning("glibc refused mmap_threshold=%d / trim_threshold=%d", mmap_threshold, trim_threshold)
+    elif not mallopt(_M_ARENA_MAX, ARENA_MAX):
+        logger.warning("glibc refused arena_max=%d", ARENA_MAX)
     return ok
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_size_t,)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class HeapTrimmer:
+    """``maybe_trim()``: give free heap memory back to the kernel (glibc's ``malloc_trim(0)``, every
+    arena), at most once per ``min_interval_s``. Meant for a worker that just went idle: the
+    trim walks the heaps (milliseconds) and the next request faults its pages in again. Does
+    nothing where the C library is not glibc. Thread-safe enough: a race trims twice, harmlessly."""
+
+    def __init__(self, min_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._trim = _malloc_trim()
+        self._min_interval_s = min_interval_s
+        self._clock = clock
+        self._last = -math.inf
+        self.trims = 0
+
+    def maybe_trim(self) -> bool:
+        now = self._clock()
+        if self._trim is None or now - self._last < self._min_interval_s:
+            return False
+        self._last = now
+        self._trim(0)
+        self.trims += 1
+        return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,58 @@ def test_transfer_bench_moves_the_bytes_three_ways() -> None:
             assert len(r[method]["seconds"]) == 2 and r[method]["gbps"] > 0
             assert r[method]["puller_cpu_s_per_gb"] >= 0 and r[method]["puller_page_faults_per_gb"] >= 0  # /proc ticks
         assert r["grpc_over_raw"] > 0 and r["bare_grpc_over_raw"] > 0 and r["grpc_over_bare"] > 0
+
+
+def test_serve_bench_tenant_salts_are_new_each_run_unless_fixed() -> None:
+    """Two runs against one service: the same prompts under salts the cluster has not seen, so the
+    second starts as cold as the first; a fixed --run-id reruns warm on purpose."""
+    from pdserve.benchmarks.serve_load import WorkloadConfig, make_workload
+
+    def workload(**kw: object) -> list:
+        return make_workload(WorkloadConfig(num_requests=20, rate=2.0, tenants=3, system_len=(20, 30),
+                                            question_len=(5, 10), max_tokens=4, seed=7, **kw))  # fmt: skip
+
+    first, second = workload(), workload()
+    assert [r.prompt for r in first] == [r.prompt for r in second]  # the seed alone fixes the tokens
+    assert not {r.tenant for r in first} & {r.tenant for r in second}
+    assert len({r.tenant.rpartition("/")[0] for r in first}) == 1  # one run id per run
+    assert [r.tenant for r in workload(run_id="again")] == [r.tenant for r in workload(run_id="again")]
+    assert {r.tenant for r in workload(run_id="")} <= {"tenant-0", "tenant-1", "tenant-2"}
+
+
+def test_serve_bench_finds_redis_as_stats_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--router without --redis-url: the Redis of the `pdserve up` on this machine (its state file,
+    as `pdserve stats` reads it), but only when that up serves the router being measured."""
+    from pdserve.benchmarks.serve import router_redis
+    from pdserve.cli.state import write_state
+
+    monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("PDSERVE_REDIS_URL", raising=False)
+    monkeypatch.delenv("PDSERVE_REDIS_NAMESPACE", raising=False)
+    assert router_redis("127.0.0.1:50051", None, None) == (None, "pdserve")  # no up on this machine
+    url = "redis://pdserve:pw@127.0.0.1:6390/0"
+    write_state({"pid": 1, "router": "127.0.0.1:50051", "http": "127.0.0.1:8000", "redis_url": url,
+                 "namespace": "ns1"})  # fmt: skip
+    assert router_redis("127.0.0.1:50051", None, None) == (url, "ns1")
+    assert router_redis("localhost:50051", None, "other") == (url, "other")
+    assert router_redis("localhost:8000", None, None, http=True) == (url, "ns1")
+    assert router_redis("127.0.0.1:50052", None, None) == (None, "pdserve")  # another service
+    assert router_redis("10.0.0.5:50051", None, None)[0] is None
+    mine = "redis://:x@10.0.0.9:6379/0"
+    assert router_redis("127.0.0.1:50052", mine, None) == (mine, "pdserve")  # the flag wins
+    monkeypatch.setenv("PDSERVE_REDIS_URL", mine)
+    assert router_redis("127.0.0.1:50051", None, None) == (mine, "pdserve")  # so does the environment
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("edge", ["--http", "--grpc"])
+def test_soak_bench_counts_outcomes_memory_and_what_stays_held(edge: str) -> None:
+    out = bench("soak", "--duration", "6", "--concurrency", "2", "--cancel", "0.5", "--max-tokens", "24",
+                *([edge] if edge == "--http" else []))  # fmt: skip
+    assert out["edge"] == edge.removeprefix("--")
+    assert out["requests"].get("completed", 0) > 0 and out["requests"].get("left", 0) > 0
+    assert set(out["requests"]) <= {"completed", "left"}, out["requests"]  # no errors, no timeouts
+    for proc in ("router", "prefill-0", "decode-0", "gcs_server", "raylet", "redis-server"):
+        assert set(out["rss_mb"][proc]) == {"start", "middle", "end"}, (proc, out["rss_mb"])
+    assert out["after_2s"] == {w: {"blocks_in_use": 0, "leases": 0, "requests": 0, "registered": 0}
+                               for w in ("prefill-0", "decode-0")}  # fmt: skip

@@ -10,6 +10,7 @@ import pytest
 from pdserve import SamplingParams
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm import LLM
+from tests.support.polling import wait_until
 
 
 @pytest.fixture()
@@ -114,3 +115,21 @@ def test_id_reused_after_abort_gets_only_its_own_outputs(loop) -> None:
     assert [t for o in outs for t in o.new_token_ids] == new.output_token_ids
     assert len(new.output_token_ids) == 2 and outs[-1].finished and outs[-1].num_prompt_tokens == 3
     lp.abort("bg")
+
+
+def test_the_idle_hook_runs_once_per_idle_period_after_the_work(tiny_model: str) -> None:
+    """A worker gives memory back when its engine has been idle a while: the hook runs once after
+    a request ends (not during its steps), and again only after the next busy stretch."""
+    llm = LLM(tiny_model, num_blocks=32, block_size=8)
+    calls: list[bool] = []
+    lp = EngineLoop(llm.engine, idle_wait_s=0.01, on_idle=lambda: calls.append(llm.engine.has_unfinished()),
+                    on_idle_after_s=0.05)  # fmt: skip
+    try:
+        for round_ in (1, 2):
+            q: queue.Queue = queue.Queue()
+            lp.submit(llm.engine.make_request([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True)), q.put)
+            assert drain(q)[-1].finished
+            assert wait_until(lambda: len(calls) == round_, timeout=30)
+        assert calls == [False, False]  # never while work was queued
+    finally:
+        lp.stop()

@@ -23,12 +23,13 @@ def pool_states(service: Service) -> dict[str, dict[str, int]]:
 
 
 def all_idle(service: Service) -> bool:
-    """Every worker's pool has all blocks free, no leases and no live requests."""
+    """Every worker's pool has all blocks free, no leases, no live and no registered requests."""
     try:
         states = pool_states(service)
     except Exception:  # noqa: BLE001 - a restarting worker is not idle yet
         return False
-    return all(s["free_blocks"] == s["num_blocks"] and s["leases"] == 0 and s["requests"] == 0 for s in states.values())
+    return all(s["free_blocks"] == s["num_blocks"] and s["leases"] == s["requests"] == s["registered"] == 0
+               for s in states.values())  # fmt: skip
 
 
 def raw_post(address: str, path: str, body: dict) -> socket.socket:
