@@ -24,6 +24,7 @@ import threading
 from collections.abc import Sequence
 
 import grpc
+from google.protobuf.message import Message
 
 from pdserve.engine.kv_tensor import KVLayout, KVTensor
 from pdserve.kvtransfer.config import TransferConfig
@@ -48,7 +49,6 @@ from pdserve.kvtransfer.wire import (
 )
 from pdserve.security import ClusterAuth
 from pdserve.v1 import kvtransfer_pb2 as pb
-from pdserve.v1 import kvtransfer_pb2_grpc as pb_grpc
 
 _SERVICE = "/pdserve.v1.KVTransfer/"
 
@@ -63,12 +63,14 @@ def _decode(data: bytes) -> Chunk:
 class KVTransferClient:
     """A channel to one holder. Thread-safe; reuse one per peer address; ``close()`` when done.
 
-    Calls are signed with the config's ``cluster_secret`` and go over TLS with its ``tls``. At
-    most ``max_pulls_per_peer`` pulls of this client stream at once (the holder's own limit per
-    peer); further pulls wait for a slot within their deadline.
+    Calls are signed with the config's ``cluster_secret`` and go over TLS with its ``tls``: each
+    call gets its own token, bound to its method and its request bytes, with a fresh nonce and
+    ``caller`` as the signer's name (a worker passes its worker id; default ``<host>/<pid>``).
+    At most ``max_pulls_per_peer`` pulls of this client stream at once (the holder's own limit
+    per peer); further pulls wait for a slot within their deadline.
     """
 
-    def __init__(self, address: str, config: TransferConfig | None = None) -> None:
+    def __init__(self, address: str, config: TransferConfig | None = None, *, caller: str | None = None) -> None:
         self.address = address
         self.config = c = config or TransferConfig()
         options = c.channel_options() + (c.tls.channel_options() if c.tls else [])
@@ -76,15 +78,21 @@ class KVTransferClient:
             self._channel = grpc.secure_channel(address, c.tls.channel_credentials(), options=options)
         else:
             self._channel = grpc.insecure_channel(address, options=options)
-        self._stub = pb_grpc.KVTransferStub(self._channel)
-        # Pull's messages arrive as bytes and are decoded by protoconv.decode_chunk (zero copy),
-        # not upb (two copies of every payload).
-        self._pull = self._channel.unary_stream(_SERVICE + "Pull", request_serializer=pb.PullRequest.SerializeToString)
-        self._auth = ClusterAuth(c.cluster_secret) if c.cluster_secret else None
+        # Requests go out as the bytes they were signed over (no request serializer: each call
+        # serializes its message once, in _signed). Pull's messages arrive as bytes and are decoded
+        # by protoconv.decode_chunk (zero copy), not upb (two copies of every payload).
+        ch = self._channel
+        self._get_metadata = ch.unary_unary(_SERVICE + "GetMetadata",
+                                            response_deserializer=pb.GetMetadataResponse.FromString)  # fmt: skip
+        self._release = ch.unary_unary(_SERVICE + "Release", response_deserializer=pb.ReleaseResponse.FromString)
+        self._pull = ch.unary_stream(_SERVICE + "Pull")
+        self._auth = ClusterAuth(c.cluster_secret, caller=caller) if c.cluster_secret else None
         self._pull_slots = threading.BoundedSemaphore(c.max_pulls_per_peer)
 
-    def _metadata(self, method: str) -> tuple[tuple[str, str], ...]:
-        return self._auth.metadata(_SERVICE + method) if self._auth else ()
+    def _signed(self, method: str, request: Message) -> tuple[bytes, tuple[tuple[str, str], ...]]:
+        """``request``'s bytes and the metadata signing exactly them for one call of ``method``."""
+        body = request.SerializeToString()
+        return body, (self._auth.metadata(_SERVICE + method, body) if self._auth else ())
 
     def close(self) -> None:
         self._channel.close()
@@ -99,8 +107,8 @@ class KVTransferClient:
     def metadata(self, timeout_s: float | None = None) -> TransferMetadata:
         """The holder's identity and KV layout."""
         try:
-            msg = self._stub.GetMetadata(pb.GetMetadataRequest(), timeout=timeout_s or self.config.metadata_timeout_s,
-                                         metadata=self._metadata("GetMetadata"))  # fmt: skip
+            body, metadata = self._signed("GetMetadata", pb.GetMetadataRequest())
+            msg = self._get_metadata(body, timeout=timeout_s or self.config.metadata_timeout_s, metadata=metadata)
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
         return metadata_from_proto(msg)
@@ -119,8 +127,8 @@ class KVTransferClient:
     def release(self, lease_id: str, timeout_s: float | None = None) -> bool:
         """Release a lease on the holder; False if it was unknown, already released or expired."""
         try:
-            resp = self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=timeout_s or self.config.release_timeout_s,
-                                      metadata=self._metadata("Release"))  # fmt: skip
+            body, metadata = self._signed("Release", pb.ReleaseRequest(lease_id=lease_id))
+            resp = self._release(body, timeout=timeout_s or self.config.release_timeout_s, metadata=metadata)
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
         return resp.released
@@ -164,7 +172,8 @@ class KVTransferClient:
             raise TransferTimeoutError(f"no pull slot to {self.address} within {timeout}s", peer=self.address)
         call = None
         try:
-            call = self._pull(request, timeout=timeout, metadata=self._metadata("Pull"))
+            body, metadata = self._signed("Pull", request)
+            call = self._pull(body, timeout=timeout, metadata=metadata)
             for data in call:
                 receiver.accept(_decode(data))
             return receiver.finish()

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from pdserve import envs
-from pdserve.security import TLSConfig, check_secret
+from pdserve.security import DEFAULT_MAX_NONCES, TLSConfig, check_secret
 
 MiB = 1 << 20
 
@@ -33,8 +33,11 @@ class TransferConfig:
     Every RPC carries a deadline: ``metadata_timeout_s``, ``pull_timeout_s`` (the whole
     stream) and ``release_timeout_s``.
 
-    Security (docs/kv-wire.md): with ``cluster_secret`` every call is authenticated and a holder
-    refuses the others (``UNAUTHENTICATED``); ``tls`` puts the plane on TLS (mutual with a CA).
+    Security (docs/kv-wire.md): with ``cluster_secret`` every call is authenticated by a token
+    bound to it (method, request bytes, a nonce used once) and a holder refuses the others
+    (``UNAUTHENTICATED``); a holder remembers at most ``auth_max_nonces`` tokens of the last
+    minute and refuses calls beyond (sized for ~2,000 calls/s). ``tls`` puts the plane on TLS
+    (mutual with a CA): the only protection of the block bytes from someone reading the network.
     Abuse bounds on a holder: at most ``max_pulls_per_peer`` pulls stream to one peer host at once
     (a puller keeps to the same number on its side), a stream that cannot send its next chunk
     for ``stall_timeout_s`` or runs past ``pull_timeout_s`` is cancelled, and calls beyond
@@ -54,6 +57,7 @@ class TransferConfig:
     shutdown_grace_s: float = 1.0
     cluster_secret: str | None = field(default_factory=envs.cluster_secret, repr=False)
     tls: TLSConfig | None = None
+    auth_max_nonces: int = DEFAULT_MAX_NONCES
     # Where a worker's transfer server listens: "LO-HI" (the first free port of the range, so a
     # firewall can name them); None: any free port.
     port_range: str | None = None
@@ -64,7 +68,7 @@ class TransferConfig:
             raise ValueError(f"chunk_bytes must be an integer in [1, {MAX_CHUNK_BYTES}], got {self.chunk_bytes!r}")
         if not isinstance(self.max_blocks_per_chunk, int) or not 1 <= self.max_blocks_per_chunk <= 1 << 20:
             raise ValueError(f"max_blocks_per_chunk must be an integer in [1, 2**20], got {self.max_blocks_per_chunk!r}")
-        for name in ("server_threads", "max_pulls_per_peer"):
+        for name in ("server_threads", "max_pulls_per_peer", "auth_max_nonces"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         check_secret(self.cluster_secret)

@@ -10,8 +10,10 @@ It is also independent of any event loop the hosting Ray actor may run.
 
 Abuse bounds (``kvtransfer.guard``): calls beyond ``config.server_threads`` are refused at once,
 one peer host streams at most ``config.max_pulls_per_peer`` pulls, and a stalled or overlong
-stream is cancelled. With ``config.cluster_secret`` every call must be signed by a cluster member
-(``pdserve.security``); with ``config.tls`` the port speaks TLS only.
+stream is cancelled. With ``config.cluster_secret`` every call must carry a token of a cluster
+member signed for that very call (method, request bytes, fresh nonce; ``pdserve.security``): the
+``AuthInterceptor`` wraps every registered handler, so each is checked before its request is even
+deserialized and no servicer method can skip it. With ``config.tls`` the port speaks TLS only.
 """
 
 from __future__ import annotations
@@ -145,9 +147,10 @@ class TransferServer:
 
     def __init__(
         self, server: grpc.Server, host: str, port: int, source: BlockSource, config: TransferConfig,
-        servicer: KVTransferServicer,
+        servicer: KVTransferServicer, auth: ClusterAuth | None = None,
     ) -> None:  # fmt: skip
         self.server = server
+        self.auth = auth  # None: calls are not authenticated (no cluster_secret)
         self.servicer = servicer
         self.host = host
         self.port = port
@@ -201,7 +204,8 @@ def start_transfer_server(
     """
     config = config or source.config
     servicer = servicer or KVTransferServicer(source, config)
-    interceptors = [AuthInterceptor(ClusterAuth(config.cluster_secret))] if config.cluster_secret else []
+    auth = ClusterAuth(config.cluster_secret, max_nonces=config.auth_max_nonces) if config.cluster_secret else None
+    interceptors = [AuthInterceptor(auth)] if auth is not None else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.server_threads, thread_name_prefix="kv-transfer"),
         options=config.server_options(),
@@ -222,4 +226,4 @@ def start_transfer_server(
         servicer.guard.close()
         raise OSError(f"cannot bind the KV transfer server to {bind}")
     server.start()
-    return TransferServer(server, host, bound, source, config, servicer)
+    return TransferServer(server, host, bound, source, config, servicer, auth)

@@ -4,27 +4,59 @@
 mutual TLS when a CA is given to check clients against.
 
 ``ClusterAuth`` authenticates the calls between the processes of one cluster with a shared
-secret, without ever sending it: each call carries ``pdserve-auth: v1.<unix ms>.<hmac>``, the
-HMAC-SHA256 of ``"<method>\\n<unix ms>"`` under the secret. A holder accepts a call whose MAC
-matches and whose time is within ``max_skew_s`` of its own clock; anything else is refused with
-``UNAUTHENTICATED`` before any handler runs. Someone who can read the traffic could replay a
-call of the same method within that window: on a network you do not trust, use TLS as well.
+secret, without ever sending it. Each call carries one token bound to that call::
+
+    pdserve-auth: v2.<unix ms>.<nonce>.<mac>.<caller>
+
+``nonce`` is 32 random hex digits, ``caller`` the signer's name (``CALLER_RE``; it may contain
+dots, it is the last field), ``mac`` the hex HMAC-SHA256 under the secret of
+``"v2\n<method>\n<caller>\n<unix ms>\n<nonce>\n<sha256 hex of the request bytes>"``: the full
+method name, and the serialized request message exactly as it travels. A holder accepts a call
+only if the MAC matches the method it serves and the bytes it received, the time is within
+``max_skew_s`` of its own clock, and the nonce is new: it remembers each accepted nonce until
+its timestamp leaves the window, in a table of at most ``max_nonces`` entries, and refuses
+(rather than grows) when the table is full. A captured token is therefore good for nothing: not
+again (nonce), not for another request or method (MAC), not later (time).
+
+``AuthInterceptor`` enforces this on a gRPC server: it wraps every method handler so that the
+raw request bytes are checked before they are even deserialized, and a refused call ends with
+``UNAUTHENTICATED`` before any servicer code runs. Handlers cannot opt out or forget.
+
+The caller name is asserted by a holder of the secret, not proven to a third party: it names
+the member in logs. The MAC does not hide anything: someone reading the traffic sees requests
+and block bytes; TLS (mutual TLS) is the answer to that.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
+import logging
+import os
+import re
+import secrets
+import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
+
+logger = logging.getLogger(__name__)
 
 AUTH_METADATA_KEY = "pdserve-auth"
-_VERSION = "v1"
+_VERSION = "v2"
 MIN_SECRET_CHARS = 16
+CALLER_RE = re.compile(r"[A-Za-z0-9_.:@/+-]{1,128}")
+_NONCE_RE = re.compile(r"[0-9a-f]{32}")
+_MAC_RE = re.compile(r"[0-9a-f]{64}")
+_MAX_TS_DIGITS = 15  # unix ms until the year 33658
+DEFAULT_MAX_NONCES = 1 << 17  # ~2,000 calls/s sustained per holder at the default 60 s window; ~15 MB at most
 
 
 @dataclass(frozen=True)
@@ -78,55 +110,222 @@ def check_secret(secret: str | None, what: str = "cluster_secret") -> None:
         raise ValueError(f"{what} must be a string of at least {MIN_SECRET_CHARS} characters")
 
 
-class ClusterAuth:
-    """Signs and checks calls with the cluster's shared secret (module docstring)."""
+def default_caller() -> str:
+    """``<host>/<pid>``, cut to what ``CALLER_RE`` allows: the caller name when none is given."""
+    name = re.sub(r"[^A-Za-z0-9_.:@/+-]", "_", f"{socket.gethostname()}/{os.getpid()}")
+    return name[-128:] or "unknown"
 
-    def __init__(self, secret: str, max_skew_s: float = 60.0, clock: Callable[[], float] = time.time) -> None:
+
+class AuthRefused(Exception):
+    """A call that ``ClusterAuth.authenticate`` refuses: ``reason`` for logs, ``caller`` as claimed
+    (None when the token did not parse; unverified unless the MAC matched)."""
+
+    def __init__(self, reason: str, caller: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.caller = caller
+
+
+class NonceTable:
+    """The nonces accepted within the window, each until its expiry; at most ``capacity`` of them.
+
+    ``add`` is thread-safe. It first drops the entries whose expiry is before ``now``, then
+    refuses a nonce it holds (``"replayed"``) or any new one when full (``"full"``); None: added.
+    Memory is O(capacity) whatever the callers do.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"the nonce table's capacity must be an integer >= 1, got {capacity!r}")
+        self.capacity = capacity
+        self._expiry: dict[str, int] = {}
+        self._heap: list[tuple[int, str]] = []  # (expiry, nonce), exactly the dict's entries
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._expiry)
+
+    def add(self, nonce: str, expires_at: int, now: int) -> str | None:
+        with self._lock:
+            self._prune(now)
+            if nonce in self._expiry:
+                return "replayed"
+            if len(self._expiry) >= self.capacity:
+                return "full"
+            self._expiry[nonce] = expires_at
+            heapq.heappush(self._heap, (expires_at, nonce))
+            return None
+
+    def _prune(self, now: int) -> None:
+        while self._heap and self._heap[0][0] < now:
+            _, nonce = heapq.heappop(self._heap)
+            del self._expiry[nonce]
+
+
+@dataclass(frozen=True)
+class _Token:
+    ts_ms: int
+    nonce: str
+    mac: str
+    caller: str
+
+
+def _parse(metadata: Sequence[tuple[str, Any]] | None) -> _Token:
+    """The one well-formed ``pdserve-auth`` token of ``metadata``; raises ``AuthRefused``."""
+    values = [v for k, v in metadata or () if k == AUTH_METADATA_KEY]
+    if not values:
+        raise AuthRefused("no credentials")
+    if len(values) > 1 or not isinstance(values[0], str):
+        raise AuthRefused("malformed credentials")
+    parts = values[0].split(".", 4)
+    if len(parts) != 5 or parts[0] != _VERSION:
+        raise AuthRefused("malformed credentials (not v2)")
+    _, ts, nonce, mac, caller = parts
+    caller_ok = CALLER_RE.fullmatch(caller) is not None
+    if not caller_ok or not (ts.isascii() and ts.isdigit() and len(ts) <= _MAX_TS_DIGITS):
+        raise AuthRefused("malformed credentials", caller if caller_ok else None)
+    if not _NONCE_RE.fullmatch(nonce) or not _MAC_RE.fullmatch(mac):
+        raise AuthRefused("malformed credentials", caller)
+    return _Token(int(ts), nonce, mac, caller)
+
+
+class ClusterAuth:
+    """Signs and checks calls with the cluster's shared secret (module docstring).
+
+    ``caller``: the name this process signs with (default ``default_caller()``). ``max_skew_s``:
+    the accepted distance between a token's time and the holder's clock. ``max_nonces``: the
+    capacity of the holder's replay table. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        secret: str,
+        max_skew_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+        *,
+        caller: str | None = None,
+        max_nonces: int = DEFAULT_MAX_NONCES,
+    ) -> None:
         check_secret(secret)
+        caller = default_caller() if caller is None else caller
+        if not isinstance(caller, str) or CALLER_RE.fullmatch(caller) is None:
+            raise ValueError(f"caller must match {CALLER_RE.pattern}, got {caller!r}")
         self._key = secret.encode("utf-8")
         self.max_skew_s = max_skew_s
+        self.caller = caller
         self._clock = clock
+        self.nonces = NonceTable(max_nonces)
 
-    def _mac(self, method: str, ts_ms: str) -> str:
-        return hmac.new(self._key, f"{method}\n{ts_ms}".encode(), hashlib.sha256).hexdigest()
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
 
-    def metadata(self, method: str) -> tuple[tuple[str, str], ...]:
-        """Call metadata for ``method`` (the full name, ``/pdserve.v1.KVTransfer/Pull``)."""
-        ts_ms = str(int(self._clock() * 1000))
-        return ((AUTH_METADATA_KEY, f"{_VERSION}.{ts_ms}.{self._mac(method, ts_ms)}"),)
+    def _mac(self, method: str, caller: str, ts_ms: int, nonce: str, body: bytes) -> str:
+        digest = hashlib.sha256(body).hexdigest()
+        text = f"{_VERSION}\n{method}\n{caller}\n{ts_ms}\n{nonce}\n{digest}"
+        return hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()
 
-    def verify(self, method: str, metadata: tuple | list | None) -> bool:
-        value = next((v for k, v in metadata or () if k == AUTH_METADATA_KEY), None)
-        if not isinstance(value, str):
-            return False
-        parts = value.split(".")
-        if len(parts) != 3 or parts[0] != _VERSION or not parts[1].isdigit():
-            return False
-        if abs(self._clock() * 1000 - int(parts[1])) > self.max_skew_s * 1000:
-            return False
-        return hmac.compare_digest(parts[2], self._mac(method, parts[1]))
+    def metadata(self, method: str, body: bytes) -> tuple[tuple[str, str], ...]:
+        """Call metadata for one call of ``method`` (the full name, ``/pdserve.v1.KVTransfer/Pull``)
+        whose serialized request is ``body``, exactly the bytes sent. Fresh nonce each time:
+        use it for that one call only."""
+        ts_ms, nonce = self._now_ms(), secrets.token_hex(16)
+        mac = self._mac(method, self.caller, ts_ms, nonce, bytes(body))
+        return ((AUTH_METADATA_KEY, f"{_VERSION}.{ts_ms}.{nonce}.{mac}.{self.caller}"),)
+
+    def authenticate(self, method: str, metadata: Sequence[tuple[str, Any]] | None, body: bytes) -> str:
+        """The verified caller of a call of ``method`` with request bytes ``body``; raises
+        ``AuthRefused`` unless the token is well formed, in time, signed for exactly this method
+        and body (constant-time comparison), and its nonce unseen. Only then is the nonce spent."""
+        token = _parse(metadata)
+        now = self._now_ms()
+        skew_ms = int(self.max_skew_s * 1000)
+        if abs(now - token.ts_ms) > skew_ms:
+            raise AuthRefused("timestamp outside the window", token.caller)
+        expected = self._mac(method, token.caller, token.ts_ms, token.nonce, bytes(body))
+        if not hmac.compare_digest(token.mac, expected):
+            raise AuthRefused("bad signature (secret, method or request differ)", token.caller)
+        refused = self.nonces.add(token.nonce, token.ts_ms + skew_ms, now)
+        if refused == "replayed":
+            raise AuthRefused("replayed token (nonce already used)", token.caller)
+        if refused == "full":
+            raise AuthRefused(f"replay table full ({self.nonces.capacity} tokens in the window)", token.caller)
+        return token.caller
+
+
+class _RefusalLog:
+    """Warnings about refused calls, at most ``burst`` per ``period_s`` (a flood of bad calls
+    must not flood the log); the number left out is told in the next one."""
+
+    def __init__(self, burst: int = 20, period_s: float = 10.0) -> None:
+        self.burst, self.period_s = burst, period_s
+        self._lock = threading.Lock()
+        self._window_start = 0.0
+        self._logged = 0
+        self._suppressed = 0
+
+    def warn(self, method: str, peer: str, refusal: AuthRefused) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._window_start >= self.period_s:
+                self._window_start, self._logged = now, 0
+            if self._logged >= self.burst:
+                self._suppressed += 1
+                return
+            self._logged += 1
+            suppressed, self._suppressed = self._suppressed, 0
+        logger.warning("refused %s from %s (caller %r): %s%s", method, peer, refusal.caller, refusal.reason,
+                       f" [{suppressed} more refusals not logged]" if suppressed else "")  # fmt: skip
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
-    """Refuses every call that ``auth`` does not verify with ``UNAUTHENTICATED``; no handler runs."""
+    """Puts ``auth`` in front of every method of the server (module docstring).
+
+    Each handler is replaced by one that receives the raw request bytes, authenticates the call
+    against them, and only then deserializes the request and calls the original behaviour; a
+    refused call is aborted with ``UNAUTHENTICATED`` (logged with its claimed caller and peer).
+    Request-streaming methods cannot be bound to one body and are refused outright.
+    """
 
     def __init__(self, auth: ClusterAuth) -> None:
         self.auth = auth
+        self._log = _RefusalLog()
 
     def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201 - grpc's signature
-        if self.auth.verify(handler_call_details.method, handler_call_details.invocation_metadata):
-            return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         if handler is None:
-            return None
+            return None  # unknown method: UNIMPLEMENTED, as without the interceptor
+        return self._wrap(handler_call_details.method, tuple(handler_call_details.invocation_metadata or ()), handler)
 
-        def refuse(request_or_iterator, context: grpc.ServicerContext):  # noqa: ANN001, ANN202
+    def _admit(self, method: str, metadata: tuple, raw: bytes, deserializer: Callable[[bytes], Any] | None,
+               context: grpc.ServicerContext) -> Any:  # fmt: skip
+        """The deserialized request of an authenticated call; aborts the call otherwise."""
+        try:
+            self.auth.authenticate(method, metadata, raw)
+        except AuthRefused as refusal:
+            self._log.warn(method, context.peer(), refusal)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "this call needs the cluster's credentials")
+        if deserializer is None:
+            return raw
+        try:
+            return deserializer(raw)
+        except DecodeError:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed request message")
 
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(refuse)
+    def _wrap(self, method: str, metadata: tuple, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        streaming_out = handler.response_streaming
         if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(refuse)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(refuse)
-        return grpc.unary_unary_rpc_method_handler(refuse)
+            def refuse(request_iterator, context: grpc.ServicerContext):  # noqa: ANN001, ANN202
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "streaming requests cannot be authenticated")
+
+            make = grpc.stream_stream_rpc_method_handler if streaming_out else grpc.stream_unary_rpc_method_handler
+            return make(refuse, response_serializer=handler.response_serializer)
+        inner = handler.unary_stream if streaming_out else handler.unary_unary
+        deserializer = handler.request_deserializer
+
+        def behavior(raw: bytes, context: grpc.ServicerContext) -> Any:
+            return inner(self._admit(method, metadata, raw, deserializer, context), context)
+
+        make = grpc.unary_stream_rpc_method_handler if streaming_out else grpc.unary_unary_rpc_method_handler
+        # No request_deserializer: gRPC hands ``behavior`` the bytes exactly as received.
+        return make(behavior, request_deserializer=None, response_serializer=handler.response_serializer)

@@ -18,7 +18,7 @@ from pdserve.kvindex.config import REDIS_ERRORS, IndexConfig
 from pdserve.kvindex.publisher import KVEventPublisher, remove_worker_blocks
 from pdserve.kvindex.registry import WorkerRegistry
 from pdserve.kvindex.stats import StatsRecorder
-from pdserve.kvtransfer.allocator import tune_malloc
+from pdserve.kvtransfer.allocator import HeapTrimmer, tune_malloc
 from pdserve.kvtransfer.client import KVTransferClient
 from pdserve.kvtransfer.server import TransferServer, start_transfer_server
 from pdserve.kvtransfer.source import BlockSource
@@ -75,7 +75,8 @@ class WorkerRuntime:
         self.publisher = KVEventPublisher(config.index, config.worker_id)
         self.stats = StatsRecorder(config.index, config.worker_id)
         self.engine = LLMEngine(config.engine, event_sink=self.publisher)
-        self.loop = EngineLoop(self.engine)
+        self.trimmer = HeapTrimmer()
+        self.loop = EngineLoop(self.engine, on_idle=self.trimmer.maybe_trim)
         self.metrics = WorkerMetrics(config.worker_id, config.role, self.engine.stats, self._redis_outages)
         self.source = BlockSource(
             self.engine.handover,
@@ -114,13 +115,15 @@ class WorkerRuntime:
         }
 
     def pool_state(self) -> dict[str, int]:
-        """Free blocks, leases and requests holding blocks (idle: free == total, 0, 0)."""
+        """Free blocks, leases, requests holding blocks and requests registered with the engine
+        loop (idle: free == total, 0, 0, 0)."""
         usage = self.engine.kv_usage()
         return {
             "free_blocks": usage.free_blocks,
             "num_blocks": usage.num_blocks,
             "leases": len(self.source.leases),
             "requests": usage.requests,
+            "registered": self.loop.num_registered,
         }
 
     def client(self, address: str) -> KVTransferClient:
@@ -133,7 +136,7 @@ class WorkerRuntime:
             c = self._clients.get(address)
         if c is not None:
             return c
-        c = KVTransferClient(address, self.config.transfer)
+        c = KVTransferClient(address, self.config.transfer, caller=self.config.worker_id)
         try:
             c.check_compatible(self.engine.layout, self.engine.model_config.fingerprint)
         except BaseException:
@@ -159,7 +162,7 @@ class WorkerRuntime:
             c = self._clients.get(address)
         if c is not None:
             return c.release(lease_id)
-        with KVTransferClient(address, self.config.transfer) as tmp:
+        with KVTransferClient(address, self.config.transfer, caller=self.config.worker_id) as tmp:
             return tmp.release(lease_id)
 
     def close(self) -> None:

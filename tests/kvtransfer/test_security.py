@@ -78,8 +78,9 @@ def test_calls_without_the_clusters_credentials_get_nothing() -> None:
         with grpc.insecure_channel(holder.address) as channel:
             stub = pb_grpc.KVTransferStub(channel)
             request = pb.PullRequest(block_hashes=pb.BlockHashes(hashes=holder.hashes))
-            stale = ClusterAuth(SECRET, clock=lambda: time.time() - 3600).metadata("/pdserve.v1.KVTransfer/Pull")
-            wrong_method = ClusterAuth(SECRET).metadata("/pdserve.v1.KVTransfer/GetMetadata")
+            body = request.SerializeToString()
+            stale = ClusterAuth(SECRET, clock=lambda: time.time() - 3600).metadata("/pdserve.v1.KVTransfer/Pull", body)
+            wrong_method = ClusterAuth(SECRET).metadata("/pdserve.v1.KVTransfer/GetMetadata", body)
             for metadata in ((), stale, wrong_method, ((AUTH_METADATA_KEY, "v1.1.00"),)):
                 received = []
                 with pytest.raises(grpc.RpcError) as err:
@@ -124,7 +125,8 @@ def test_streams_that_are_never_read_cannot_stall_the_holder() -> None:
         channel = grpc.insecure_channel(holder.address, options=config.channel_options())
         stub = pb_grpc.KVTransferStub(channel)
         request = pb.PullRequest(block_hashes=pb.BlockHashes(hashes=holder.hashes))
-        stuck = [stub.Pull(request, timeout=60, metadata=auth.metadata("/pdserve.v1.KVTransfer/Pull"))
+        body = request.SerializeToString()
+        stuck = [stub.Pull(request, timeout=60, metadata=auth.metadata("/pdserve.v1.KVTransfer/Pull", body))
                  for _ in range(8)]  # fmt: skip
         guard = holder.server.servicer.guard
         try:
