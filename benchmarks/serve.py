@@ -39,7 +39,14 @@ and then through gRPC, each edge with tenants of its own so that both start cold
 
 With ``--router HOST:PORT [--redis-url URL]`` the same load runs once against a running
 service (no comparison; the Redis hit rate is the delta over the run); add ``--http`` when
-HOST:PORT is the service's HTTP API.
+HOST:PORT is the service's HTTP API. Without ``--redis-url`` its Redis is found as ``pdserve
+stats`` finds it: ``PDSERVE_REDIS_URL``, else the state file of the ``pdserve up`` on this
+machine, if that ``up`` serves HOST:PORT.
+
+Every run's tenant salts start with a fresh run id (``<run id>/tenant-<t>``, printed and in
+the JSON), so a second run against the same service starts cold like the first; ``--run-id
+ID`` fixes it (the same id twice: the second run is warm on purpose; ``--run-id ''``: bare
+``tenant-<t>``).
 
 Run: ``python -m benchmarks.serve [--quick] [--json]`` or ``pdserve bench serve``.
 """
@@ -89,6 +96,44 @@ HTTP, GRPC = "HTTP", "gRPC"
 # ---------------------------------------------------------------------------------------
 # Redis counters
 # ---------------------------------------------------------------------------------------
+_LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", "::", ""}
+
+
+def _same_endpoint(a: str, b: str) -> bool:
+    """Whether two HOST:PORT strings name the same endpoint (local host names are one host)."""
+    (ha, _, pa), (hb, _, pb) = a.rpartition(":"), b.rpartition(":")
+    ha, hb = ha.strip("[]"), hb.strip("[]")
+    return pa == pb and (ha == hb or (ha in _LOCAL_HOSTS and hb in _LOCAL_HOSTS))
+
+
+def router_redis(router: str, redis_url: str | None, namespace: str | None, http: bool = False,
+                 state: dict | None = None) -> tuple[str | None, str]:  # fmt: skip
+    """(Redis URL, namespace) of the service at ``router``, for the hit rate; URL None: unknown.
+
+    ``--redis-url``/``--namespace``, else ``PDSERVE_REDIS_URL``, else the state file of the
+    ``pdserve up`` on this machine (``state``; default: read it), which ``pdserve stats`` reads
+    too, but only when that ``up`` serves ``router`` (its gRPC address, or its HTTP one with
+    ``http``): another service's Redis would report another service's counters.
+    """
+    from pdserve.cli.state import index_config, read_state
+
+    explicit = index_config(redis_url, namespace, state={})  # flags and environment only
+    if explicit is not None:
+        return explicit.url, explicit.namespace
+    state = read_state() if state is None else state
+    serves = (state or {}).get("http" if http else "router")
+    if not serves:
+        log("no --redis-url and no pdserve up on this machine: no Redis hit rate")
+        return None, namespace or "pdserve"
+    if not _same_endpoint(serves, router):
+        log(f"the pdserve up on this machine serves {serves}, not {router}: no Redis hit rate (pass --redis-url)")
+        return None, namespace or "pdserve"
+    cfg = index_config(None, namespace, state=state)
+    assert cfg is not None
+    log(f"Redis from the state file of pdserve up (pid {state.get('pid')}): {cfg.redacted_url}")
+    return cfg.url, cfg.namespace
+
+
 def _read_stats(redis_url: str, namespace: str) -> dict | None:
     from pdserve.kvindex.config import IndexConfig
     from pdserve.kvindex.stats import read_stats
@@ -134,12 +179,13 @@ def redis_delta(redis_url: str, namespace: str, before: dict, expect_requests: i
 # ---------------------------------------------------------------------------------------
 def measure(
     label: str, address: str, redis_url: str | None, namespace: str, workload: list[BenchRequest],
-    params: SamplingParams, timeout_s: float, warmup: int, http: bool = False,
+    params: SamplingParams, timeout_s: float, warmup: int, http: bool = False, salt_prefix: str = "",
 ) -> dict[str, Any]:
-    """Warm up, snapshot Redis, run the load (gRPC, or the HTTP API at ``address``), summarize, Redis delta."""
+    """Warm up (under the salt ``<salt_prefix>bench-warmup-<label>``), snapshot Redis, run the load
+    (gRPC, or the HTTP API at ``address``), summarize, Redis delta."""
     if warmup:
         log(f"{label}: warm-up ({warmup} requests)")
-        failed = warm_up(address, params, 64, warmup, f"bench-warmup-{label}", timeout_s, http)
+        failed = warm_up(address, params, 64, warmup, f"{salt_prefix}bench-warmup-{label}", timeout_s, http)
         if failed:
             log(f"{label}: warning: {failed} warm-up request(s) failed")
     before = None
@@ -233,7 +279,7 @@ def _child_processes() -> list[str]:
 
 def run_service(
     label: str, model_dir: str, cpus_per_worker: float, threshold: int, workload: list[BenchRequest],
-    params: SamplingParams, timeout_s: float, warmup: int, edges: bool = False,
+    params: SamplingParams, timeout_s: float, warmup: int, edges: bool = False, salt_prefix: str = "",
 ) -> dict[str, dict[str, Any]]:
     """Start a 1 prefill + 1 decode service, measure it, check its workers, stop it. Returns
     ``{label: result}``; with ``edges``, ``{"HTTP": ..., "gRPC": ...}``: the workload through each
@@ -264,7 +310,7 @@ def run_service(
             assert where is not None
             load = [dataclasses.replace(r, tenant=f"{side}-{r.tenant}") for r in workload] if edges else workload
             results[side] = measure(side, where, redis_url, config.index.namespace, load, params, timeout_s,
-                                    warmup, http)  # fmt: skip
+                                    warmup, http, salt_prefix)  # fmt: skip
         pools = _pool_states(service)
         for wid, pool in pools.items():
             checks[wid]["pool_after"] = pool
@@ -386,8 +432,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare the edges instead: one 1P+1D service, the workload through the OpenAI-compatible "
                          "HTTP API and through gRPC; with --router, HOST:PORT is a running service's HTTP API")
     ap.add_argument("--router", default=None, help="HOST:PORT of a running service (no comparison)")
-    ap.add_argument("--redis-url", default=None, help="its Redis (for the hit rate; with --router)")
-    ap.add_argument("--namespace", default="pdserve", help="its Redis namespace (with --router)")
+    ap.add_argument("--redis-url", default=None,
+                    help="its Redis (for the hit rate; with --router; default $PDSERVE_REDIS_URL, else the state "
+                         "file of the pdserve up on this machine when it serves --router)")
+    ap.add_argument("--namespace", default=None,
+                    help="its Redis namespace (with --router; default $PDSERVE_REDIS_NAMESPACE, the state file's, "
+                         "or 'pdserve')")
+    ap.add_argument("--run-id", default=None, metavar="ID",
+                    help="prefix of the tenant salts (ID/tenant-N; default: a fresh id per run, so every run starts "
+                         "cold; the same ID again reruns warm; '' for bare tenant-N)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.redis_url and not args.router:
@@ -396,7 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     wcfg = WorkloadConfig(
         num_requests=args.num_requests or (12 if args.quick else 40), rate=args.rate, tenants=args.tenants,
         system_len=(200, 400), question_len=(30, 80), max_tokens=args.max_tokens, seed=args.seed,
+        **({} if args.run_id is None else {"run_id": args.run_id}),
     )
+    salt_prefix = f"{wcfg.run_id}/" if wcfg.run_id else ""
     workload = make_workload(wcfg)
     params = SamplingParams(max_tokens=wcfg.max_tokens, temperature=0.0, ignore_eos=True)
     prompt_lens = [len(r.prompt) for r in workload]
@@ -408,14 +463,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     log(f"workload: {wcfg.num_requests} requests at {wcfg.rate} req/s (Poisson, seed {wcfg.seed}), "
         f"{wcfg.tenants} tenants, prompts {min(prompt_lens)}..{max(prompt_lens)} tokens, "
-        f"{wcfg.max_tokens} new tokens each")
+        f"{wcfg.max_tokens} new tokens each, run id {wcfg.run_id or '-'} (tenant salts {salt_prefix}tenant-N)")
 
     runs: dict[str, dict[str, Any]] = {}
     try:
         if args.router:
             result["router"] = args.router
-            runs[args.router] = measure(args.router, args.router, args.redis_url, args.namespace, workload,
-                                        params, args.timeout, args.warmup, args.http)
+            redis_url, namespace = router_redis(args.router, args.redis_url, args.namespace, args.http)
+            runs[args.router] = measure(args.router, args.router, redis_url, namespace, workload,
+                                        params, args.timeout, args.warmup, args.http, salt_prefix)
         else:
             from pdserve.engine.model import make_tiny_model
 
@@ -427,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                     sides = [s for s in sides if (s[0] == DISAGG) == (args.only != "mono")]
                 for label, cpus, threshold in sides:
                     runs.update(run_service(label, model_dir, cpus, threshold, workload, params,
-                                            args.timeout, args.warmup, edges=args.http))
+                                            args.timeout, args.warmup, edges=args.http, salt_prefix=salt_prefix))
     except grpc.RpcError as e:
         print(f"pdserve bench serve: error: {e}", file=sys.stderr)
         return 1
@@ -453,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         w = result["workload"]
         print(f"workload: {w['num_requests']} requests, Poisson {w['rate']} req/s, {w['tenants']} tenants, "
               f"prompts {w['prompt_len_range'][0]}..{w['prompt_len_range'][1]} tokens, "
-              f"{w['max_tokens']} new tokens, seed {w['seed']}")
+              f"{w['max_tokens']} new tokens, seed {w['seed']}, run id {w['run_id'] or '-'}")
         print()
         print(format_table(runs))
         for label, run in runs.items():

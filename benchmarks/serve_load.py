@@ -9,6 +9,7 @@ import functools
 import json
 import math
 import random
+import secrets
 import statistics
 import sys
 import time
@@ -35,9 +36,20 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------
 # Workload
 # ---------------------------------------------------------------------------------------
+def new_run_id() -> str:
+    """A fresh run id: 8 random hex digits (the default prefix of a run's tenant salts)."""
+    return secrets.token_hex(4)
+
+
 @dataclass(frozen=True)
 class WorkloadConfig:
-    """Sizes and seed of the open-loop multi-tenant workload."""
+    """Sizes and seed of the open-loop multi-tenant workload.
+
+    ``run_id`` prefixes every tenant's ``cache_salt`` (``<run_id>/tenant-<t>``; ``""``: bare
+    ``tenant-<t>``). The prompts depend on ``seed`` alone, so two runs with different ids send
+    the same tokens under salts the cluster has never seen: each run starts cold against a
+    service that is still warm from the last one. Reusing an id reruns warm on purpose.
+    """
 
     num_requests: int
     rate: float  # requests/s (Poisson arrivals)
@@ -46,6 +58,7 @@ class WorkloadConfig:
     question_len: tuple[int, int]
     max_tokens: int
     seed: int = 0
+    run_id: str = field(default_factory=new_run_id)
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.tenants < 1 or self.max_tokens < 1:
@@ -67,8 +80,9 @@ class BenchRequest:
 def make_workload(cfg: WorkloadConfig) -> list[BenchRequest]:
     """The seeded request list: Poisson arrival offsets, tenant, system prompt + question."""
     rng = random.Random(cfg.seed)
+    prefix = f"{cfg.run_id}/" if cfg.run_id else ""
     systems = {
-        f"tenant-{t}": [rng.randrange(NUM_BYTE_TOKENS) for _ in range(rng.randint(*cfg.system_len))]
+        f"{prefix}tenant-{t}": [rng.randrange(NUM_BYTE_TOKENS) for _ in range(rng.randint(*cfg.system_len))]
         for t in range(cfg.tenants)
     }
     names = list(systems)

@@ -64,6 +64,7 @@ BENCHMARKS = {
     "serve": ("pdserve.benchmarks.serve", "open-loop load on 1P+1D vs monolithic; --http: via the OpenAI API"),
     "kvquant": ("pdserve.benchmarks.kv_quant", "FP8 KV cache vs unquantized: perplexity, greedy agreement, bytes"),
     "offload": ("pdserve.benchmarks.offload", "prefixes 4x the pool with and without the offload tier"),
+    "soak": ("pdserve.benchmarks.soak", "a long run with clients leaving mid-stream: outcomes, latency, RSS, leaks"),
     "mla": ("pdserve.benchmarks.mla", "MLA: KV bytes per token vs GQA/MHA, decode absorbed vs naive"),
 }
 
@@ -71,11 +72,11 @@ BENCHMARKS = {
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     import importlib
 
-    if args.which is None:  # `pdserve bench` or `pdserve bench --help`: what there is to run
+    if args.which is None:  # `pdserve bench` or `pdserve bench --help`: what there is to run (a listing, no error)
         print("usage: pdserve bench NAME [options]   (pdserve bench NAME --help: its options)\n")
         for name, (_, what) in BENCHMARKS.items():
             print(f"  {name:<9} {what}")
-        return 0 if {"-h", "--help"} & set(rest) else 2
+        return 0
     modules = {name: module for name, (module, _) in BENCHMARKS.items()}
     try:
         mod = importlib.import_module(modules[args.which])
@@ -171,7 +172,31 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# Exit status when stdout's reader went away (`pdserve stats --json | head -1`): what a process
+# killed by SIGPIPE reports in a shell (128 + 13), as `cat` or `yes` would.
+EXIT_BROKEN_PIPE = 128 + 13
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The console script: runs a command and returns its exit status.
+
+    A reader that closes stdout early ends the command quietly with ``EXIT_BROKEN_PIPE``: no
+    traceback, no "Broken pipe" message. As the Python docs advise (signal module, "Note on
+    SIGPIPE"), stdout is then pointed at /dev/null, so the interpreter's final flush of what is
+    still buffered cannot fail again at exit.
+    """
+    try:
+        status = _run(argv)
+        sys.stdout.flush()  # here, not at exit: a reader that left is handled below
+        return status
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _run(argv: Sequence[str] | None) -> int:
     ap = build_parser()
     args, rest = ap.parse_known_args(argv)
     if rest and args.command != "bench":
@@ -205,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_stats(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # stdout's reader left: main() ends quietly, not as an error
+        raise
     except (ValueError, OSError) as e:  # bad input, missing files, ports: a message, not a traceback
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2

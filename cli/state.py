@@ -2,8 +2,9 @@
 
 ``<state dir>/up.json`` (``PDSERVE_STATE_DIR``, default ``~/.pdserve``; the directory mode 0700,
 the file 0600, as it holds the embedded Redis's password): ``{"pid", "router", "redis_url",
-"namespace"}``. Written when ``up`` is ready, removed when it stops. ``pdserve stats`` without
-``--redis-url`` reads the Redis URL from it.
+"namespace"}``. Written when ``up`` is ready, removed when it stops. ``pdserve stats`` and
+``pdserve bench serve --router`` without ``--redis-url`` read the Redis URL from it
+(``index_config``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 from pathlib import Path
 
 from pdserve import envs
+from pdserve.kvindex.config import IndexConfig
 
 
 def state_file() -> Path:
@@ -43,3 +45,17 @@ def remove_state(pid: int) -> None:
     state = read_state()
     if state is not None and state.get("pid") == pid:
         state_file().unlink(missing_ok=True)
+
+
+def index_config(redis_url: str | None, namespace: str | None, state: dict | None = None) -> IndexConfig | None:
+    """The Redis index a client command reads: ``redis_url`` / ``namespace`` (flags), else the
+    environment (``PDSERVE_REDIS_URL``, ``PDSERVE_REDIS_NAMESPACE``), else ``state`` (default: the
+    state file of the ``pdserve up`` on this machine) with its namespace unless one was given.
+    None when none of them names a Redis."""
+    cfg = IndexConfig(**{k: v for k, v in (("url", redis_url), ("namespace", namespace)) if v is not None})
+    if cfg.url is not None:
+        return cfg
+    state = read_state() if state is None else state
+    if not state or not state.get("redis_url"):
+        return None
+    return IndexConfig(state["redis_url"], namespace=namespace or state.get("namespace") or cfg.namespace)

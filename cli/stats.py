@@ -9,8 +9,8 @@ from pathlib import Path
 
 import redis
 
-from pdserve.cli.state import read_state
-from pdserve.kvindex.config import IndexConfig, tenant_digest
+from pdserve.cli.state import index_config
+from pdserve.kvindex.config import tenant_digest
 from pdserve.kvindex.stats import hit_rate, read_stats, read_window
 
 DEFAULT_WINDOWS = (60, 300)
@@ -77,12 +77,9 @@ def format_stats(stats: dict, tenant_names: dict[str, str] | None = None) -> str
 def run_stats(args: argparse.Namespace) -> int:
     # Flags override the environment (PDSERVE_REDIS_URL, PDSERVE_REDIS_NAMESPACE), as for `up`;
     # without either, the Redis of the `pdserve up` running on this machine (its state file).
-    cfg = IndexConfig(**{k: v for k, v in (("url", args.redis_url), ("namespace", args.namespace)) if v is not None})
-    if cfg.url is None:
-        state = read_state()
-        if state is None:
-            raise ValueError("--redis-url is required (or set PDSERVE_REDIS_URL, or run pdserve up on this machine)")
-        cfg = IndexConfig(state["redis_url"], namespace=args.namespace or state["namespace"])
+    cfg = index_config(args.redis_url, args.namespace)
+    if cfg is None:
+        raise ValueError("--redis-url is required (or set PDSERVE_REDIS_URL, or run pdserve up on this machine)")
     names = tenant_names(args.tenant or [], args.tenant_file or [])
     windows = args.window or list(DEFAULT_WINDOWS)
     if any(not 1 <= w <= cfg.stats_retention_s for w in windows):

@@ -8,14 +8,17 @@ import secrets
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.errors import WorkerStartError
+from pdserve.cluster.logs import configure_text_logging, ray_runtime_env
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model.loader import check_model
 from pdserve.kvindex.config import IndexConfig, redact_url
@@ -25,6 +28,72 @@ from pdserve.worker.config import WorkerConfig
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+GCS_TASK_EVENTS = 10_000  # task records a local Ray's GCS keeps (Ray's default: 100,000)
+
+
+def ray_token_path() -> Path:
+    """Where Ray reads its auth token from a file: ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``."""
+    return Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+
+
+def ensure_private_ray_token() -> Path | None:
+    """Make Ray's auth token file private (mode 0600); returns its path, or None when there is none.
+
+    Ray (2.5x) writes ``~/.ray/auth_token`` with the process umask, i.e. 0644 on most machines:
+    every local user could read the token that lets anyone run code on the cluster. So, before a
+    local Ray starts (token mode, no ``RAY_AUTH_TOKEN`` in the environment, no file yet), this
+    writes the token itself (``secrets.token_hex(32)``, what Ray would generate) with mode 0600 in
+    a directory created 0700; an existing file of ours with group/other bits is chmod'ed to 0600
+    (one Ray wrote earlier). A file owned by someone else is left alone.
+    """
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token" or os.environ.get("RAY_AUTH_TOKEN"):
+        return None
+    path = ray_token_path()
+    try:
+        if not path.exists():
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:  # another process wrote one meanwhile: fixed below
+                pass
+            else:
+                with os.fdopen(fd, "w") as f:
+                    f.write(secrets.token_hex(32))
+        st = path.stat()
+        if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+            path.chmod(0o600)
+    except OSError as exc:  # a read-only home: Ray reports a missing token itself
+        _log(f"warning: cannot make the Ray auth token file {path} private: {exc}")
+        return None
+    return path
+
+
+@contextmanager
+def _ray_on_loopback() -> Iterator[None]:
+    """While it is open, a new local Ray takes 127.0.0.1 as its node address.
+
+    Ray has no public option for this on Linux: ``ray.init(_node_ip_address="127.0.0.1")``
+    is rewritten to the machine's routable address, and with that address GCS, raylet, every
+    worker's gRPC port, the dashboard agent and the metrics export port listen on all interfaces
+    (metrics without authentication). Ray's single-machine mode (its default on macOS and
+    Windows, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``) uses 127.0.0.1 as the node address, and
+    then every one of those binds to loopback only. That switch is read once, when Ray is
+    imported, into ``ray_constants.ENABLE_RAY_CLUSTER``; only ``ray.init``'s choice of the node
+    address consults it, so it is flipped for that call and restored (a later join of a real
+    cluster in this process is unaffected). The node address is then passed to every Ray process
+    on their command lines; none of them needs the switch itself.
+    """
+    from ray._private import ray_constants
+
+    # (A Ray without the switch leaves its default; tests/cli's e2e test then finds the exposed ports.)
+    before = getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
 
 
 def _last_line(message: str) -> str:
@@ -108,24 +177,39 @@ class Service:
         workers = c.prefill + c.decode
         if not ray.is_initialized():
             # Every process of this job logs at the chosen level, in text or JSON, and its lines
-            # are streamed to this driver's stderr (each also stays in its Ray log file).
-            logging_config = ray.LoggingConfig(encoding="JSON" if c.log_json else "TEXT", log_level=c.log_level,
-                                               additional_log_standard_attrs=["name"])  # fmt: skip
+            # are streamed to this driver's stderr (each also stays in its Ray log file). JSON is
+            # Ray's encoding; text is pdserve's compact one, installed in each worker by a setup
+            # hook, because Ray's text encoding appends ~600 characters of ids to every line
+            # (cluster/logs.py).
+            if c.log_json:
+                log_options: dict = dict(logging_config=ray.LoggingConfig(
+                    encoding="JSON", log_level=c.log_level, additional_log_standard_attrs=["name"]))  # fmt: skip
+            else:
+                configure_text_logging(c.log_level)
+                log_options = dict(runtime_env=ray_runtime_env(c.log_level))
             if c.ray_address:
-                ray.init(address=c.ray_address, logging_config=logging_config)
+                ray.init(address=c.ray_address, **log_options)
             else:
                 # Ray schedules by logical CPUs: one per worker plus one spare, even on fewer cores.
                 cpus = max(os.cpu_count() or 1, int(workers * c.cpus_per_worker) + 1)
                 # Ray starts its workers at nice 15; serving workers must not yield to every other
                 # process on the machine (unless the operator says otherwise).
                 os.environ.setdefault("RAY_worker_niceness", "0")
-                ray.init(num_cpus=cpus, include_dashboard=False, logging_config=logging_config)
+                # Every streamed request is a Ray task whose events the GCS keeps (100,000 by
+                # default, ~0.5 KB each): a serving process would grow for hours. Keep fewer.
+                os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", str(GCS_TASK_EVENTS))
+                ensure_private_ray_token()  # before Ray writes one world-readable
+                # One machine: every Ray port on loopback, no dashboard (it runs jobs for anyone
+                # who reaches it).
+                with _ray_on_loopback():
+                    ray.init(num_cpus=cpus, include_dashboard=False, **log_options)
+                ensure_private_ray_token()  # one Ray wrote anyway (another Ray version, a race)
             self._started_ray = True
         res = ray.cluster_resources()
         if self._started_ray and not c.ray_address:
             auth = "on" if os.environ.get("RAY_AUTH_MODE", "token") == "token" else "off"
-            self.progress(f"ray: local cluster, {res.get('CPU', 0):.0f} scheduling slots for {workers} workers on "
-                          f"{os.cpu_count()} cores, token authentication {auth}")  # fmt: skip
+            self.progress(f"ray: local cluster on 127.0.0.1, {res.get('CPU', 0):.0f} scheduling slots for {workers} "
+                          f"workers on {os.cpu_count()} cores, token authentication {auth}")  # fmt: skip
         else:
             self.progress(f"ray: cluster with {res.get('CPU', 0):.0f} CPUs, {res.get('GPU', 0):.0f} GPUs")
         from pdserve.decode_worker.actor import DecodeWorker

@@ -10,10 +10,14 @@ Used by ``pdserve demo``/``up`` when no ``--redis-url`` is given, and by tests
   removed on stop. Its settings are in a config file there (mode 0600), so the
   password never appears on a command line other users can read.
 - Restricted (the default): nobody gets in without the password (a generated one
-  unless given), and the one user, ``pdserve``, may not run administrative or
-  dangerous commands (``CONFIG``, ``MODULE``, ``DEBUG``, ``SHUTDOWN``, ``SAVE``,
-  ``FLUSHALL``, ``KEYS``, ``ACL``, ...; ``INFO`` stays allowed). ``restricted=False``
-  (tests that need ``ACL``) keeps the plain ``requirepass`` of ``password``, if any.
+  unless given), and the one user, ``pdserve``, may run exactly the commands pdserve
+  sends (``ALLOWED_COMMANDS``) and nothing else: no scripting (``EVAL``, ``EVALSHA``,
+  ``SCRIPT``, ``FUNCTION``), no administration (``CONFIG``, ``MODULE``, ``DEBUG``,
+  ``SHUTDOWN``, ``SAVE``, ``FLUSHALL``, ``KEYS``, ``ACL``, ...); ``INFO`` is allowed.
+  Refused commands answer ``NOPERM``. ``restricted=False`` (tests that need ``ACL``)
+  keeps the plain ``requirepass`` of ``password``, if any.
+- The server runs in its own session (process group): a Ctrl-C in the owner's terminal
+  reaches the owner only, which then stops the server as part of its own shutdown.
 - ``start()`` returns once the server answers PING, or raises ``RuntimeError``
   with the server's output after ``startup_timeout_s``.
 - ``stop()`` terminates (SIGTERM), waits, then kills; it is idempotent. A server
@@ -69,8 +73,26 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 USER = "pdserve"
-# What the pdserve user may run: everything its clients use, nothing that touches the server itself.
-_ACL = "+@all -@dangerous -@admin +info"
+# Exactly the commands pdserve's clients send (kvindex/, cli/stats.py, the tests' helpers), and
+# nothing else: an allow-list, not "+@all minus the dangerous ones", so that a command class
+# nobody here uses (EVAL/FUNCTION scripting, whose Lua had CVE-2024-31449 in 6.2.14; modules;
+# CONFIG; DEBUG; SHUTDOWN) cannot be reached even with the password. Where each one comes from:
+# - connecting (redis-py, RESP2, db 0, no client name): AUTH; redis-py's health check: PING.
+#   It also sends CLIENT SETINFO, whose refusal it ignores. SELECT and CLIENT SETNAME are never
+#   sent (db 0, no name) and stay refused; HELLO (RESP3 only) needs no permission in Redis.
+# - INFO: the launcher's own liveness check (process_id) and the writers' restart check (run_id).
+# - publisher: HSET HDEL XADD HINCRBY, SCAN (a worker's start-up clean-up); lookup: HKEYS;
+#   registry: HSET HDEL HGETALL; stats: HINCRBY EXPIRE in MULTI/EXEC, HGETALL SCAN to read.
+# - tests inspecting the index: HGET HEXISTS EXISTS TTL XRANGE XREVRANGE XLEN.
+# Adding a Redis call to pdserve means adding its command here (tests/kvindex fails otherwise).
+ALLOWED_COMMANDS: tuple[str, ...] = (
+    "auth", "ping", "info",
+    "hset", "hdel", "hget", "hgetall", "hkeys", "hexists", "hincrby",
+    "xadd", "xrange", "xrevrange", "xlen",
+    "scan", "exists", "expire", "ttl",
+    "multi", "exec",
+)  # fmt: skip
+_ACL = "-@all " + " ".join(f"+{c}" for c in ALLOWED_COMMANDS)
 
 
 def _server_pid(host: str, port: int, username: str | None, password: str | None,
@@ -201,8 +223,11 @@ class EmbeddedRedis:
         log_path = os.path.join(workdir, _LOG_NAME)
         # Output goes to a file, not a pipe: a full pipe nobody reads would stall the server.
         with open(log_path, "wb") as log:
+            # Its own session: the terminal's SIGINT goes to the foreground process group, and
+            # `pdserve up` drains (its workers still writing to Redis) before it stops the server.
             proc = subprocess.Popen(
-                self._command(workdir), cwd=workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+                self._command(workdir), cwd=workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         self._proc, self._workdir = proc, workdir
         self._finalizer = weakref.finalize(self, _terminate, proc, workdir)

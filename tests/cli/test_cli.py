@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pdserve.kvindex.embedded import EmbeddedRedis
 from pdserve.kvindex.stats import StatsRecorder
 from tests.support import REPO
 from tests.support.redis import unique_namespace
+from tests.support.sockets import descendants, listeners
 
 
 def pdserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -120,7 +122,13 @@ def test_stats_reads_ratio_of_sums_from_redis(redis_server: EmbeddedRedis, tmp_p
 
 @pytest.mark.slow
 def test_up_prints_ready_lines_serves_and_drains_on_sigterm(model_dir: str, tmp_path: Path) -> None:
-    env = dict(os.environ, PDSERVE_STATE_DIR=str(tmp_path / "state"))
+    # Ray's token file as Ray itself leaves it (umask 022): world-readable. `up` must make it private.
+    token = tmp_path / "ray" / "auth_token"
+    token.parent.mkdir()
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o644)
+    env = dict(os.environ, PDSERVE_STATE_DIR=str(tmp_path / "state"), RAY_AUTH_TOKEN_PATH=str(token))
+    env.pop("RAY_AUTH_TOKEN", None)
     log = tmp_path / "stderr.log"  # a file, not a pipe: the log stream must never block the service
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli.main", "up", "--model", model_dir, "--port", "0", "--http-port", "0",
@@ -139,6 +147,15 @@ def test_up_prints_ready_lines_serves_and_drains_on_sigterm(model_dir: str, tmp_
         state = tmp_path / "state" / "up.json"
         assert state_line == f"state in {state} (pdserve stats reads the Redis URL there)"
         assert state.stat().st_mode & 0o777 == 0o600
+        # A local cluster exposes nothing beyond this machine: every listening socket of `up` and
+        # the processes below it (GCS, raylet, Ray's agents and metrics export port, the workers'
+        # gRPC and KV-transfer ports, the router, redis-server) is bound to loopback.
+        sockets = listeners(descendants(proc.pid))
+        commands = {s.command for s in sockets}
+        assert "gcs_server" in commands and "raylet" in commands, sockets
+        exposed = [s for s in sockets if not s.loopback]
+        assert not exposed, f"listening beyond loopback: {exposed}"
+        assert token.stat().st_mode & 0o777 == 0o600
         address = router_line.removeprefix("router listening on ")
         r = pdserve("generate", "--router", address, "--prompt", "hello router", "--max-tokens", "4", "--json")
         assert r.returncode == 0, r.stderr
@@ -223,7 +240,9 @@ def test_bench_help_lists_the_benchmarks() -> None:
     assert r.returncode == 0, r.stderr
     for name in ("kvcache", "engine", "transfer", "prefix", "serve"):
         assert f"  {name} " in r.stdout
-    assert pdserve("bench").returncode == 2
+    r = pdserve("bench")  # no name: the same listing, and a listing is not an error
+    assert r.returncode == 0, r.stderr
+    assert "  serve " in r.stdout and r.stderr == ""
     r = pdserve("bench", "serve", "--help")
     assert r.returncode == 0 and "--http" in r.stdout
 
@@ -239,3 +258,26 @@ def test_a_worker_that_cannot_start_is_named_in_one_line(model_dir: str, tmp_pat
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("pdserve: error: worker ") and "failed to start: ValueError: cannot create the disk tier" in last
     assert 'launcher.py", line' not in r.stderr and 'up.py", line' not in r.stderr  # no driver traceback
+
+
+@pytest.mark.parametrize("args", [["stats", "--json"], ["bench"]], ids=["stats", "bench-listing"])
+def test_a_reader_that_leaves_early_ends_the_command_quietly(redis_server: EmbeddedRedis, args: list[str]) -> None:
+    """`pdserve stats --json | head -1`: the reader is gone before the output is written. The
+    command ends as a process killed by SIGPIPE would (141), without a traceback or an error line."""
+    if args[0] == "stats":
+        args = [*args, "--redis-url", redis_server.url, "--namespace", unique_namespace()]
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader left: every write to the pipe fails with EPIPE
+    try:
+        r = subprocess.run([sys.executable, "-m", "pdserve.cli.main", *args], stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert r.returncode == 141, r.stderr
+    assert r.stderr == ""  # no "Broken pipe", no "Exception ignored ... BrokenPipeError"
+    # The same through a shell's pipe into `head -1`, as the report had it: exit 0 or 141 (whether
+    # head left before the write is a race), never 2 or 120, and nothing on stderr.
+    shell = subprocess.run(["bash", "-c", 'set -o pipefail; "$@" | head -1 >/dev/null; echo "status=$?" >&2', "sh",
+                            sys.executable, "-m", "pdserve.cli.main", *args], capture_output=True, text=True,
+                           timeout=120, cwd=REPO)  # fmt: skip
+    assert shell.stderr.strip() in ("status=0", "status=141"), shell.stderr

@@ -108,6 +108,76 @@ def test_embedded_redis_is_locked_down() -> None:
         anyone.close()
 
 
+def test_embedded_redis_allows_only_the_commands_pdserve_sends() -> None:
+    """An allow-list, not a deny-list: scripting (EVAL's Lua crashed 6.2.14, CVE-2024-31449) and
+    every other command pdserve never sends are refused with NOPERM and the server stays up. That
+    the list covers what pdserve does send is the rest of this file (it runs on this ACL)."""
+    with running_redis() as server:
+        member = redis.Redis.from_url(server.url, decode_responses=True, socket_timeout=5)
+        major = int(member.info("server")["redis_version"].split(".")[0])
+        refused = [("EVAL", "return bit.tohex(65535,-2147483648)", "0"), ("EVALSHA", "0" * 40, "0"),
+                   ("SCRIPT", "LOAD", "return 1"), ("SCRIPT", "FLUSH"), ("CONFIG", "GET", "*"),
+                   ("MODULE", "LIST"), ("DEBUG", "SLEEP", "0"), ("SHUTDOWN", "NOSAVE"),
+                   # Unused everyday commands too: nothing outside the list.
+                   ("GET", "k"), ("SET", "k", "v"), ("DEL", "k"), ("PUBLISH", "c", "m"), ("SELECT", "1"),
+                   ("CLIENT", "LIST"), ("FUNCTION", "LIST")]  # fmt: skip
+        for command in refused:
+            if command[0] == "FUNCTION" and major < 7:
+                # Redis 6 has no FUNCTION command at all: refused before any ACL check.
+                with pytest.raises(redis.ResponseError, match="unknown command"):
+                    member.execute_command(*command)
+                continue
+            with pytest.raises(redis.exceptions.NoPermissionError, match="no permissions"):
+                member.execute_command(*command)
+        assert server.running and member.ping()  # the EVAL that would crash it never ran
+        member.close()
+
+
+_OWNER = """
+import signal, sys, time
+from pdserve.kvindex.embedded import EmbeddedRedis
+server = EmbeddedRedis().start()
+# A handler, not SIG_IGN: an ignored signal would stay ignored in the server across exec.
+signal.signal(signal.SIGINT, lambda *_: print("owner got SIGINT", flush=True))
+print(server.pid, server.url, flush=True)
+sys.stdin.read()  # until the test closes stdin
+server.stop()
+"""
+
+
+def test_ctrl_c_in_the_owners_terminal_does_not_reach_the_embedded_redis() -> None:
+    """The owner runs in a process group of its own, as a shell's foreground job; SIGINT to that
+    group (what Ctrl-C does) reaches the owner only: the server, in its own session, is stopped by
+    its owner's shutdown (after the drain), not by the keystroke."""
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)  # fmt: skip
+    try:
+        pid_text, url = owner.stdout.readline().split()
+        pid = int(pid_text)
+        assert os.getpgid(pid) != os.getpgid(owner.pid) and os.getsid(pid) == pid
+        os.killpg(owner.pid, signal.SIGINT)
+        assert owner.stdout.readline().strip() == "owner got SIGINT"
+        time.sleep(0.3)  # redis-server exits on SIGINT at once when it gets one
+        client = redis.Redis.from_url(url, socket_timeout=5)
+        assert client.ping() and int(client.info("server")["process_id"]) == pid
+        client.close()
+        owner.stdin.close()  # the owner's own shutdown stops it
+        assert owner.wait(timeout=20) == 0
+        assert wait_until(lambda: not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), timeout=10)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+
+
+def _state(pid: int) -> str:
+    """The process state letter of ``pid`` (Z: a zombie, i.e. exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return "Z"
+
+
 def test_embedded_redis_reports_a_bad_start() -> None:
     with pytest.raises(RuntimeError, match="bogus"):  # the server's own output is in the error
         EmbeddedRedis(extra_args=["--bogus-option", "1"]).start()
