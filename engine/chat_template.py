@@ -5,7 +5,9 @@ sandbox, with the same environment transformers sets up (``trim_blocks``, ``lstr
 loop controls, a ``tojson`` that keeps non-ASCII characters, ``raise_exception``,
 ``strftime_now``, and a ``{% generation %}`` block that renders its body), and see the same
 variables: ``messages``, ``add_generation_prompt``, ``tools``, ``documents`` and the tokenizer's
-special tokens (``bos_token``, ``eos_token``, ...).
+special tokens (``bos_token``, ``eos_token``, ...). A request may add variables of its own
+(``chat_template_kwargs``, as in transformers and vLLM) but never replace these or the
+environment's functions (``reserved_variable``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,26 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+# What the environment itself defines (Jinja's default globals and ours): a request's variable
+# of the same name would hide it.
+_GLOBALS = frozenset({"range", "dict", "lipsum", "cycler", "joiner", "namespace", "raise_exception", "strftime_now"})
+# Variables render_chat sets from the conversation and the tokenizer.
+# ("chat_template": a template is code, never a request's variable; vLLM's GHSA-x567-49g5-p4cf.)
+_SET_BY_RENDER = frozenset({"messages", "add_generation_prompt", "tools", "chat_template"})
+
+
+def reserved_variable(name: str, special_tokens: Mapping[str, str | None] = {}) -> str | None:  # noqa: B006
+    """Why a request may not set the template variable ``name`` (None: it may): it would replace
+    the conversation, a special token, or a function the environment provides."""
+    if name in _SET_BY_RENDER:
+        return "not a template variable a request may set (the request's own fields set it, or it is refused)"
+    if name in special_tokens or name.endswith(("_token", "_tokens")):
+        return "special tokens come from the tokenizer"
+    if name in _GLOBALS:
+        return "names a function of the template environment"
+    return None
 
 
 @lru_cache(maxsize=16)

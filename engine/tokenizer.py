@@ -11,13 +11,19 @@ tokenizer of the same files:
   ``split_special_tokens``.
 - ``encode_chat(messages)`` renders the chat template and encodes the result without adding
   special tokens (the template writes them), as ``apply_chat_template`` does.
+
+For servers, ``encode_limited`` refuses text with more than a given number of tokens while doing
+at most a bounded amount of work on it, and releases the GIL while it tokenizes (see there).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +32,19 @@ from tokenizers import Tokenizer
 from pdserve.engine.chat_template import ChatTemplateError, render_chat
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+# encode_limited counts the tokens of long text in pieces of about this many characters first.
+COUNT_CHUNK_CHARS = 16_384
+
+
+class TooManyTokens(ValueError):
+    """The text has more tokens than allowed; ``at_least`` is a lower bound on its token count."""
+
+    def __init__(self, at_least: int, limit: int, how: str | None = None) -> None:
+        self.count = f"{at_least} tokens" if how is None else f"at least {at_least} tokens ({how})"
+        super().__init__(f"{self.count}, more than the {limit} allowed")
+        self.at_least = at_least
+        self.limit = limit
 
 
 @dataclass(frozen=True)
@@ -111,17 +130,74 @@ class ModelTokenizer:
     def chat_template(self) -> str | None:
         return self.info.chat_template
 
+    def _tokenizer(self, split_special_tokens: bool) -> Tokenizer:
+        if not split_special_tokens:
+            return self.raw
+        if self._split is None:
+            split = Tokenizer.from_str(self.raw.to_str())
+            split.encode_special_tokens = True
+            self._split = split
+        return self._split
+
     def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
-        tok = self.raw
-        if split_special_tokens:
-            if self._split is None:
-                self._split = Tokenizer.from_str(self.raw.to_str())
-                self._split.encode_special_tokens = True
-            tok = self._split
-        ids = tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._tokenizer(split_special_tokens).encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens:
             ids = self._apply_bos_eos(ids)
         return ids
+
+    @cached_property
+    def token_bound(self) -> TokenBound | None:
+        """How many UTF-8 bytes of text one token can stand for at most, or None where this
+        tokenizer does not bound it (``token_bound``, the function). Computed once."""
+        return token_bound(self.raw)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the number of tokens of ``text`` (0 where none is known), from its
+        length alone. ``UnicodeEncodeError`` for text that is not valid Unicode (a lone surrogate)."""
+        nbytes = len(text.encode("utf-8"))
+        bound = self.token_bound
+        if bound is None:
+            return 0
+        if bound.vanishing is not None:  # characters the vocabulary lacks are dropped: count without them
+            nbytes = len(bound.vanishing.sub("", text).encode("utf-8"))
+        return -(-nbytes // bound.bytes_per_token)
+
+    def encode_limited(self, text: str, max_tokens: int, add_special_tokens: bool = True,
+                       split_special_tokens: bool = False) -> list[int]:  # fmt: skip
+        """``encode(text)``, or ``TooManyTokens`` when it would have more than ``max_tokens`` ids,
+        decided with bounded work: at once, untokenized, when the text is longer than
+        ``max_tokens`` tokens can stand for (``min_tokens``); otherwise long text is first counted
+        in pieces that stop as soon as the count is clearly over (so a refusal tokenizes little
+        more than ``max_tokens`` tokens' worth of text). An accepted text is tokenized whole, so
+        its ids are exactly ``encode``'s. Tokenizes through ``encode_batch``, which releases the
+        GIL: other threads, a server's event loop among them, run meanwhile."""
+        if (least := self.min_tokens(text)) > max_tokens:
+            per = self.token_bound.bytes_per_token  # type: ignore[union-attr]
+            raise TooManyTokens(least, max_tokens, f"{len(text.encode('utf-8'))} bytes of text, at most {per} bytes "
+                                                   "a token")  # fmt: skip
+        tok = self._tokenizer(split_special_tokens)
+        if len(text) > COUNT_CHUNK_CHARS:
+            self._count_or_refuse(tok, text, max_tokens, add_special_tokens)
+        ids = tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        if add_special_tokens:
+            ids = self._apply_bos_eos(ids)
+        if len(ids) > max_tokens:
+            raise TooManyTokens(len(ids), max_tokens)
+        return ids
+
+    @staticmethod
+    def _count_or_refuse(tok: Tokenizer, text: str, max_tokens: int, add_special_tokens: bool) -> None:
+        """Count ``text``'s tokens piece by piece; ``TooManyTokens`` as soon as the count is over
+        ``max_tokens`` by more than the pieces' cuts could explain. Pieces end before a whitespace
+        run where there is one (where most pre-tokenizers split anyway); a cut can still make a
+        piece tokenize to a token or two more than the whole would there, so each cut is allowed
+        4 and the count as a whole 1/16 of the limit before it refuses: what is refused here is
+        well over the limit, and a text near it is decided by its whole count."""
+        counted = 0
+        for i, piece in enumerate(_pieces(text, COUNT_CHUNK_CHARS)):
+            counted += len(tok.encode_batch([piece], add_special_tokens=add_special_tokens and i == 0)[0])
+            if counted > max_tokens + max_tokens // 16 + 4 * i:
+                raise TooManyTokens(counted - 4 * i, max_tokens, "counted in pieces")
 
     def _apply_bos_eos(self, ids: list[int]) -> list[int]:
         """A GGUF file's ``add_bos_token`` / ``add_eos_token`` flags (its tokenizer has no
@@ -147,3 +223,178 @@ class ModelTokenizer:
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **kwargs: Any) -> list[int]:  # fmt: skip
         return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+
+
+def _pieces(text: str, size: int) -> Iterator[str]:
+    """``text`` in pieces of at most ``size`` characters, each cut (where the second half of the
+    window has a space or newline) at the start of the whitespace run before a word."""
+    start = 0
+    while len(text) - start > size:
+        end = start + size
+        lo = start + size // 2
+        cut = max(text.rfind(" ", lo, end), text.rfind("\n", lo, end))
+        if cut <= lo:
+            cut = end
+        else:
+            while cut > lo and text[cut - 1].isspace():
+                cut -= 1
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+# Normalizers that never delete text, with how many input bytes at most become one byte of
+# their output: NFC composes a Hangul syllable's three jamo (9 bytes) into one (3 bytes); NFKC
+# maps a 4-byte mathematical letter to an ASCII one; lowercasing maps the Kelvin sign (3 bytes)
+# to "k". Prepend/Append only add text.
+_NORMALIZER_SHRINK = {"NFC": 3.0, "NFD": 3.0, "NFKC": 4.0, "NFKD": 4.0, "Lowercase": 3.0, "Prepend": 1.0,
+                      "Append": 1.0}  # fmt: skip
+# Pre-tokenizers that split without deleting (Whitespace, BertPreTokenizer, CharDelimiterSplit
+# drop the characters they split on; Split and Punctuation only with behavior "Removed").
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+
+
+@dataclass(frozen=True)
+class TokenBound:
+    """One token stands for at most ``bytes_per_token`` UTF-8 bytes of the input, not counting
+    the characters ``vanishing`` matches (the tokenizer may drop them: their bytes are missing
+    from a byte-level vocabulary)."""
+
+    bytes_per_token: int
+    vanishing: re.Pattern[str] | None = None
+
+
+def token_bound(tokenizer: Tokenizer) -> TokenBound | None:
+    """The most UTF-8 bytes of input text that one token of ``tokenizer`` covers, so a text of B
+    bytes has at least B / bound tokens; None where the tokenizer gives no such bound (it may
+    delete text, or fold any run of unknown characters into one token).
+
+    A token covers at most its own text: the longest entry of the vocabulary (added tokens
+    included) in UTF-8 bytes, and at least 4 (an unknown character, one token). An entry of a
+    byte-level vocabulary counts one byte per character (each character is a byte); spellings
+    that stand for fewer bytes than they have (``<0xAB>`` of byte fallback, ``▁`` for a space)
+    only overstate it, which keeps the bound safe. A normalizer that shrinks text multiplies the
+    bound by how much it can shrink it; characters whose bytes a byte-level vocabulary lacks are
+    dropped by the tokenizer, so they are not counted (``TokenBound.vanishing``)."""
+    try:
+        spec = json.loads(tokenizer.to_str())
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot describe itself gets no bound
+        return None
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer")
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    if shrink is None or not _keeps_text(pre) or not _model_covers_all(model, pre):
+        return None
+    added = spec.get("added_tokens") or []
+    if any(t.get("lstrip") or t.get("rstrip") for t in added):  # such a token also swallows the spaces beside it
+        return None
+    vanishing = None
+    byte_level = _has_byte_level(pre) and not model.get("byte_fallback")
+    if byte_level:
+        vocab = model.get("vocab") or {}
+        missing = [b for b in range(256) if b not in _NOT_IN_UTF8 and _BYTE_CHARS[b] not in vocab]
+        if any(0x80 <= b <= 0xBF for b in missing):  # a continuation byte: any character may lose bytes
+            return None
+        vanishing = _characters_with(missing)
+    longest = max(_longest_entry(tokenizer, byte_level), 4)
+    return TokenBound(math.ceil(longest * shrink), vanishing)
+
+
+def _longest_entry(tokenizer: Tokenizer, byte_level: bool) -> int:
+    """The most input bytes an entry of the vocabulary stands for: its UTF-8 length, except that
+    an entry of a byte-level vocabulary stands for one byte per character (its characters are
+    the bytes, some written as 2-byte characters). Added tokens are matched as written."""
+    added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+    byte_chars = set(_BYTE_CHARS) if byte_level else set()
+    longest = 1
+    for entry in tokenizer.get_vocab(with_added_tokens=True):
+        n = len(entry) if entry not in added and byte_chars.issuperset(entry) else len(entry.encode("utf-8"))
+        longest = max(longest, n)
+    return longest
+
+
+def _characters_with(lead_bytes: list[int]) -> re.Pattern[str] | None:
+    """A pattern for the characters whose UTF-8 form starts with one of ``lead_bytes``."""
+    if not lead_bytes:
+        return None
+    parts = []
+    for b in lead_bytes:
+        if b < 0x80:
+            lo = hi = b
+        elif b < 0xE0:
+            lo = (b & 0x1F) << 6
+            hi = lo + 0x3F
+        elif b < 0xF0:
+            lo = (b & 0x0F) << 12
+            hi = lo + 0xFFF
+        else:
+            lo = (b & 0x07) << 18
+            hi = min(lo + 0x3FFFF, 0x10FFFF)
+        parts.append(f"\\U{lo:08x}-\\U{hi:08x}")
+    return re.compile(f"[{''.join(parts)}]")
+
+
+def _normalizer_shrink(spec: dict | None) -> float | None:
+    if spec is None:
+        return 1.0
+    kind = spec.get("type")
+    if kind == "Sequence":
+        total = 1.0
+        for part in spec.get("normalizers") or []:
+            f = _normalizer_shrink(part)
+            if f is None:
+                return None
+            total *= f
+        return total
+    if kind == "Replace":
+        pattern, content = (spec.get("pattern") or {}).get("String"), spec.get("content") or ""
+        if not isinstance(pattern, str) or not content:  # a regex, or a deletion
+            return None
+        return max(1.0, len(pattern.encode("utf-8")) / len(content.encode("utf-8")))
+    return _NORMALIZER_SHRINK.get(kind)  # type: ignore[arg-type]
+
+
+def _keeps_text(spec: dict | None) -> bool:
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p) for p in spec.get("pretokenizers") or [])
+    return kind in _KEEPING_PRE_TOKENIZERS and spec.get("behavior") != "Removed"
+
+
+def _has_byte_level(spec: dict | None) -> bool:
+    if spec is None:
+        return False
+    if spec.get("type") == "Sequence":
+        return any(_has_byte_level(p) for p in spec.get("pretokenizers") or [])
+    return spec.get("type") == "ByteLevel"
+
+
+def _model_covers_all(model: dict, pre_tokenizer: dict | None) -> bool:
+    """A token never stands for a run of unknown characters: byte fallback, byte-level input, or
+    BPE with an unknown token that is not fused."""
+    if model.get("type") not in ("BPE", "Unigram"):
+        return False  # WordPiece and WordLevel read a whole unknown word as one token
+    if model.get("byte_fallback"):
+        return True
+    if model.get("type") == "Unigram":
+        return False  # it fuses unknown characters
+    if _has_byte_level(pre_tokenizer):
+        return True  # each byte is a character of its own (those the vocabulary lacks: token_bound)
+    return model.get("unk_token") is not None and not model.get("fuse_unk")
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: the character each byte is written as."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+_BYTE_CHARS = _byte_chars()
+_NOT_IN_UTF8 = {0xC0, 0xC1, *range(0xF5, 0x100)}  # bytes no valid UTF-8 text contains

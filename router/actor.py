@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import ssl
 from concurrent.futures import ThreadPoolExecutor
@@ -23,9 +24,11 @@ from pdserve.kvindex.config import IndexConfig
 from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.stats import StatsRecorder
 from pdserve.metrics import merge_families, redis_outages, render
+from pdserve.ratelog import RateLimitFilter
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import RouterCore
 from pdserve.router.http import OpenAIServer, ServedModel, build_app, build_metrics_app
+from pdserve.router.http_limits import EdgeState, HttpLimits, guarded_protocol
 from pdserve.router.openai_protocol import MAX_PROMPTS
 from pdserve.router.ray_workers import RayWorkers
 from pdserve.router.servicer import RouterServicer, add_router_to_server
@@ -38,6 +41,11 @@ _SERVICES = (
     router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
 )
+
+# uvicorn logs a line per malformed request or failed app call: a client must not flood the log.
+_uvicorn_log = logging.getLogger("uvicorn.error")
+if not any(isinstance(f, RateLimitFilter) for f in _uvicorn_log.filters):
+    _uvicorn_log.addFilter(RateLimitFilter(burst=5, interval_s=60.0))
 
 
 class Router:
@@ -56,6 +64,7 @@ class Router:
         assert engine.model is not None
         mc = ModelConfig.from_path(engine.model)
         self.tokenizer = load_tokenizer(engine.model)
+        _ = self.tokenizer.token_bound  # computed once, now, rather than in the first request
         self.workers = RayWorkers(prefill, decode)
         self.core = RouterCore(config, engine.cache, self.workers, PrefixLookup(index), StatsRecorder(index))
         limits = RequestLimits.for_engine(mc, engine, kv_blocks)
@@ -68,6 +77,10 @@ class Router:
         self.openai = OpenAIServer(self.core, self.tokenizer, limits, model, lambda: not self.core.admission.draining,
                                    self.tokenize_pool, min(MAX_PROMPTS, config.max_in_flight_per_tenant))  # fmt: skip
         self.config = config
+        http_limits = HttpLimits(config.max_request_bytes, config.http_header_timeout_s, config.http_body_timeout_s,
+                                 config.http_max_connections, config.http_max_buffered_bytes)  # fmt: skip
+        self.http_edge = EdgeState(http_limits, config.access_log)  # the HTTP API's connections and bodies
+        self.metrics_edge = EdgeState(http_limits, config.access_log)  # those of /metrics on a port of its own
         self.server: grpc.aio.Server | None = None
         self.health: health.aio.HealthServicer | None = None
         # Uvicorn servers: the HTTP API, and /metrics alone on a port of its own when asked for.
@@ -101,15 +114,16 @@ class Router:
     async def start_http(self, host: str, port: int) -> int:
         """Serve the OpenAI-compatible API (and ``/metrics``) on ``host:port`` (0 = any free port),
         with the router's TLS settings; returns the bound port."""
-        return await self._start_uvicorn(build_app(self.openai, self.config.max_request_bytes, self.metrics_text),
+        return await self._start_uvicorn(build_app(self.openai, self.http_edge, self.metrics_text), self.http_edge,
                                          host, port, "the HTTP API")  # fmt: skip
 
     async def start_metrics(self, host: str, port: int) -> int:
         """Serve ``/metrics`` alone on ``host:port`` (for a router without the HTTP API, or to keep
         scrapes apart from it), with the router's TLS settings; returns the bound port."""
-        return await self._start_uvicorn(build_metrics_app(self.metrics_text), host, port, "/metrics")
+        return await self._start_uvicorn(build_metrics_app(self.metrics_text), self.metrics_edge, host, port,
+                                         "/metrics")  # fmt: skip
 
-    async def _start_uvicorn(self, app: object, host: str, port: int, what: str) -> int:
+    async def _start_uvicorn(self, app: object, edge: EdgeState, host: str, port: int, what: str) -> int:
         # IPPROTO_TCP spelled out: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets
         # whose proto says TCP, and with it on, each streamed event after the headers would wait for
         # the client's delayed ACK (40 ms).
@@ -122,15 +136,17 @@ class Router:
             sock.close()
             raise OSError(f"cannot bind {what} to {host}:{port}: {exc}") from exc
         try:
-            return await self._serve(app, sock, host, port, what)
+            return await self._serve(app, edge, sock, host, port, what)
         except BaseException:
             sock.close()
             raise
 
-    async def _serve(self, app: object, sock: socket.socket, host: str, port: int, what: str) -> int:
+    async def _serve(self, app: object, edge: EdgeState, sock: socket.socket, host: str, port: int, what: str) -> int:
         tls = self.config.tls
         config = uvicorn.Config(
             app,
+            # h11, with a cap on connections and a deadline on request heads (router/http_limits.py)
+            http=guarded_protocol(edge),
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=1,
@@ -164,12 +180,17 @@ class Router:
         up = GaugeMetricFamily("pdserve_worker_up", "1 when the worker answered this scrape.", labels=["worker"])
         for wid, fams in scraped.items():
             up.add_metric([wid], 0.0 if fams is None else 1.0)
-        own = [*self.core.metrics.families(), redis_outages("router", self.core.redis_outages()), up]
+        own = [*self.core.metrics.families(), redis_outages("router", self.core.redis_outages()), up,
+               *self.http_edge.families()]
         return merge_families([own, *(f for f in scraped.values() if f is not None)])
 
     async def metrics_text(self) -> bytes:
         """``metrics_families`` in the Prometheus text format (``GET /metrics``)."""
         return render(await self.metrics_families())
+
+    async def http_state(self) -> dict:
+        """The HTTP API's open connections, request body bytes held and refusals by reason."""
+        return self.http_edge.snapshot()
 
     async def admission_state(self) -> dict[str, int]:
         """Requests running and waiting for a slot (both edges together)."""

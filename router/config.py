@@ -40,6 +40,14 @@ class RouterConfig:
     served_model_name: str | None = None
     # One line per request on the logger "pdserve.access" (at INFO).
     access_log: bool = True
+    # HTTP API: a request's head (request line and headers) and its body must each arrive within
+    # these (else 408, connection closed); at most this many connections open (more: 503 and
+    # closed); request bodies held in memory at once, in all (a body over 64 KiB that would go
+    # over it: 503 at once).
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
+    http_max_connections: int = 1024
+    http_max_buffered_bytes: int = 256 * MiB
 
     def __post_init__(self) -> None:
         for name in ("local_prefill_threshold", "decode_retries", "max_queued"):
@@ -47,7 +55,7 @@ class RouterConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         for name in ("max_request_bytes", "max_in_flight", "max_in_flight_per_tenant", "max_output_load_tokens",
-                     "tokenizer_threads"):
+                     "tokenizer_threads", "http_max_connections"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -55,3 +63,11 @@ class RouterConfig:
             w = getattr(self, name)
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {w!r}")
+        for name in ("http_header_timeout_s", "http_body_timeout_s"):
+            t = getattr(self, name)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {t!r}")
+        b = self.http_max_buffered_bytes
+        if not isinstance(b, int) or isinstance(b, bool) or b < self.max_request_bytes:
+            raise ValueError(f"http_max_buffered_bytes must be an integer >= max_request_bytes "
+                             f"({self.max_request_bytes}), got {b!r}")

@@ -158,7 +158,8 @@ class RouterCore:
         ids = self.workers.prefill_ids + self.workers.decode_ids
         overlaps = await asyncio.to_thread(self.lookup.longest_prefix, hashes, ids) if hashes else {}
         d = pick_worker(self.workers.decode_ids, overlaps, self.decode_load.queued, bs, cfg.load_weight)
-        assert d is not None
+        if d is None:
+            raise WorkerUnavailableError("no decode worker is registered")
         return _Route(overlaps, d)
 
     async def _prefill_first(self, spec: RequestSpec, route: _Route) -> PrefillResult | None:
@@ -169,7 +170,8 @@ class RouterCore:
         if prefill_locally(prompt_len, route.overlaps.get(route.decode, 0), bs, cfg.local_prefill_threshold):
             return None
         p = pick_worker(self.workers.prefill_ids, route.overlaps, self.prefill_load.queued, bs, cfg.load_weight)
-        assert p is not None
+        if p is None:
+            return None  # no prefill worker: the decode worker prefills
         return await self._prefill(spec, p, prompt_len - route.overlaps.get(p, 0) * bs)
 
     async def _decode_with_retry(self, spec: RequestSpec, route: _Route, prefill: PrefillResult | None,

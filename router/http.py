@@ -3,8 +3,11 @@
 Like the gRPC edge it converts at the edge and iterates the router core (``stream_output``);
 neither edge knows the other. A request with ``n`` choices (or several prompts) runs as that many
 router requests, merged into one response. Errors are OpenAI error objects: 400 bad input, 404
-an unknown model, 413 a body over ``max_request_bytes``, 429 overload, 503 draining or no worker.
-A client that disconnects cancels its requests (streaming or not): their KV is released at once.
+an unknown model, 408 a body that does not arrive in time, 413 a body over ``max_request_bytes``,
+429 overload, 503 draining, no worker, or the edge's own limits (``router/http_limits.py``,
+``router/body_limit.py``). A client that disconnects cancels its requests (streaming or not):
+their KV is released at once. Every refusal writes an access-log line; repeated error logs are
+rate-limited (``pdserve.ratelog``).
 """
 
 from __future__ import annotations
@@ -26,10 +29,13 @@ from starlette.exceptions import HTTPException
 
 from pdserve.engine.limits import RequestLimits
 from pdserve.engine.tokenizer import ModelTokenizer
+from pdserve.kvindex.config import tenant_digest
 from pdserve.metrics import CONTENT_TYPE_LATEST
+from pdserve.ratelog import RateLimitFilter
 from pdserve.router.admission import Draining, Overloaded
 from pdserve.router.body_limit import BodyLimit
 from pdserve.router.core import RouterCore, WorkerUnavailableError
+from pdserve.router.http_limits import CORE_HAS_IT, TENANT, EdgeState, RejectionLog
 from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest, _Common
 from pdserve.router.openai_responses import (
     ChoiceState,
@@ -50,6 +56,8 @@ from pdserve.router.requests import InvalidRequest, Prompt, make_spec, tokenize
 from pdserve.worker.messages import RequestSpec
 
 logger = logging.getLogger(__name__)
+# A client decides how often a request fails: at most 5 alike (tracebacks included) a minute.
+logger.addFilter(RateLimitFilter(burst=5, interval_s=60.0))
 
 
 def _error(status: int, message: str, type_: str, code: int | str | None = None, param: str | None = None) -> Response:
@@ -157,7 +165,7 @@ class OpenAIServer:
         """Tokenize and check every choice of every prompt (runs off the event loop)."""
         specs = []
         for prompt in prompts:
-            ids = tokenize(prompt, self.tokenizer)
+            ids = tokenize(prompt, self.tokenizer, self.limits.max_model_len)
             mt = max_tokens if max_tokens is not None else self.limits.max_tokens_for(len(ids))
             specs += [make_spec(ids, req.params(mt, logprobs, j), req.cache_salt, self.limits) for j in range(req.n)]
         return specs
@@ -176,6 +184,8 @@ class OpenAIServer:
 
     async def _serve(self, req: _Common, http: Request, prompts: Callable[[], list[Prompt]], max_tokens: int | None,
                      logprobs: int | None, chat: bool) -> Response:  # fmt: skip
+        if req.cache_salt is not None:  # for the access log, should the edge refuse it
+            http.scope[TENANT] = tenant_digest(req.cache_salt)
         if (bad := self._check_model(req.model)) is not None:
             return bad
         try:
@@ -187,6 +197,7 @@ class OpenAIServer:
             specs = await loop.run_in_executor(self.executor, self._specs, req, plist, max_tokens, logprobs)
         except InvalidRequest as e:
             return _error_for(e)
+        http.scope[CORE_HAS_IT] = True  # from here the core writes each request's access-log line
         rid = new_id("chatcmpl" if chat else "cmpl")
         leaders = [None if i % req.n == 0 else i - i % req.n for i in range(len(specs))]
         merged = _merged([stream_output(self.core, s, self.tokenizer) for s in specs], leaders)
@@ -279,9 +290,11 @@ async def _unless_disconnected(http: Request, work: Awaitable[Any]) -> tuple[boo
     return True, task.result()
 
 
-def build_app(server: OpenAIServer, max_request_bytes: int,
+def build_app(server: OpenAIServer, state: EdgeState,
               metrics: Callable[[], Awaitable[bytes]] | None = None) -> FastAPI:  # fmt: skip
-    """The HTTP API; with ``metrics`` (the Prometheus exposition of the cluster) also ``GET /metrics``."""
+    """The HTTP API, within ``state``'s limits on request bodies (``BodyLimit``), writing an
+    access-log line for each refusal; with ``metrics`` (the Prometheus exposition of the cluster)
+    also ``GET /metrics``."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(RequestValidationError)
@@ -289,8 +302,10 @@ def build_app(server: OpenAIServer, max_request_bytes: int,
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg", "invalid request"))
-        return _error(400, msg, "invalid_request_error", 400, loc or None)  # not FastAPI's 422
+        if not loc:  # a check of the whole body: its message starts with the field
+            return _bad_request(str(first.get("msg", "invalid request")))
+        return _error(400, f"{loc}: {first.get('msg', 'invalid request')}", "invalid_request_error", 400,
+                      loc)  # not FastAPI's 422  # fmt: skip
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> Response:  # unknown route, wrong method
@@ -319,7 +334,7 @@ def build_app(server: OpenAIServer, max_request_bytes: int,
     async def chat(req: ChatCompletionRequest, http: Request) -> Response:
         return await server.chat(req, http)
 
-    return BodyLimit(app, max_request_bytes)  # type: ignore[return-value]
+    return RejectionLog(BodyLimit(app, state), state)  # type: ignore[return-value]
 
 
 def build_metrics_app(metrics: Callable[[], Awaitable[bytes]]) -> FastAPI:

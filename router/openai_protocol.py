@@ -1,24 +1,35 @@
 """The OpenAI-compatible request bodies (pydantic) and their conversion to router requests.
 
 Fields follow OpenAI's API and vLLM's extensions to it (``cache_salt``, ``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``add_special_tokens``, ``add_generation_prompt``). Fields of
-either API that would change the output and that this server cannot honour are refused by name
-(400) when set to anything but their neutral value (``UNSUPPORTED``); fields it does not know at
-all are ignored, as OpenAI's clients send more over time.
+``ignore_eos``, ``stop_token_ids``, ``add_special_tokens``, ``add_generation_prompt``,
+``chat_template_kwargs``). Fields of either API that would change the output and that this server
+cannot honour are refused by name (400) when set to anything but their neutral value
+(``UNSUPPORTED``); fields it does not know at all are ignored, as OpenAI's clients send more over
+time. Every string of a body, known field or not, must be valid Unicode (JSON's escapes can spell
+a lone surrogate): 400 naming where, before anything else reads it.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic_core import PydanticCustomError
 
+from pdserve.engine.chat_template import reserved_variable
 from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.router.requests import InvalidRequest, Prompt, sampling_params
 
 MAX_N = 16  # choices per request
 MAX_PROMPTS = 64  # prompts in one completions request, times n
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default (pdserve's gRPC API defaults to greedy)
+# chat_template_kwargs: at most this much JSON, this many variables, nested this deep.
+MAX_TEMPLATE_KWARGS_BYTES = 64 * 1024
+MAX_TEMPLATE_KWARGS = 64
+MAX_TEMPLATE_KWARGS_DEPTH = 16
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -45,6 +56,36 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
+def _invalid_unicode_at(data: Any) -> str | None:
+    """Where the first string (a value or a key) of parsed JSON that is not valid Unicode is, as
+    ``messages[0].content``; None when there is none. Iterative: nesting depth costs no stack."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                sub = f"{path}.{k}" if path else str(k)
+                if isinstance(k, str) and not _valid(k):
+                    return sub
+                if isinstance(v, (str, dict, list)):
+                    stack.append((v, sub))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value) if isinstance(v, (str, dict, list)))
+        elif isinstance(value, str) and not _valid(value):
+            return path or "body"
+    return None
+
+
+def _valid(text: str) -> bool:
+    if text.isascii():  # constant time: CPython records it
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False  # vLLM's: usage so far in every chunk
@@ -65,6 +106,15 @@ class _Common(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     cache_salt: StrictStr | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if (where := _invalid_unicode_at(data)) is not None:
+            raise PydanticCustomError("invalid_unicode", "{message}", {
+                "message": f"{where}: not valid Unicode (it holds a lone surrogate: a JSON escape such as \\ud800 "
+                           "without its pair)"})  # fmt: skip
+        return data
 
     def _refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
@@ -166,6 +216,8 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: StrictBool = True
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    chat_template: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def prompt(self) -> Prompt:
         if self.tools:
@@ -174,8 +226,36 @@ class ChatCompletionRequest(_Common):
             raise InvalidRequest("response_format: only {'type': 'text'} is supported by this server")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs: true")
+        if self.chat_template is not None:
+            # A template is code: a request's own would run on the router's shared threads, and
+            # the sandbox bounds what it can reach, not the CPU or memory it takes (vLLM, too,
+            # refuses it unless the operator trusts every client).
+            raise InvalidRequest("chat_template: per-request chat templates are not supported by this server (the "
+                                 "model's template is used; set its variables with chat_template_kwargs)")  # fmt: skip
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
-        return Prompt(messages=messages, add_generation_prompt=self.add_generation_prompt)
+        return Prompt(messages=messages, add_generation_prompt=self.add_generation_prompt,
+                      chat_template_kwargs=self._template_kwargs())  # fmt: skip
+
+    def _template_kwargs(self) -> dict[str, Any] | None:
+        """``chat_template_kwargs``, checked: identifiers that do not replace what the template
+        gets from the request or the tokenizer, and bounded in number, size and depth."""
+        kwargs = self.chat_template_kwargs
+        if not kwargs:
+            return None
+        if len(kwargs) > MAX_TEMPLATE_KWARGS:
+            raise InvalidRequest(f"chat_template_kwargs: {len(kwargs)} variables, at most {MAX_TEMPLATE_KWARGS}")
+        for name in kwargs:
+            if not _IDENTIFIER.match(name):
+                raise InvalidRequest(f"chat_template_kwargs: {name[:80]!r} is not a variable name (letters, digits "
+                                     "and _, at most 64)")  # fmt: skip
+            if (why := reserved_variable(name)) is not None:
+                raise InvalidRequest(f"chat_template_kwargs.{name}: {why}")
+        if _depth(kwargs) > MAX_TEMPLATE_KWARGS_DEPTH:
+            raise InvalidRequest(f"chat_template_kwargs: nested deeper than {MAX_TEMPLATE_KWARGS_DEPTH}")
+        size = len(json.dumps(kwargs, ensure_ascii=False).encode("utf-8"))
+        if size > MAX_TEMPLATE_KWARGS_BYTES:
+            raise InvalidRequest(f"chat_template_kwargs: {size} bytes of JSON, at most {MAX_TEMPLATE_KWARGS_BYTES}")
+        return kwargs
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -184,3 +264,17 @@ class ChatCompletionRequest(_Common):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value`` nests lists and dicts (a scalar: 0), without recursing."""
+    deepest = 0
+    stack = [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, list):
+            deepest = max(deepest, d + 1)
+            stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return deepest

@@ -12,10 +12,12 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from typing import Any
+
 from pdserve.engine.chat_template import ChatTemplateError
 from pdserve.engine.limits import RequestLimits
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import ModelTokenizer
+from pdserve.engine.tokenizer import ModelTokenizer, TooManyTokens
 from pdserve.worker.messages import RequestSpec
 
 MAX_CACHE_SALT_CHARS = 256
@@ -38,6 +40,8 @@ class Prompt:
     add_special_tokens: bool = True
     split_special_tokens: bool = False
     add_generation_prompt: bool = True
+    # Chat: more variables for the template (checked by the edge that takes them).
+    chat_template_kwargs: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         given = [n for n in ("text", "token_ids", "messages") if getattr(self, n) is not None]
@@ -45,12 +49,16 @@ class Prompt:
             raise InvalidRequest(f"prompt: give exactly one of text, token ids or chat messages, got {given or 'none'}")
 
 
-def tokenize(prompt: Prompt, tokenizer: ModelTokenizer) -> list[int]:
-    """The prompt's token ids. Tokenizing takes a while on long text: call it off the event loop."""
+def tokenize(prompt: Prompt, tokenizer: ModelTokenizer, max_model_len: int | None = None) -> list[int]:
+    """The prompt's token ids. With ``max_model_len``, a text (or rendered chat) with no room left
+    to generate is refused with bounded work, mostly before it is tokenized
+    (``ModelTokenizer.encode_limited``). Tokenizing takes a while on long text: call it off the
+    event loop (the tokenizer itself releases the GIL)."""
     if prompt.text is not None:
         if not prompt.text:  # would be just the special tokens (e.g. BOS) the tokenizer adds
             raise InvalidRequest("prompt: the text must not be empty")
-        return tokenizer.encode(prompt.text, prompt.add_special_tokens, prompt.split_special_tokens)
+        return _encode(tokenizer, prompt.text, "prompt", max_model_len, prompt.add_special_tokens,
+                       prompt.split_special_tokens)  # fmt: skip
     if prompt.token_ids is not None:
         return [int(t) for t in prompt.token_ids]
     assert prompt.messages is not None
@@ -65,15 +73,40 @@ def tokenize(prompt: Prompt, tokenizer: ModelTokenizer) -> list[int]:
         if not isinstance(m.get("content"), str):
             raise InvalidRequest(f"messages[{i}].content: must be a string")
     try:
-        return tokenizer.encode_chat(messages, prompt.add_generation_prompt)
+        text = tokenizer.render_chat(messages, prompt.add_generation_prompt, **(prompt.chat_template_kwargs or {}))
     except ChatTemplateError as e:
         raise InvalidRequest(f"messages: {e}") from e
+    return _encode(tokenizer, text, "messages", max_model_len, add_special_tokens=False)
+
+
+def _encode(tokenizer: ModelTokenizer, text: str, field: str, max_model_len: int | None,
+            add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:  # fmt: skip
+    check_unicode(text, field)
+    if max_model_len is None:
+        return tokenizer.encode(text, add_special_tokens, split_special_tokens)
+    try:
+        return tokenizer.encode_limited(text, max_model_len - 1, add_special_tokens, split_special_tokens)
+    except TooManyTokens as e:
+        raise InvalidRequest(f"{field}: {e.count}, more than the {max_model_len - 1} that leave room to generate "
+                             f"within max_model_len={max_model_len}") from e
+
+
+def check_unicode(text: str, field: str) -> None:
+    """InvalidRequest when ``text`` is not valid Unicode: JSON's escapes can spell a lone
+    surrogate (``"\\ud800"``), which no tokenizer, hash or response encoder takes."""
+    if text.isascii():  # constant time: CPython records it
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(f"{field}: not valid Unicode (a lone surrogate {text[e.start]!r} at character "
+                             f"{e.start})") from None
 
 
 def prepare(prompt: Prompt, params: SamplingParams, cache_salt: str | None, tokenizer: ModelTokenizer,
             limits: RequestLimits) -> RequestSpec:  # fmt: skip
     """Tokenize and check one request. Call it off the event loop (it tokenizes)."""
-    return make_spec(tokenize(prompt, tokenizer), params, cache_salt, limits)
+    return make_spec(tokenize(prompt, tokenizer, limits.max_model_len), params, cache_salt, limits)
 
 
 def make_spec(ids: Sequence[int], params: SamplingParams, cache_salt: str | None,
