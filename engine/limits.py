@@ -35,6 +35,22 @@ class RequestLimits:
         return blocks_for_request(num_prompt_tokens, max_tokens, self.max_model_len, self.block_size,
                                   self.sliding_window, self.max_chunk_tokens)  # fmt: skip
 
+    @property
+    def usable_len(self) -> int:
+        """The longest sequence (prompt + output) a request can reach: ``max_model_len``, or less
+        when the pool cannot hold one request that long. What the API advertises as the model's
+        ``max_model_len``: any prompt shorter than this can generate at least one token."""
+        if self.kv_blocks is None:
+            return self.max_model_len
+        lo, hi = 1, self.max_model_len  # fits(L): a prompt of L - 1 tokens and one output token fit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.blocks_needed(mid - 1, 1) <= self.kv_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def max_tokens_for(self, num_prompt_tokens: int) -> int:
         """The most tokens a prompt of this length may generate: up to ``max_model_len`` and, when
         the pool is known, within it (at least 1; ``check`` says when even that does not fit)."""

@@ -73,7 +73,7 @@ class Router:
         self.tokenize_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="pdserve-tokenize")
         self.servicer = RouterServicer(self.core, self.tokenizer, limits, self.tokenize_pool)
         model = ServedModel(config.served_model_name or served_name(engine.model), frozenset({engine.model}),
-                            limits.max_model_len)  # fmt: skip
+                            limits.usable_len)  # fmt: skip
         self.openai = OpenAIServer(self.core, self.tokenizer, limits, model, lambda: not self.core.admission.draining,
                                    self.tokenize_pool, min(MAX_PROMPTS, config.max_in_flight_per_tenant))  # fmt: skip
         self.config = config

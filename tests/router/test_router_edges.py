@@ -35,6 +35,21 @@ def test_request_larger_than_a_pool_is_refused_before_any_work(tiny_model: str) 
     assert to_spec(big, tok, windowed).params.max_tokens == 29
 
 
+def test_the_advertised_length_is_what_a_request_can_use(tiny_model: str) -> None:
+    """/v1/models says max_model_len: the model's, or the pool's when that is smaller. A prompt one
+    token shorter than it is served (one token generated); one as long is refused."""
+    tok = load_tokenizer(tiny_model)
+    pooled = RequestLimits(vocab_size=258, max_model_len=1024, block_size=16, kv_blocks=8)
+    assert pooled.usable_len == 128
+    fits = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 127), sampling=pb.SamplingOptions(max_tokens=1))
+    assert to_spec(fits, tok, pooled).params.max_tokens == 1
+    over = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 128), sampling=pb.SamplingOptions(max_tokens=1))
+    with pytest.raises(InvalidRequest, match="need 9 KV blocks"):
+        to_spec(over, tok, pooled)
+    assert RequestLimits(vocab_size=258, max_model_len=100, block_size=16, kv_blocks=8).usable_len == 100
+    assert RequestLimits(vocab_size=258, max_model_len=100, block_size=16).usable_len == 100
+
+
 def test_taken_port_is_an_error_not_shared(tiny_model: str) -> None:
     """gRPC's default SO_REUSEPORT would let a second server share a port; the router refuses."""
     other = grpc.server(futures.ThreadPoolExecutor(1))
