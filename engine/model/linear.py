@@ -7,6 +7,12 @@ faster on 2k-row prefill GEMMs. Single-row inputs are the exception: oneDNN's
 per-call conversions cost more than they save there. So a packed layer keeps both
 copies of its weight and picks per call by the number of input rows.
 
+oneDNN compiles and caches a kernel per input shape (torch's ideep cache and oneDNN's primitive
+cache, up to 1,024 entries each, a few hundred KiB apiece), and a serving worker sees a new row
+count with nearly every prefill: its memory would grow by hundreds of MiB. So inputs past
+``ONEDNN_MIN_BUCKET`` rows are padded up to a bucket (``bucket_rows``: at most 1/8 more rows,
+about eight buckets per doubling), which bounds the shapes, and the caches, whatever the traffic.
+
 ``EngineConfig(cpu_onednn=False)`` turns it off; ``pdserve bench engine`` measures both.
 """
 
@@ -18,6 +24,17 @@ from torch import nn
 
 # Inputs with fewer rows stay on F.linear (oneDNN's conversions dominate below ~8 rows).
 ONEDNN_MIN_ROWS = 8
+# Row counts up to this run as they are (decode batches: few distinct shapes); larger ones in buckets.
+ONEDNN_MIN_BUCKET = 64
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count an input of ``rows`` rows runs at: itself up to ``ONEDNN_MIN_BUCKET``, else
+    rounded up to a multiple of 1/8 of its power of two (at most 12.5% more rows)."""
+    if rows <= ONEDNN_MIN_BUCKET:
+        return rows
+    step = 1 << max(rows.bit_length() - 4, 0)
+    return -(-rows // step) * step
 
 
 def onednn_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -37,8 +54,14 @@ class OneDNNWeights:
         self.bias = None if bias is None else bias.detach().to_mkldnn()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T + bias`` for a 2-D float32 CPU ``x``; a dense result."""
-        return torch.ops.aten.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight, self.bias).to_dense()
+        """``x @ weight.T + bias`` for a 2-D float32 CPU ``x``; a dense result. Rows run padded to
+        ``bucket_rows`` (each output row depends on its input row alone: the padding is dropped)."""
+        rows = x.shape[0]
+        padded = bucket_rows(rows)
+        if padded != rows:
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+        out = torch.ops.aten.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight, self.bias).to_dense()
+        return out if padded == rows else out[:rows]
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.model.linear import ONEDNN_MIN_ROWS, Linear, onednn_supported
+from pdserve.engine.model.linear import ONEDNN_MIN_BUCKET, ONEDNN_MIN_ROWS, Linear, bucket_rows, onednn_supported
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -59,3 +59,13 @@ def test_unsupported_dtype_refused() -> None:
     layer = make_linear(16, 16, False, seed=2).to(torch.bfloat16)
     with pytest.raises(ValueError, match="float32 CPU"):
         layer.pack()
+
+
+def test_row_buckets_bound_the_shapes_onednn_compiles_for() -> None:
+    """oneDNN caches a kernel per input shape: past ONEDNN_MIN_BUCKET rows inputs run padded to a
+    bucket, at most 1/8 larger, so a worker's prefills (any length up to a 2,048-token step) make
+    about a hundred shapes, not two thousand."""
+    for rows in range(1, 8193):
+        b = bucket_rows(rows)
+        assert b == rows if rows <= ONEDNN_MIN_BUCKET else rows <= b <= rows * 9 / 8, (rows, b)
+    assert len({bucket_rows(r) for r in range(1, 2049)}) <= ONEDNN_MIN_BUCKET + 48
