@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -86,6 +87,17 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return int(mod.main(rest + (["--json"] if args.json else [])) or 0)
 
 
+def _resources(text: str) -> dict[str, float]:
+    """A JSON object of resource amounts (checked further by ServiceConfig)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): give an object like '{{\"prefill_node\": 1}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("give a JSON object of resource amounts, like '{\"prefill_node\": 1}'")
+    return value
+
+
 def _port_or_off(value: str) -> int | str:
     if value == "off":
         return value
@@ -106,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None)
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
+    p.add_argument("--prefill-resources", type=_resources, default=None, metavar="JSON",
+                   help="Ray custom resources each prefill worker needs, e.g. '{\"prefill_node\": 1}' "
+                        "(places them on the nodes that offer them; default: anywhere)")
+    p.add_argument("--decode-resources", type=_resources, default=None, metavar="JSON",
+                   help="Ray custom resources each decode worker needs (default: anywhere)")
     p.add_argument("--port", type=int, default=None, help="router gRPC port (default 50051)")
     p.add_argument("--http-port", type=_port_or_off, default=None,
                    help="OpenAI-compatible HTTP port (default 8000; 'off': no HTTP API)")

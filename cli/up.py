@@ -27,6 +27,8 @@ def run_up(args: argparse.Namespace) -> int:
         args.config,
         prefill=args.prefill,
         decode=args.decode,
+        prefill_resources=args.prefill_resources,
+        decode_resources=args.decode_resources,
         port=args.port,
         http_port=None if args.http_port == "off" else args.http_port,
         metrics_port=args.metrics_port,

@@ -38,6 +38,10 @@ class ServiceConfig:
     decode: int = 1  # decode workers
     gpus_per_worker: float = 0.0  # Ray num_gpus of each worker (0 on CPU)
     cpus_per_worker: float = 1.0
+    # Placement: Ray custom resources each prefill / decode worker asks for (a node offers them
+    # with `ray start --resources '{"prefill_node": 4}'`); empty: anywhere that has the CPUs/GPUs.
+    prefill_resources: dict[str, float] = field(default_factory=dict)
+    decode_resources: dict[str, float] = field(default_factory=dict)
     host: str = "127.0.0.1"  # router bind address (0.0.0.0 on a cluster)
     port: int = 50051
     http_port: int | None = 8000  # the OpenAI-compatible HTTP API; None: not served
@@ -65,6 +69,11 @@ class ServiceConfig:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.gpus_per_worker < 0 or self.cpus_per_worker < 0:
             raise ValueError("gpus_per_worker and cpus_per_worker must be >= 0")
+        for name in ("prefill_resources", "decode_resources"):
+            for res, amount in getattr(self, name).items():
+                if not res or res in ("CPU", "GPU", "memory", "object_store_memory") or not amount > 0:
+                    raise ValueError(f"{name}: {res!r}: {amount!r}: a custom resource name (CPUs and GPUs "
+                                     "have fields of their own) and an amount > 0")  # fmt: skip
 
     @classmethod
     def load(cls, path: str | Path | None = None, **flags: Any) -> ServiceConfig:
@@ -141,6 +150,12 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
     if nested is not None:
         if not (isinstance(value, nested) or (value is None and _optional(hint))):
             raise ValueError(f"{name} must be a {nested.__name__}, got {value!r}")
+        return
+    if getattr(hint, "__origin__", None) is dict:  # dict[str, float]: a JSON object of numbers
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in value.items()
+        ):
+            raise ValueError(f"{name} must be an object of numbers, got {value!r}")
         return
     allowed = getattr(hint, "__args__", (hint,))
     if value is None and type(None) in allowed:

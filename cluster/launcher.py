@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.errors import WorkerStartError
 from pdserve.cluster.logs import configure_text_logging, ray_runtime_env
+from pdserve.cluster.placement import placement_problem
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model.loader import check_model
 from pdserve.kvindex.config import IndexConfig, redact_url
@@ -216,16 +217,22 @@ class Service:
         from pdserve.prefill_worker.actor import PrefillWorker
 
         opts = dict(num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker, max_restarts=-1, max_task_retries=0)
+        roles = {"prefill": c.prefill_resources, "decode": c.decode_resources}
+        nodes = ray.nodes()
+        for role, custom in roles.items():
+            need = {"CPU": c.cpus_per_worker, "GPU": c.gpus_per_worker, **custom}
+            if (problem := placement_problem(role, nodes, need)) is not None:
+                raise WorkerStartError(problem)
         for i in range(c.prefill):
             wid = f"prefill-{i}"
-            self.prefill[wid] = ray.remote(PrefillWorker).options(name=f"pdserve-{wid}", **opts).remote(
-                self._worker_config(wid, "prefill")
-            )
+            self.prefill[wid] = ray.remote(PrefillWorker).options(
+                name=f"pdserve-{wid}", resources=dict(c.prefill_resources), **opts
+            ).remote(self._worker_config(wid, "prefill"))
         for i in range(c.decode):
             wid = f"decode-{i}"
-            self.decode[wid] = ray.remote(DecodeWorker).options(name=f"pdserve-{wid}", **opts).remote(
-                self._worker_config(wid, "decode")
-            )
+            self.decode[wid] = ray.remote(DecodeWorker).options(
+                name=f"pdserve-{wid}", resources=dict(c.decode_resources), **opts
+            ).remote(self._worker_config(wid, "decode"))
         pending = {h.ready.remote(): wid for wid, h in {**self.prefill, **self.decode}.items()}
         total, t0 = len(pending), time.monotonic()
         pool_blocks: list[int] = []

@@ -260,6 +260,19 @@ def test_a_worker_that_cannot_start_is_named_in_one_line(model_dir: str, tmp_pat
     assert 'launcher.py", line' not in r.stderr and 'up.py", line' not in r.stderr  # no driver traceback
 
 
+@pytest.mark.slow
+def test_workers_that_fit_no_node_are_refused_with_what_the_nodes_offer(model_dir: str) -> None:
+    """--decode-resources names a resource no node offers: ``up`` says so at once, with what the
+    nodes do offer, instead of waiting for Ray to place the worker (it never would)."""
+    r = pdserve("up", "--model", model_dir, "--port", "0", "--http-port", "off", "--namespace", unique_namespace(),
+                "--decode-resources", '{"decode_node": 1}', timeout=300)  # fmt: skip
+    assert r.returncode == 1, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("pdserve: error: no node of the Ray cluster can host a decode worker: it needs "
+                           "CPU=1, decode_node=1; the nodes offer 127.0.0.1: CPU="), last  # fmt: skip
+    assert 'launcher.py", line' not in r.stderr
+
+
 @pytest.mark.parametrize("args", [["stats", "--json"], ["bench"]], ids=["stats", "bench-listing"])
 def test_a_reader_that_leaves_early_ends_the_command_quietly(redis_server: EmbeddedRedis, args: list[str]) -> None:
     """`pdserve stats --json | head -1`: the reader is gone before the output is written. The
