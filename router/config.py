@@ -9,10 +9,16 @@ from dataclasses import dataclass
 from pdserve.security import TLSConfig
 
 MiB = 1 << 20
+KV_POLICIES = ("threshold", "auto", "pull", "recompute")
 
 
 @dataclass(frozen=True)
 class RouterConfig:
+    # Pull the KV from a prefill worker or prefill on the decode worker? "threshold": the decode
+    # worker prefills when it lacks at most local_prefill_threshold tokens; "auto": whichever the
+    # measured costs say is sooner (router/cost_model.py; the threshold until measured); "pull" /
+    # "recompute": always (for comparisons: pdserve bench).
+    kv_policy: str = "threshold"
     # Uncached prompt tokens at or below this are prefilled on the decode worker (no transfer).
     local_prefill_threshold: int = 32
     # score = overlap_tokens - load_weight * queued_tokens
@@ -50,6 +56,8 @@ class RouterConfig:
     http_max_buffered_bytes: int = 256 * MiB
 
     def __post_init__(self) -> None:
+        if self.kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
         for name in ("local_prefill_threshold", "decode_retries", "max_queued"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -29,6 +29,7 @@ from pdserve.kvindex.stats import StatsRecorder
 from pdserve.router.accounting import Outcome, RequestAccount, log_access
 from pdserve.router.admission import Admission, Draining, Overloaded
 from pdserve.router.config import RouterConfig
+from pdserve.router.cost_model import CostModel
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import pick_worker, prefill_locally
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
@@ -92,6 +93,7 @@ class RouterCore:
         self.decode_load = _Load()
         self.admission = Admission(config.max_in_flight, config.max_in_flight_per_tenant, config.max_queued,
                                    config.queue_timeout_s)  # fmt: skip
+        self.cost = CostModel(fallback_threshold=config.local_prefill_threshold)
         self.metrics = metrics or RouterMetrics()
         self.metrics.watch_admission(lambda: self.admission.in_flight, lambda: self.admission.queued)
 
@@ -106,8 +108,11 @@ class RouterCore:
     async def _prefill(self, spec: RequestSpec, p: str, work: int) -> PrefillResult | None:
         """Run the prefill on ``p``; None when that worker is unavailable (decode will prefill)."""
         self.prefill_load.add(p, work)
+        t0 = time.perf_counter()
         try:
-            return await self.workers.prefill(p, spec)
+            result = await self.workers.prefill(p, spec)
+            self.cost.observe_prefill(p, result.num_prompt_tokens - result.num_cached_tokens, time.perf_counter() - t0)
+            return result
         except WorkerUnavailableError as exc:
             logger.warning("prefill worker %s unavailable (%s); the decode worker prefills %s", p, exc, spec.request_id)
             return None
@@ -167,12 +172,23 @@ class RouterCore:
         it lacks is short) or the prefill worker is unavailable."""
         cfg, bs = self.config, self.cache.block_size
         prompt_len = len(spec.prompt_token_ids)
-        if prefill_locally(prompt_len, route.overlaps.get(route.decode, 0), bs, cfg.local_prefill_threshold):
-            return None
         p = pick_worker(self.workers.prefill_ids, route.overlaps, self.prefill_load.queued, bs, cfg.load_weight)
         if p is None:
             return None  # no prefill worker: the decode worker prefills
-        return await self._prefill(spec, p, prompt_len - route.overlaps.get(p, 0) * bs)
+        missing_on_decode = prompt_len - route.overlaps.get(route.decode, 0) * bs
+        computed_on_prefill = prompt_len - route.overlaps.get(p, 0) * bs
+        if not self._pulls(route.decode, missing_on_decode, p, computed_on_prefill):
+            return None
+        return await self._prefill(spec, p, computed_on_prefill)
+
+    def _pulls(self, d: str, missing_on_decode: int, p: str, computed_on_prefill: int) -> bool:
+        """The KV policy (``router.kv_policy``): prefill on ``p`` and pull, or prefill on ``d``?"""
+        policy = self.config.kv_policy
+        if policy == "auto":
+            return self.cost.choose(d, missing_on_decode, p, computed_on_prefill).pull
+        if policy == "threshold":
+            return not prefill_locally(missing_on_decode, 0, 1, self.config.local_prefill_threshold)
+        return policy == "pull"
 
     async def _decode_with_retry(self, spec: RequestSpec, route: _Route, prefill: PrefillResult | None,
                                  account: RequestAccount) -> AsyncIterator[StreamEvent]:  # fmt: skip
@@ -187,9 +203,12 @@ class RouterCore:
             tried.add(d)
             self.decode_load.add(d, footprint)
             decoded = 0
+            t0 = time.perf_counter()
             try:
                 async with contextlib.aclosing(self.workers.decode(d, spec, prefill)) as stream:
                     async for ev in stream:
+                        if not decoded:
+                            self._observe_decode_start(d, spec, prefill, ev, time.perf_counter() - t0)
                         decoded += len(ev.token_ids)
                         ttft = account.decoded(ev, d, remote_prefill=prefill is not None)
                         yield StreamEvent(list(ev.token_ids), ev.finished, ev.finish_reason, ttft, dict(account.usage),
@@ -207,6 +226,15 @@ class RouterCore:
                 logger.warning("decode worker %s failed before any decode token; retrying on %s", d, nxt)
             finally:
                 self.decode_load.add(d, -footprint)
+
+
+    def _observe_decode_start(self, d: str, spec: RequestSpec, prefill: PrefillResult | None, ev: DecodeEvent,
+                              seconds: float) -> None:  # fmt: skip
+        """What the decode worker's first event measured: its own prefill (no remote prefill), or a pull."""
+        if prefill is None:
+            self.cost.observe_prefill(d, len(spec.prompt_token_ids) - ev.num_local_hit_tokens, seconds)
+        elif ev.pull_bytes:
+            self.cost.observe_pull(prefill.worker_id, d, ev.pull_bytes, ev.num_transferred_tokens, ev.pull_seconds)
 
 
 @dataclass(frozen=True)
