@@ -13,8 +13,10 @@ Both costs are learnt from what the service does, not set by hand:
 there, against prefilling on the prefill worker (what that one lacks) and pulling the missing KV
 over the pair's link: the time until the decode worker holds the prompt's KV. Until a side has
 measurements it falls back to the fixed threshold (``fallback_threshold`` tokens, the old
-policy), so a fresh cluster behaves as before and learns within its first requests. Pure Python,
-no clock: callers pass what they measured.
+policy), so a fresh cluster behaves as before and learns within its first requests. A path that
+is never taken is never measured: every ``explore_every``-th choice takes the other one (every
+4th while a side still lacks measurements), so both estimates stay current. Pure Python, no
+clock: callers pass what they measured.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class CostModel:
     kv_bytes_per_token: float = 0.0
     fallback_threshold: int = 32
     half_life: float = 32.0
+    explore_every: int = 32
+    _choices: int = 0
     _compute: dict[str, LineFit] = field(default_factory=dict)
     _links: dict[tuple[str, str], LineFit] = field(default_factory=dict)
 
@@ -111,11 +115,18 @@ class CostModel:
         the ``missing_on_decode`` tokens on ``decode``?"""
         if missing_on_decode <= 0:
             return Choice(False, 0.0, None, "the decode worker holds the whole prompt")
+        self._choices += 1
         local, remote, link = self._compute.get(decode), self._compute.get(prefill), self._links.get((prefill, decode))
-        if not (local and local.ready and remote and remote.ready and link and link.ready
-                and self.kv_bytes_per_token > 0):  # fmt: skip
+        local_ready = bool(local and local.ready)
+        pull_ready = bool(remote and remote.ready and link and link.ready and self.kv_bytes_per_token > 0)
+        if not (local_ready and pull_ready):
+            if self._choices % 4 == 0:  # measure the side that lacks measurements
+                return Choice(not pull_ready, reason="exploring: a side is not measured yet")
             pull = missing_on_decode > self.fallback_threshold
             return Choice(pull, reason=f"not measured yet: fixed threshold of {self.fallback_threshold} tokens")
+        assert local is not None and remote is not None and link is not None
         local_s = local.predict(missing_on_decode)
         pull_s = remote.predict(computed_on_prefill) + link.predict(missing_on_decode * self.kv_bytes_per_token)
+        if self._choices % self.explore_every == 0:  # keep the losing side's estimate current
+            return Choice(not pull_s < local_s, local_s, pull_s, "exploring")
         return Choice(pull_s < local_s, local_s, pull_s, "measured")

@@ -40,16 +40,23 @@ def _measured(model: CostModel, decode_s_per_token: float, prefill_s_per_token: 
         model.observe_pull("p", "d", n * KV, n, latency_s + n * KV * 8 / (link_gbps * 1e9))
 
 
-def test_before_measurements_the_fixed_threshold_decides() -> None:
+def test_before_measurements_the_fixed_threshold_decides_and_the_unmeasured_side_is_tried() -> None:
     model = CostModel(fallback_threshold=32)
+    for n in (100, 200, 400):  # the pull side is measured, local prefills are not
+        model.observe_prefill("p", n, 0.001 * n)
+        model.observe_pull("p", "d", n * KV, n, 0.01)
     assert not model.choose("d", 32, "p", 32).pull and model.choose("d", 33, "p", 33).pull
+    assert model.choose("d", 500, "p", 500).pull
+    explored = model.choose("d", 500, "p", 500)  # every 4th: the side without measurements
+    assert explored.reason.startswith("exploring") and not explored.pull
     model.observe_prefill("d", 100, 0.1)  # one side alone is not enough
     assert "not measured" in model.choose("d", 500, "p", 500).reason
+    model = CostModel(explore_every=10**9)
     assert not model.choose("d", 0, "p", 500).pull  # nothing missing: nothing to pull
 
 
 def test_a_fast_link_pulls_and_a_slow_one_recomputes() -> None:
-    fast = CostModel()
+    fast = CostModel(explore_every=10**9)
     _measured(fast, decode_s_per_token=2e-4, prefill_s_per_token=2e-4, link_gbps=10, latency_s=0.0002)
     assert fast.link_gbps("p", "d") == pytest.approx(10, rel=0.01) and fast.kv_bytes_per_token == KV
     # The prefill worker holds 900 of the 1,000 tokens the decode worker lacks: it computes 100,
@@ -59,13 +66,13 @@ def test_a_fast_link_pulls_and_a_slow_one_recomputes() -> None:
     assert c.pull_s < c.local_s / 2
     # With nothing cached anywhere and equal compute, pulling adds the link to the same prefill.
     assert not fast.choose("d", 1000, "p", 1000).pull
-    slow = CostModel()
+    slow = CostModel(explore_every=10**9)
     # A prefill worker 4x faster (a bigger GPU), but a link of 0.1 Gbit/s: 1,000 tokens of KV are
     # 46 MB, 3.7 s on the wire, against 0.2 s to recompute.
     _measured(slow, decode_s_per_token=2e-4, prefill_s_per_token=5e-5, link_gbps=0.1, latency_s=0.005)
     assert not slow.choose("d", 1000, "p", 100).pull
     # Short prompts on a fast link with a slow decode worker still pull: the cost is measured, not a threshold.
-    busy = CostModel()
+    busy = CostModel(explore_every=10**9)
     _measured(busy, decode_s_per_token=2e-3, prefill_s_per_token=1e-4, link_gbps=10, latency_s=0.0002)
     assert busy.choose("d", 24, "p", 24).pull
 
@@ -78,3 +85,10 @@ def test_bad_samples_are_ignored() -> None:
     for _ in range(MIN_SAMPLES):
         fit.add(10, 1)
     assert fit.ready
+
+
+def test_the_losing_side_is_explored_now_and_then() -> None:
+    model = CostModel(explore_every=8)
+    _measured(model, decode_s_per_token=2e-4, prefill_s_per_token=5e-5, link_gbps=0.1, latency_s=0.005)
+    choices = [model.choose("d", 1000, "p", 100) for _ in range(32)]
+    assert [c.pull for c in choices].count(True) == 4 and all(c.reason == "exploring" for c in choices if c.pull)
