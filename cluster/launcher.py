@@ -196,8 +196,8 @@ class Service:
                 # Ray starts its workers at nice 15; serving workers must not yield to every other
                 # process on the machine (unless the operator says otherwise).
                 os.environ.setdefault("RAY_worker_niceness", "0")
-                # Every streamed request is a Ray task whose events the GCS keeps (100,000 by
-                # default, ~0.5 KB each): a serving process would grow for hours. Keep fewer.
+                # Every request is a few Ray tasks whose events the GCS keeps (100,000 by default,
+                # ~0.5 KB each, up to ~50 MB): keep a tenth, nobody reads them here.
                 os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", str(GCS_TASK_EVENTS))
                 ensure_private_ray_token()  # before Ray writes one world-readable
                 # One machine: every Ray port on loopback, no dashboard (it runs jobs for anyone
