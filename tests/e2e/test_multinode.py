@@ -1,0 +1,551 @@
+"""Multi-node end to end: ``pdserve up`` across a 3-node simulated cluster (``pdserve.cluster.simnet``).
+
+Started as an operator would: on the head, an external ``redis-server`` bound to the head's address with
+a password (``requirepass``, as deploy/setup-head.sh configures it) and ``pdserve up --ray-address ...
+--config FILE`` (router; the workers get a cluster secret from ``PDSERVE_CLUSTER_SECRET`` and fixed
+KV-transfer ports); n1 offers the Ray resource ``prefill_node``, n2 ``decode_node``, so the prefill worker
+lands on n1 and the decode worker on n2, and every KV pull crosses the simulated network.
+
+The test process stays in the root namespace, which has no address on the bridge: what it asks the
+service goes through a probe process in the head's namespace (gRPC to the router, Redis, and each
+worker's pool state through Ray). Every check is against an independent reference: transformers'
+greedy ``generate`` for the tokens, ``block_hashes`` computed here for the Redis index, the kernel's
+own view of which namespace each worker process and listening socket lives in, and the node's link
+counters for the bytes that crossed. Needs root and ``ip netns``; skips with the reason otherwise.
+
+A fault between n1 and n2 only is made here with neighbour entries that point nowhere (frames to the
+peer go to a MAC nobody has: silence, as with a firewall dropping them), because ``sim.partition``
+cuts a node off from every node, the head's Ray, Redis and router included.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve.cluster.simnet import NODE_IFACE, NodeSpec, SimCluster, pids_in_netns, process_alive, simnet_available
+from pdserve.engine.kvcache.hashing import block_hashes
+from pdserve.kvindex.embedded import find_redis_server
+from tests.support.models import copy_tiny_tokenizer, load_hf_reference, randomise
+from tests.support.polling import wait_until
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+ROUTER_PORT = 50051
+REDIS_PORT = 6380  # the head's 6379 is Ray's GCS
+TRANSFER_PORT = 50100  # transfer.port_range "50100-50101": the first free one on each node
+PULL_TIMEOUT_S = 2.0  # transfer timeouts, low so that a pull into silence ends soon
+LEASE_TTL_S = 5.0
+IDLE_WITHIN_S = 2.0  # after the last request: no block held, no lease open, no request left
+MAX_TOKENS = 8
+
+# Runs in the head's namespace for the whole module: one JSON command a line on stdin, one JSON answer
+# a line (prefixed, so that nothing else Ray may print is taken for one) on stdout.
+PROBE = r"""
+import json, os, sys, time
+import grpc, ray
+from pdserve import SamplingParams
+from pdserve.cli.client import build_request, generate
+from pdserve.kvindex.config import IndexConfig
+from pdserve.kvindex.stats import read_stats
+from pdserve.v1 import router_pb2_grpc as pb_grpc
+
+router, redis_url = sys.argv[1], sys.argv[2]
+ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ["SIMNET_NODE_IP"], log_to_driver=False,
+         logging_level="ERROR")
+# `up`'s named actors live in its job's namespace: find them across namespaces.
+workers = {a["name"].removeprefix("pdserve-"): ray.get_actor(a["name"], namespace=a["namespace"])
+           for a in ray.util.list_named_actors(all_namespaces=True)
+           if a["name"].startswith(("pdserve-prefill-", "pdserve-decode-"))}
+stub = pb_grpc.RouterStub(grpc.insecure_channel(router))
+index = IndexConfig(url=redis_url, namespace="pdserve")
+rds = index.client(timeout_s=2.0)
+
+def op_generate(prompt, max_tokens):
+    t0 = time.monotonic()
+    r = generate(stub, build_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)), 120)
+    return {"token_ids": r.token_ids, "finish_reason": r.finish_reason, "usage": r.usage,
+            "seconds": time.monotonic() - t0}
+
+def op_pools():
+    return {wid: ray.get(h.pool_state.remote(), timeout=10) for wid, h in workers.items()}
+
+def op_registry():
+    return {wid: json.loads(v) for wid, v in rds.hgetall("pdserve:workers").items()}
+
+def op_holders():
+    return {k.rsplit(":", 1)[1]: sorted(rds.hkeys(k)) for k in rds.scan_iter(match="pdserve:block:*", count=1000)}
+
+def op_stats():
+    return read_stats(rds, index)
+
+print("@@" + json.dumps({"ok": sorted(workers)}), flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    try:
+        out = {"ok": globals()["op_" + cmd["op"]](**cmd.get("args", {}))}
+    except Exception as exc:
+        out = {"error": f"{type(exc).__name__}: {exc}"}
+    print("@@" + json.dumps(out), flush=True)
+"""
+
+CONNECT = r"""
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close(); print("connected")
+except TimeoutError:
+    print("timeout")
+except OSError as exc:
+    print(f"error {exc.errno}")
+"""
+
+
+class ProbeError(RuntimeError):
+    """The probe answered with an error (Redis down, a worker not answering, ...)."""
+
+
+class Lines:
+    """A process's stdout lines, read by a thread (so a wait has a timeout)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.q: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream: Any) -> None:
+        try:
+            for line in stream:
+                self.q.put(line.rstrip("\n"))
+        except (OSError, ValueError):  # closed under us at teardown
+            pass
+        self.q.put(None)
+
+    def next(self, timeout: float) -> str | None:
+        """The next line, None at EOF; queue.Empty after ``timeout`` seconds."""
+        line = self.q.get(timeout=timeout)
+        if line is not None:
+            self.seen.append(line)
+        return line
+
+
+class Probe:
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines = Lines(proc.stdout)
+        self.workers = self._answer(timeout=120)
+
+    def _answer(self, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.next(max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise RuntimeError(f"the probe did not answer within {timeout} s") from None
+            if line is None:
+                raise RuntimeError(f"the probe exited ({self.proc.poll()}); its output: {self.lines.seen[-20:]}")
+            if line.startswith("@@"):
+                out = json.loads(line[2:])
+                if "error" in out:
+                    raise ProbeError(out["error"])
+                return out["ok"]
+
+    def call(self, op: str, timeout: float = 150.0, **args: Any) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, "args": args}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(timeout)
+
+    def generate(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:
+        return self.call("generate", prompt=prompt, max_tokens=max_tokens)
+
+    def quietly(self, op: str, **args: Any) -> Any:
+        """``call``, None when the probe reports an error (for conditions polled through an outage)."""
+        try:
+            return self.call(op, **args)
+        except ProbeError:
+            return None
+
+
+@dataclass
+class Cluster:
+    sim: SimCluster
+    probe: Probe
+    router: str
+    kv_bytes_per_token: int
+    reference: Callable[[list[int], int], list[int]]  # transformers' greedy tokens
+    redis_stop: Callable[[], None]  # the head's Redis: SIGTERM, wait
+    redis_start: Callable[[], None]  # the same port, password and config (empty: no persistence)
+
+    def idle(self) -> bool:
+        pools = self.probe.quietly("pools")
+        return bool(pools) and set(pools) == {"prefill-0", "decode-0"} and all(
+            s["free_blocks"] == s["num_blocks"] and s["leases"] == s["requests"] == s["registered"] == 0
+            for s in pools.values())  # fmt: skip
+
+    def holders(self) -> dict[str, list[str]]:
+        return self.probe.quietly("holders") or {}
+
+    def counters(self, worker: str | None = None) -> dict[str, int]:
+        s = self.probe.quietly("stats") or {}
+        return (s.get("cluster") if worker is None else s.get("workers", {}).get(worker)) or {}
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def make_checkpoint(out: Path) -> Path:
+    """A seeded random Llama saved by transformers, with KV big enough (4 KiB a token in float32) that
+    a pull stands out of the Ray traffic on a link."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+                         rms_norm_eps=1e-5, bos_token_id=256, eos_token_id=257)  # fmt: skip
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(config).float()
+    randomise(model, 3)
+    out.mkdir(parents=True)
+    model.save_pretrained(out)
+    copy_tiny_tokenizer(out)
+    return out
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    """K and V of every layer, float32 (the CPU engine's dtype), from the checkpoint's config."""
+    c = json.loads((model_dir / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * 4
+
+
+def leftovers(prefix: str) -> list[str]:
+    """Lines of `ip netns list` and `ip link` (root namespace) that name the run."""
+    out = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True).stdout
+    out += subprocess.run(["ip", "-o", "link"], check=True, capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if f"{prefix}-" in line]
+
+
+def stop_pid(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 60.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(autouse=True, scope="module")  # module scope: before the module's other fixtures
+def _needs_simnet() -> None:
+    if reason := simnet_available():
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    try:
+        redis_bin = find_redis_server()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    tmp = tmp_path_factory.mktemp("multinode")
+    tmp.chmod(0o700)
+    model_dir = make_checkpoint(tmp / "model")
+    hf = load_hf_reference(model_dir)
+
+    @torch.no_grad()
+    def reference(prompt: list[int], n: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)  # fmt: skip
+        return out[0, len(prompt):].tolist()
+
+    nodes = [
+        NodeSpec("head", cpus=1),
+        NodeSpec("n1", cpus=1, resources={"prefill_node": 1}),
+        NodeSpec("n2", cpus=1, resources={"decode_node": 1}),
+    ]
+    with SimCluster(nodes, "fast") as sim:
+        head = sim.address("head")
+        password = secrets.token_hex(16)
+        redis_url = f"redis://:{password}@{head}:{REDIS_PORT}/0"
+        redis_dir = tmp / "redis"
+        redis_dir.mkdir(mode=0o700)
+        redis_conf = redis_dir / "redis.conf"
+        fd = os.open(redis_conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:  # deploy/setup-head.sh's settings, on the head's address only
+            f.write(f"port {REDIS_PORT}\nbind {head}\nprotected-mode yes\nrequirepass {password}\n"
+                    f'save ""\nappendonly no\ndir {redis_dir}\ndaemonize no\nloglevel notice\n')  # fmt: skip
+        redis_log = redis_dir / "redis.log"
+        redis_proc: list[subprocess.Popen[bytes]] = []
+
+        def redis_start() -> None:
+            starts = redis_log.read_text().count("Ready to accept") if redis_log.exists() else 0
+            with open(redis_log, "ab") as log:
+                redis_proc.append(sim.run("head", [redis_bin, str(redis_conf)], stdout=log, stderr=subprocess.STDOUT))
+            assert wait_until(lambda: redis_log.read_text().count("Ready to accept") > starts
+                              or redis_proc[-1].poll() is not None, timeout=30), redis_log.read_text()[-2000:]
+            assert redis_proc[-1].poll() is None, redis_log.read_text()[-2000:]
+
+        def redis_stop() -> None:
+            stop_pid(redis_proc[-1], timeout=30)
+
+        redis_start()
+
+        config = {
+            "prefill": 1, "decode": 1, "host": head, "port": ROUTER_PORT, "http_port": None,
+            "prefill_resources": {"prefill_node": 1}, "decode_resources": {"decode_node": 1},
+            "engine": {"model": str(model_dir), "cache": {"block_size": BLOCK, "kv_cache_memory_bytes": 16 * 1024**2}},
+            "index": {"url": redis_url},
+            "transfer": {"port_range": f"{TRANSFER_PORT}-{TRANSFER_PORT + 1}", "lease_ttl_s": LEASE_TTL_S,
+                         "pull_timeout_s": PULL_TIMEOUT_S, "metadata_timeout_s": PULL_TIMEOUT_S,
+                         "release_timeout_s": PULL_TIMEOUT_S, "stall_timeout_s": PULL_TIMEOUT_S},
+            # Every request is prefilled on n1 and pulled to n2 (no local prefill on the decode worker).
+            "router": {"kv_policy": "pull", "local_prefill_threshold": 0, "drain_timeout_s": 5},
+        }  # fmt: skip
+        config_file = tmp / "service.json"
+        fd = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it holds the Redis password
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f)
+        state_dir = tmp / "state"
+        env = {"PDSERVE_CLUSTER_SECRET": secrets.token_hex(32), "PDSERVE_STATE_DIR": str(state_dir)}
+        up_log = tmp / "up.stderr"
+        pdserve = str(Path(sys.executable).parent / "pdserve")
+        with open(up_log, "wb") as err:
+            up = sim.run("head", [pdserve, "up", "--ray-address", sim.ray_address, "--config", str(config_file)],
+                         env, stdout=subprocess.PIPE, stderr=err, text=True)  # fmt: skip
+        probe_proc: subprocess.Popen[str] | None = None
+        try:
+            up_lines, router = Lines(up.stdout), None
+            deadline = time.monotonic() + 240
+            while True:  # its ready lines: "router listening on HOST:PORT" ... "state in FILE"
+                try:
+                    line = up_lines.next(max(deadline - time.monotonic(), 0.01))
+                except queue.Empty:
+                    line = None
+                if line is None:
+                    raise AssertionError(f"pdserve up did not get ready; stdout {up_lines.seen}, stderr:\n"
+                                         f"{up_log.read_text(errors='replace')[-4000:]}")  # fmt: skip
+                if line.startswith("router listening on "):
+                    router = line.removeprefix("router listening on ")
+                if line.startswith("state in "):
+                    break
+            assert router == f"{head}:{ROUTER_PORT}"
+            probe_proc = sim.run("head", [sys.executable, "-c", PROBE, router, redis_url], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
+            probe = Probe(probe_proc)
+            assert probe.workers == ["decode-0", "prefill-0"]
+            yield Cluster(sim, probe, router, kv_bytes_per_token(model_dir), reference, redis_stop, redis_start)
+            assert up.poll() is None, up_log.read_text(errors="replace")[-4000:]  # it served throughout
+        finally:
+            if probe_proc is not None:
+                if probe_proc.stdin is not None:
+                    probe_proc.stdin.close()  # its loop ends
+                stop_pid(probe_proc, signal.SIGTERM, timeout=20)
+            stop_pid(up, signal.SIGINT, timeout=60)  # drains, stops the workers and the router
+            if redis_proc:
+                stop_pid(redis_proc[-1], timeout=30)
+        pids, prefix = sim.recorded_pids(), sim.prefix
+    # The run left nothing: no namespace, no link, no process, no run directory.
+    assert leftovers(prefix) == []
+    assert [pid for pid, start in pids.items() if process_alive(pid, start)] == []
+    assert not (Path("/tmp/pds-simnet") / prefix).exists()
+
+
+def processes(sim: SimCluster, node: str, title: str) -> list[int]:
+    """Processes in ``node``'s namespace whose command line starts with ``title`` (Ray sets an actor
+    process's title to ``ray::ClassName``)."""
+    found = []
+    for pid in pids_in_netns(sim.node(node).netns):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cmdline.startswith(title):
+            found.append(pid)
+    return found
+
+
+def listening(sim: SimCluster, node: str, port: int) -> set[str]:
+    """Local addresses of the sockets listening on ``port`` in ``node``'s namespace, from its /proc/net."""
+    addrs = set()
+    for table in ("tcp", "tcp6"):
+        text = sim.check_output(node, ["cat", f"/proc/net/{table}"], timeout=30)
+        for row in text.splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            host, hexport = local.split(":")
+            if state != "0A" or int(hexport, 16) != port:  # 0A: LISTEN
+                continue
+            if len(host) == 8:
+                addrs.add(".".join(str(b) for b in reversed(bytes.fromhex(host))))
+            else:
+                addrs.add("::" if int(host, 16) == 0 else host)
+    return addrs
+
+
+def cut_link(sim: SimCluster, a: str, b: str) -> None:
+    """Silence between ``a`` and ``b`` only: each sends the other's frames to a MAC nobody has."""
+    for x, y in ((a, b), (b, a)):
+        subprocess.run(["ip", "-n", sim.node(x).netns, "neigh", "replace", sim.address(y), "lladdr",
+                        "02:00:00:00:00:01", "dev", NODE_IFACE, "nud", "permanent"], check=True)  # fmt: skip
+
+
+def mend_link(sim: SimCluster, a: str, b: str) -> None:
+    for x, y in ((a, b), (b, a)):
+        subprocess.run(["ip", "-n", sim.node(x).netns, "neigh", "del", sim.address(y), "dev", NODE_IFACE],
+                       check=True)  # fmt: skip
+
+
+def connects(sim: SimCluster, src: str, dst: str, port: int) -> str:
+    return sim.check_output(src, [sys.executable, "-c", CONNECT, sim.address(dst), str(port), "1"], timeout=30).strip()
+
+
+def assert_idle_soon(c: Cluster) -> None:
+    """Within IDLE_WITHIN_S of the last request (which just returned): every block free, no lease, no
+    request on either worker."""
+    assert wait_until(c.idle, timeout=IDLE_WITHIN_S, interval=0.05), c.probe.quietly("pools")
+
+
+def test_across_nodes_output_placement_hashes_and_bytes_on_the_link(cluster: Cluster) -> None:
+    c, sim = cluster, cluster.sim
+    n1, n2 = sim.address("n1"), sim.address("n2")
+    # Placement, as Redis's registry says (each worker advertises its node's address and the fixed port) ...
+    registry = c.probe.call("registry")
+    assert registry["prefill-0"]["role"] == "prefill" and registry["decode-0"]["role"] == "decode"
+    assert registry["prefill-0"]["grpc_address"] == f"{n1}:{TRANSFER_PORT}"
+    assert registry["decode-0"]["grpc_address"] == f"{n2}:{TRANSFER_PORT}"
+    # ... and as the kernel says: each actor's process is in its node's namespace, the router in the head's,
+    assert len(processes(sim, "n1", "ray::PrefillWorker")) == 1
+    assert len(processes(sim, "n2", "ray::DecodeWorker")) == 1
+    assert processes(sim, "head", "ray::PrefillWorker") == processes(sim, "n2", "ray::PrefillWorker") == []
+    assert processes(sim, "head", "ray::DecodeWorker") == processes(sim, "n1", "ray::DecodeWorker") == []
+    assert len(processes(sim, "head", "ray::Router")) == 1
+    # and each KV-transfer server listens there on an address other nodes reach (not loopback).
+    for node, addr in (("n1", n1), ("n2", n2)):
+        bound = listening(sim, node, TRANSFER_PORT)
+        assert bound and bound <= {"0.0.0.0", "::", addr}, bound
+
+    prompts = [prompt_ids(1, 20), prompt_ids(2, 37), prompt_ids(3, 64)]
+    for p in prompts:
+        r = c.probe.generate(p)
+        assert r["token_ids"] == c.reference(p, MAX_TOKENS)
+        assert r["finish_reason"] == "length" and r["usage"]["transferred_tokens"] == len(p)
+
+    # A long prompt: its KV (prefilled on n1) crosses n2's link.
+    long = prompt_ids(4, 600)
+    rx = sim.link_bytes("n2").rx
+    r = c.probe.generate(long)
+    grown = sim.link_bytes("n2").rx - rx
+    assert r["token_ids"] == c.reference(long, MAX_TOKENS)
+    assert r["usage"]["transferred_tokens"] == len(long) and r["usage"]["cached_tokens"] == 0
+    assert grown >= r["usage"]["transferred_tokens"] * c.kv_bytes_per_token, (grown, c.kv_bytes_per_token)
+    prompts.append(long)
+
+    # The index holds exactly the full blocks of the prompts on the prefill worker, and the decode
+    # worker (which cached what it pulled) holds them too, under the hashes computed here.
+    expected = {h.hex() for p in prompts for h in block_hashes(p, BLOCK)}
+
+    def held_by(worker: str) -> set[str]:
+        return {k for k, ws in c.holders().items() if worker in ws}
+
+    assert wait_until(lambda: held_by("prefill-0") == expected, timeout=15), (len(held_by("prefill-0")), len(expected))
+    assert wait_until(lambda: held_by("decode-0") >= expected, timeout=15)
+
+    # The same prompt again: a prefix hit, same tokens.
+    again = c.probe.generate(long)
+    assert again["token_ids"] == r["token_ids"]
+    assert again["usage"]["cached_tokens"] > 0
+    assert_idle_soon(c)
+
+
+def test_partition_between_prefill_and_decode_node_recomputes_then_heals(cluster: Cluster) -> None:
+    c, sim = cluster, cluster.sim
+    assert c.idle()
+    before = c.counters("decode-0")
+    cut_link(sim, "n1", "n2")
+    try:
+        assert connects(sim, "n2", "n1", TRANSFER_PORT) == "timeout"  # silence, not a refusal
+        assert connects(sim, "head", "n1", TRANSFER_PORT) == "connected"  # only n1 <-> n2 is cut
+        p = prompt_ids(20, 150)
+        r = c.probe.generate(p)
+        # The pull waited for its deadline and gave up; the decode worker computed the prompt itself.
+        assert r["token_ids"] == c.reference(p, MAX_TOKENS) and r["finish_reason"] == "length"
+        assert r["usage"]["transferred_tokens"] == 0
+        assert PULL_TIMEOUT_S <= r["seconds"] < PULL_TIMEOUT_S + 15, r["seconds"]
+    finally:
+        mend_link(sim, "n1", "n2")
+
+    def counted() -> bool:
+        now = c.counters("decode-0")
+        return (now.get("transfer_failures", 0) == before.get("transfer_failures", 0) + 1
+                and now.get("recomputed_tokens", 0) == before.get("recomputed_tokens", 0) + len(p))
+
+    assert wait_until(counted, timeout=15), c.counters("decode-0")
+    assert connects(sim, "n2", "n1", TRANSFER_PORT) == "connected"
+
+    # Healed: pulls work again (the first may still wait out TCP's retransmission backoff).
+    seeds, last = itertools.count(30), {}
+
+    def pulled() -> bool:
+        nonlocal last
+        q = prompt_ids(next(seeds), 90)
+        last = c.probe.generate(q)
+        assert last["token_ids"] == c.reference(q, MAX_TOKENS)
+        return last["usage"]["transferred_tokens"] == len(q)
+
+    assert wait_until(pulled, timeout=30, interval=0), last
+    assert_idle_soon(c)
+
+
+def test_redis_restart_while_both_nodes_serve(cluster: Cluster) -> None:
+    c = cluster
+    n1, n2 = c.sim.address("n1"), c.sim.address("n2")
+    a = prompt_ids(40, 80)
+    assert c.probe.generate(a)["token_ids"] == c.reference(a, MAX_TOKENS)
+    a_blocks = {h.hex() for h in block_hashes(a, BLOCK)}
+    assert wait_until(lambda: all("prefill-0" in c.holders().get(h, []) for h in a_blocks), timeout=15)
+
+    c.redis_stop()
+    try:
+        assert c.probe.quietly("registry") is None  # Redis is down indeed
+        b = prompt_ids(41, 70)
+        rb = c.probe.generate(b)  # served with Redis down: routed without the index, pulled all the same
+        assert rb["token_ids"] == c.reference(b, MAX_TOKENS) and rb["usage"]["transferred_tokens"] == len(b)
+    finally:
+        c.redis_start()  # an empty server: no persistence
+    d = prompt_ids(42, 60)
+    rd = c.probe.generate(d)
+    assert rd["token_ids"] == c.reference(d, MAX_TOKENS)
+
+    # The workers come back in the registry, republish what they hold, and the counters resume (the
+    # increments made while Redis was down are written once it answers).
+    def registered() -> bool:
+        reg = c.probe.quietly("registry") or {}
+        return ({w: reg.get(w, {}).get("grpc_address") for w in ("prefill-0", "decode-0")}
+                == {"prefill-0": f"{n1}:{TRANSFER_PORT}", "decode-0": f"{n2}:{TRANSFER_PORT}"})
+
+    assert wait_until(registered, timeout=15)
+    expected = {h.hex() for p in (a, b, d) for h in block_hashes(p, BLOCK)}
+    for worker in ("prefill-0", "decode-0"):
+        assert wait_until(lambda: expected <= {k for k, ws in c.holders().items() if worker in ws}, timeout=20), worker
+    assert wait_until(lambda: c.counters().get("requests", 0) >= 2
+                      and c.counters().get("transferred_tokens", 0) >= len(b) + len(d), timeout=20), c.counters()
+    last = c.probe.generate(a)  # still a prefix hit (the pools kept their blocks through the outage)
+    assert last["usage"]["cached_tokens"] > 0 and last["token_ids"] == c.reference(a, MAX_TOKENS)
+    assert_idle_soon(c)
