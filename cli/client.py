@@ -55,13 +55,20 @@ def build_request(
     return req
 
 
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata that carries the router's API key (None: no key, no metadata)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
 def generate(
-    stub: pb_grpc.RouterStub, request: pb.GenerateRequest, timeout_s: float | None = 120.0
-) -> GenerateResult:
-    """Consume one Generate stream; raises grpc.RpcError on a failed call."""
+    stub: pb_grpc.RouterStub, request: pb.GenerateRequest, timeout_s: float | None = 120.0,
+    api_key: str | None = None,
+) -> GenerateResult:  # fmt: skip
+    """Consume one Generate stream (with ``api_key``: sent as ``authorization: Bearer KEY``);
+    raises grpc.RpcError on a failed call."""
     out = GenerateResult()
     t0 = time.perf_counter()
-    for resp in stub.Generate(request, timeout=timeout_s):
+    for resp in stub.Generate(request, timeout=timeout_s, metadata=auth_metadata(api_key)):
         if out.ttft_ms is None and resp.token_ids:
             out.ttft_ms = (time.perf_counter() - t0) * 1000
         out.token_ids.extend(resp.token_ids)
@@ -88,11 +95,11 @@ def router_channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
 
 def generate_via_router(
     address: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, as_json: bool,
-    tls: TLSConfig | None = None,
+    tls: TLSConfig | None = None, api_key: str | None = None,
 ) -> int:  # fmt: skip
     with router_channel(address, tls) as channel:
         try:
-            result = generate(pb_grpc.RouterStub(channel), build_request(prompt, params, cache_salt))
+            result = generate(pb_grpc.RouterStub(channel), build_request(prompt, params, cache_salt), api_key=api_key)
         except grpc.RpcError as e:
             print(f"pdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

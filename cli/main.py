@@ -43,7 +43,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
     prompt: str | list[int] = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
+    if args.api_key is not None and not args.router:
+        print("pdserve: error: --api-key goes with --router (an offline --model run needs none)", file=sys.stderr)
+        return 2
     if args.router:
+        from pdserve import envs
         from pdserve.cli.client import generate_via_router
 
         tls = None
@@ -51,7 +55,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             from pdserve.security import TLSConfig
 
             tls = TLSConfig(args.tls_cert, args.tls_key, ca_file=args.tls_ca, server_name=args.tls_server_name)
-        return generate_via_router(args.router, prompt, params, args.cache_salt, args.json, tls)
+        api_key = args.api_key if args.api_key is not None else envs.api_key()
+        return generate_via_router(args.router, prompt, params, args.cache_salt, args.json, tls, api_key)
     from pdserve.cli.generate import generate_offline
 
     return generate_offline(args.model, prompt, params, args.cache_salt, args.json)
@@ -146,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", type=str.upper, default=None, choices=LOG_LEVELS,
                    help="log level of every process (default INFO; access-log lines are INFO)")
     p.add_argument("--log-json", action="store_true", default=None, help="log one JSON object per line")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="clients of the HTTP and gRPC APIs must send 'Authorization: Bearer KEY' (default "
+                        "$PDSERVE_API_KEY, which keeps it out of ps; /health and /metrics stay open)")  # fmt: skip
     p.add_argument("--config", default=None, help="service config file (JSON); flags override it")
 
     p = sub.add_parser("generate", help="generate via a running router or offline with --model")
@@ -166,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", default=None, help="--router over mutual TLS: this client's certificate ...")
     p.add_argument("--tls-key", default=None, help="... and its key")
     p.add_argument("--tls-server-name", default=None, help="the name in the router's certificate, if not the host")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="--router: the router's API key (default $PDSERVE_API_KEY, which keeps it out of ps)")
 
     p = sub.add_parser("stats", help="print prefix hit rates from Redis: lifetime totals and recent rates")
     p.add_argument("--redis-url", default=None)

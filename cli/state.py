@@ -1,8 +1,9 @@
 """The running service's state file: what ``pdserve up`` leaves for other commands on this machine.
 
 ``<state dir>/up.json`` (``PDSERVE_STATE_DIR``, default ``~/.pdserve``; the directory mode 0700,
-the file 0600, as it holds the embedded Redis's password): ``{"pid", "router", "redis_url",
-"namespace"}``. Written when ``up`` is ready, removed when it stops. ``pdserve stats`` and
+the file 0600, as it holds the embedded Redis's password): ``{"pid", "router", "http", "redis_url",
+"namespace"}``; never the router's API key (``router.api_key``), in clear or otherwise: a client
+brings its own. Written when ``up`` is ready, removed when it stops. ``pdserve stats`` and
 ``pdserve bench serve --router`` without ``--redis-url`` read the Redis URL from it
 (``index_config``).
 """

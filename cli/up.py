@@ -47,6 +47,7 @@ def run_up(args: argparse.Namespace) -> int:
         transfer__port_range=args.kv_transfer_ports,
         log_level=args.log_level,
         log_json=args.log_json,
+        router__api_key=args.api_key,
     )
     if args.http_port == "off":
         config = dataclasses.replace(config, http_port=None)
@@ -72,6 +73,9 @@ def run_up(args: argparse.Namespace) -> int:
         state = write_state({"pid": os.getpid(), "router": address, "http": service.http_address,
                              "redis_url": redis_url, "namespace": config.index.namespace})  # fmt: skip
         print(f"state in {state} (pdserve stats reads the Redis URL there)", flush=True)
+        if config.router.api_key:  # never the key itself, here or in the state file
+            print("API key required: HTTP 'Authorization: Bearer KEY', gRPC metadata 'authorization: Bearer KEY' "
+                  "(/health and /metrics open)", flush=True)  # fmt: skip
         while not stop.wait(SUPERVISE_INTERVAL_S):
             for note in service.supervise():
                 print(note, flush=True)

@@ -35,6 +35,13 @@ def cluster_secret() -> str | None:
     return os.environ.get("PDSERVE_CLUSTER_SECRET") or None
 
 
+def api_key() -> str | None:
+    """The key clients of the router's APIs must present (``PDSERVE_API_KEY``; HTTP
+    ``Authorization: Bearer KEY``, gRPC metadata ``authorization: Bearer KEY``); None: open.
+    ``pdserve generate --router`` sends it too. Never logged."""
+    return os.environ.get("PDSERVE_API_KEY") or None
+
+
 def state_dir() -> str:
     """Where ``pdserve up`` leaves what other commands on this machine need (``PDSERVE_STATE_DIR``,
     default ``~/.pdserve``): the running service's addresses and the embedded Redis URL."""

@@ -1,5 +1,6 @@
 """The router as a Ray actor: serves the public gRPC API (grpc.aio) and the OpenAI-compatible HTTP
-API (uvicorn) on the actor's event loop, both over one RouterCore."""
+API (uvicorn) on the actor's event loop, both over one RouterCore; with ``router.api_key``, both
+require it (``router/auth.py``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.stats import StatsRecorder
 from pdserve.metrics import merge_families, redis_outages, render
 from pdserve.ratelog import RateLimitFilter
+from pdserve.router.auth import ApiKeyInterceptor
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import RouterCore
 from pdserve.router.http import OpenAIServer, ServedModel, build_app, build_metrics_app
@@ -92,7 +94,9 @@ class Router:
             ("grpc.so_reuseport", 0),  # no SO_REUSEPORT: a taken port must fail to bind, not be shared
             ("grpc.max_receive_message_length", self.config.max_request_bytes),  # refused before it is read
         ]
-        server = grpc.aio.server(options=options)
+        # With an API key, every call but health checking must carry it (router/auth.py).
+        interceptors = [ApiKeyInterceptor(self.config.api_key)] if self.config.api_key else []
+        server = grpc.aio.server(options=options, interceptors=interceptors)
         add_router_to_server(self.servicer, server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -114,8 +118,8 @@ class Router:
     async def start_http(self, host: str, port: int) -> int:
         """Serve the OpenAI-compatible API (and ``/metrics``) on ``host:port`` (0 = any free port),
         with the router's TLS settings; returns the bound port."""
-        return await self._start_uvicorn(build_app(self.openai, self.http_edge, self.metrics_text), self.http_edge,
-                                         host, port, "the HTTP API")  # fmt: skip
+        app = build_app(self.openai, self.http_edge, self.metrics_text, self.config.api_key)
+        return await self._start_uvicorn(app, self.http_edge, host, port, "the HTTP API")
 
     async def start_metrics(self, host: str, port: int) -> int:
         """Serve ``/metrics`` alone on ``host:port`` (for a router without the HTTP API, or to keep

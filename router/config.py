@@ -4,8 +4,9 @@ admits (router/admission.py)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pdserve import envs
 from pdserve.security import TLSConfig
 
 MiB = 1 << 20
@@ -54,6 +55,11 @@ class RouterConfig:
     http_body_timeout_s: float = 30.0
     http_max_connections: int = 1024
     http_max_buffered_bytes: int = 256 * MiB
+    # The key every client of the HTTP API (``Authorization: Bearer KEY``) and of the gRPC API
+    # (metadata ``authorization: Bearer KEY``) must present; /health and /metrics stay open, and
+    # so does gRPC health checking. None: open to anyone who reaches the ports. Default
+    # ``PDSERVE_API_KEY``; never logged (no repr), never in the state file.
+    api_key: str | None = field(default_factory=envs.api_key, repr=False)
 
     def __post_init__(self) -> None:
         if self.kv_policy not in KV_POLICIES:
@@ -75,7 +81,17 @@ class RouterConfig:
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {t!r}")
+        check_api_key(self.api_key)
         b = self.http_max_buffered_bytes
         if not isinstance(b, int) or isinstance(b, bool) or b < self.max_request_bytes:
             raise ValueError(f"http_max_buffered_bytes must be an integer >= max_request_bytes "
                              f"({self.max_request_bytes}), got {b!r}")
+
+
+def check_api_key(key: str | None) -> None:
+    """ValueError unless ``key`` is None or what a header can carry after ``Bearer ``: visible
+    ASCII, no spaces. The message never shows the key."""
+    if key is None:
+        return
+    if not isinstance(key, str) or not key or not all("!" <= c <= "~" for c in key):
+        raise ValueError("api_key must be a non-empty string of visible ASCII characters (no spaces)")

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP edge (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, /health.
+"""The OpenAI-compatible HTTP edge (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, vLLM's
+/tokenize, /detokenize and /version, /health (and /metrics).
 
 Like the gRPC edge it converts at the edge and iterates the router core (``stream_output``);
 neither edge knows the other. A request with ``n`` choices (or several prompts) runs as that many
@@ -7,13 +8,15 @@ an unknown model, 408 a body that does not arrive in time, 413 a body over ``max
 429 overload, 503 draining, no worker, or the edge's own limits (``router/http_limits.py``,
 ``router/body_limit.py``). A client that disconnects cancels its requests (streaming or not):
 their KV is released at once. Every refusal writes an access-log line; repeated error logs are
-rate-limited (``pdserve.ratelog``).
+rate-limited (``pdserve.ratelog``). With an API key every path but /health and /metrics needs
+``Authorization: Bearer KEY`` (``router/auth.py``: 401 otherwise).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import re
@@ -33,10 +36,17 @@ from pdserve.kvindex.config import tenant_digest
 from pdserve.metrics import CONTENT_TYPE_LATEST
 from pdserve.ratelog import RateLimitFilter
 from pdserve.router.admission import Draining, Overloaded
+from pdserve.router.auth import ApiKeyAuth
 from pdserve.router.body_limit import BodyLimit
 from pdserve.router.core import RouterCore, WorkerUnavailableError
 from pdserve.router.http_limits import CORE_HAS_IT, TENANT, EdgeState, RejectionLog
-from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest, _Common
+from pdserve.router.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _Common,
+)  # fmt: skip
 from pdserve.router.openai_responses import (
     ChoiceState,
     LogprobFormat,
@@ -48,6 +58,7 @@ from pdserve.router.openai_responses import (
     new_id,
     now,
     request_usage,
+    role_chunk,
     usage_body,
     usage_chunk,
 )  # fmt: skip
@@ -175,6 +186,40 @@ class OpenAIServer:
                 "root": self.model.name, "max_model_len": self.model.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
+    async def tokenize(self, req: TokenizeRequest) -> Response:
+        """vLLM's ``/tokenize``: ``{"count", "max_model_len", "tokens", "token_strs"}``, the ids a
+        completion or chat of the same prompt would get, tokenized as theirs are (the same pool of
+        threads, the same refusal of a prompt that leaves no room to generate within
+        ``max_model_len``)."""
+        if req.model is not None and (bad := self._check_model(req.model)) is not None:
+            return bad
+        try:
+            prompt = req.to_prompt()
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self.executor, tokenize, prompt, self.tokenizer, self.limits.max_model_len)
+        except InvalidRequest as e:
+            return _error_for(e)
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids,
+                                "token_strs": None}  # fmt: skip
+        if req.return_token_strs:
+            body["token_strs"] = [self.tokenizer.raw.id_to_token(t) for t in ids]
+        return JSONResponse(body)
+
+    async def detokenize(self, req: DetokenizeRequest) -> Response:
+        """vLLM's ``/detokenize``: ``{"prompt": text}`` of at most ``max_model_len`` ids of the
+        vocabulary, special tokens included (decoded in the tokenizer's threads)."""
+        if req.model is not None and (bad := self._check_model(req.model)) is not None:
+            return bad
+        limit, vocab = self.limits.max_model_len, self.limits.vocab_size
+        if len(req.tokens) > limit:
+            return _bad_request(f"tokens: {len(req.tokens)} ids, at most max_model_len={limit}")
+        for i, t in enumerate(req.tokens):
+            if not 0 <= t < vocab:
+                return _bad_request(f"tokens[{i}]: {t} is outside the vocabulary [0, {vocab})")
+        loop = asyncio.get_running_loop()
+        text = await loop.run_in_executor(self.executor, lambda: self.tokenizer.decode(req.tokens, False))
+        return JSONResponse({"prompt": text})
+
     async def completions(self, req: CompletionRequest, http: Request) -> Response:
         return await self._serve(req, http, lambda: req.prompts(), req.max_tokens, req.logprobs, chat=False)
 
@@ -244,11 +289,15 @@ class OpenAIServer:
                     pending = [first] if first is not None else []
                     async for item in _chain(pending, merged):
                         i, chunk = item
+                        if chat and not states[i].started:  # the role alone, then the text
+                            states[i].started = True
+                            yield _sse(role_chunk(rid, req.model, i, usage_body([chunk.usage], 0) if continuous
+                                                  else None))  # fmt: skip
                         states[i].add(chunk)
                         if continuous and chunk.token_ids:  # vLLM's: this choice's usage so far
                             body = make(rid, req.model, i, states[i], chunk, self.fmt, logprobs)
                             yield _sse({**body, "usage": usage_body([chunk.usage], chunk.usage.completion_tokens)})
-                        elif chunk.text or chunk.finished or chunk.logprobs or (chat and not states[i].started):
+                        elif chunk.text or chunk.finished or chunk.logprobs:
                             yield _sse(make(rid, req.model, i, states[i], chunk, self.fmt, logprobs))
                     if req.include_usage:
                         yield _sse(usage_chunk(rid, req.model, obj, request_usage(states, req.n)))
@@ -290,11 +339,20 @@ async def _unless_disconnected(http: Request, work: Awaitable[Any]) -> tuple[boo
     return True, task.result()
 
 
-def build_app(server: OpenAIServer, state: EdgeState,
-              metrics: Callable[[], Awaitable[bytes]] | None = None) -> FastAPI:  # fmt: skip
+def package_version() -> str:
+    """pdserve's version as installed (``GET /version``)."""
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def build_app(server: OpenAIServer, state: EdgeState, metrics: Callable[[], Awaitable[bytes]] | None = None,
+              api_key: str | None = None) -> FastAPI:  # fmt: skip
     """The HTTP API, within ``state``'s limits on request bodies (``BodyLimit``), writing an
     access-log line for each refusal; with ``metrics`` (the Prometheus exposition of the cluster)
-    also ``GET /metrics``."""
+    also ``GET /metrics``; with ``api_key`` every path but /health and /metrics needs it
+    (``ApiKeyAuth``, checked before the body is read)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(RequestValidationError)
@@ -334,7 +392,28 @@ def build_app(server: OpenAIServer, state: EdgeState,
     async def chat(req: ChatCompletionRequest, http: Request) -> Response:
         return await server.chat(req, http)
 
-    return RejectionLog(BodyLimit(app, state), state)  # type: ignore[return-value]
+    _add_vllm_routes(app, server)
+    inner: Any = BodyLimit(app, state)
+    if api_key is not None:
+        inner = ApiKeyAuth(inner, api_key, state)
+    return RejectionLog(inner, state)  # type: ignore[return-value]
+
+
+def _add_vllm_routes(app: FastAPI, server: OpenAIServer) -> None:
+    """vLLM's routes beside the OpenAI API: /tokenize, /detokenize, /version."""
+    version = {"version": package_version()}
+
+    @app.post("/tokenize")
+    async def tokenize_route(req: TokenizeRequest) -> Response:
+        return await server.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize_route(req: DetokenizeRequest) -> Response:
+        return await server.detokenize(req)
+
+    @app.get("/version")
+    async def version_route() -> dict:
+        return version
 
 
 def build_metrics_app(metrics: Callable[[], Awaitable[bytes]]) -> FastAPI:

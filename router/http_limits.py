@@ -42,7 +42,7 @@ access_log = logging.getLogger("pdserve.access")
 SMALL_BODY_BYTES = 64 * 1024
 
 # The access log's status for a refusal the router core never saw, by HTTP status.
-_REASONS = {400: "invalid", 404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "too_large",
+_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "too_large",
             429: "overloaded", 503: "unavailable"}  # fmt: skip
 
 

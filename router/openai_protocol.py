@@ -91,9 +91,22 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool = False  # vLLM's: usage so far in every chunk
 
 
-class _Common(BaseModel):
+class _Body(BaseModel):
+    """A request body: every string in it, known field or not, valid Unicode (400 naming where)."""
+
     model_config = ConfigDict(extra="allow")  # kept in model_extra, to refuse UNSUPPORTED ones by name
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if (where := _invalid_unicode_at(data)) is not None:
+            raise PydanticCustomError("invalid_unicode", "{message}", {
+                "message": f"{where}: not valid Unicode (it holds a lone surrogate: a JSON escape such as \\ud800 "
+                           "without its pair)"})  # fmt: skip
+        return data
+
+
+class _Common(_Body):
     model: StrictStr
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     stream: StrictBool = False
@@ -106,15 +119,6 @@ class _Common(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     cache_salt: StrictStr | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        if (where := _invalid_unicode_at(data)) is not None:
-            raise PydanticCustomError("invalid_unicode", "{message}", {
-                "message": f"{where}: not valid Unicode (it holds a lone surrogate: a JSON escape such as \\ud800 "
-                           "without its pair)"})  # fmt: skip
-        return data
 
     def _refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
@@ -220,42 +224,12 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def prompt(self) -> Prompt:
-        if self.tools:
-            raise InvalidRequest("tools: tool calling is not supported by this server")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidRequest("response_format: only {'type': 'text'} is supported by this server")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs: true")
-        if self.chat_template is not None:
-            # A template is code: a request's own would run on the router's shared threads, and
-            # the sandbox bounds what it can reach, not the CPU or memory it takes (vLLM, too,
-            # refuses it unless the operator trusts every client).
-            raise InvalidRequest("chat_template: per-request chat templates are not supported by this server (the "
-                                 "model's template is used; set its variables with chat_template_kwargs)")  # fmt: skip
-        messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
-        return Prompt(messages=messages, add_generation_prompt=self.add_generation_prompt,
-                      chat_template_kwargs=self._template_kwargs())  # fmt: skip
-
-    def _template_kwargs(self) -> dict[str, Any] | None:
-        """``chat_template_kwargs``, checked: identifiers that do not replace what the template
-        gets from the request or the tokenizer, and bounded in number, size and depth."""
-        kwargs = self.chat_template_kwargs
-        if not kwargs:
-            return None
-        if len(kwargs) > MAX_TEMPLATE_KWARGS:
-            raise InvalidRequest(f"chat_template_kwargs: {len(kwargs)} variables, at most {MAX_TEMPLATE_KWARGS}")
-        for name in kwargs:
-            if not _IDENTIFIER.match(name):
-                raise InvalidRequest(f"chat_template_kwargs: {name[:80]!r} is not a variable name (letters, digits "
-                                     "and _, at most 64)")  # fmt: skip
-            if (why := reserved_variable(name)) is not None:
-                raise InvalidRequest(f"chat_template_kwargs.{name}: {why}")
-        if _depth(kwargs) > MAX_TEMPLATE_KWARGS_DEPTH:
-            raise InvalidRequest(f"chat_template_kwargs: nested deeper than {MAX_TEMPLATE_KWARGS_DEPTH}")
-        size = len(json.dumps(kwargs, ensure_ascii=False).encode("utf-8"))
-        if size > MAX_TEMPLATE_KWARGS_BYTES:
-            raise InvalidRequest(f"chat_template_kwargs: {size} bytes of JSON, at most {MAX_TEMPLATE_KWARGS_BYTES}")
-        return kwargs
+        return chat_prompt(self.messages, self.add_generation_prompt, self.chat_template, self.chat_template_kwargs,
+                           self.tools)  # fmt: skip
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -264,6 +238,45 @@ class ChatCompletionRequest(_Common):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool, chat_template: Any,
+                chat_template_kwargs: dict[str, Any] | None, tools: list[Any] | None,
+                add_special_tokens: bool | None = None) -> Prompt:  # fmt: skip
+    """The chat prompt of a request (chat completions, /tokenize): text messages, the model's
+    own template and checked ``chat_template_kwargs``; InvalidRequest names a refused field."""
+    if tools:
+        raise InvalidRequest("tools: tool calling is not supported by this server")
+    if chat_template is not None:
+        # A template is code: a request's own would run on the router's shared threads, and
+        # the sandbox bounds what it can reach, not the CPU or memory it takes (vLLM, too,
+        # refuses it unless the operator trusts every client).
+        raise InvalidRequest("chat_template: per-request chat templates are not supported by this server (the "
+                             "model's template is used; set its variables with chat_template_kwargs)")  # fmt: skip
+    texts = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+    return Prompt(messages=texts, add_generation_prompt=add_generation_prompt, add_special_tokens=add_special_tokens,
+                  chat_template_kwargs=template_kwargs(chat_template_kwargs))  # fmt: skip
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``chat_template_kwargs``, checked: identifiers that do not replace what the template
+    gets from the request or the tokenizer, and bounded in number, size and depth."""
+    if not kwargs:
+        return None
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise InvalidRequest(f"chat_template_kwargs: {len(kwargs)} variables, at most {MAX_TEMPLATE_KWARGS}")
+    for name in kwargs:
+        if not _IDENTIFIER.match(name):
+            raise InvalidRequest(f"chat_template_kwargs: {name[:80]!r} is not a variable name (letters, digits "
+                                 "and _, at most 64)")  # fmt: skip
+        if (why := reserved_variable(name)) is not None:
+            raise InvalidRequest(f"chat_template_kwargs.{name}: {why}")
+    if _depth(kwargs) > MAX_TEMPLATE_KWARGS_DEPTH:
+        raise InvalidRequest(f"chat_template_kwargs: nested deeper than {MAX_TEMPLATE_KWARGS_DEPTH}")
+    size = len(json.dumps(kwargs, ensure_ascii=False).encode("utf-8"))
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise InvalidRequest(f"chat_template_kwargs: {size} bytes of JSON, at most {MAX_TEMPLATE_KWARGS_BYTES}")
+    return kwargs
 
 
 def _depth(value: Any) -> int:
@@ -278,3 +291,40 @@ def _depth(value: Any) -> int:
             deepest = max(deepest, d + 1)
             stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
     return deepest
+
+
+class TokenizeRequest(_Body):
+    """vLLM's ``POST /tokenize``: a text ``prompt`` or chat ``messages`` (exactly one). Special
+    tokens: a text gets the tokenizer's (BOS...) unless ``add_special_tokens`` is false; chat gets
+    those its template writes, and the tokenizer's too only with ``add_special_tokens: true``
+    (vLLM's defaults). ``return_token_strs``: each token's vocabulary entry as well."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    return_token_strs: StrictBool = False
+    tools: list[Any] | None = None
+    chat_template: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_prompt(self) -> Prompt:
+        """The prompt to tokenize; InvalidRequest names a refused field."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("prompt: give exactly one of prompt (a text) or messages (a chat)")
+        if self.prompt is not None:
+            return Prompt(text=self.prompt, add_special_tokens=self.add_special_tokens is not False)
+        if self.continue_final_message:
+            raise InvalidRequest("continue_final_message: not supported by this server (leave it out or send False)")
+        assert self.messages is not None
+        return chat_prompt(self.messages, self.add_generation_prompt, self.chat_template, self.chat_template_kwargs,
+                           self.tools, add_special_tokens=bool(self.add_special_tokens))  # fmt: skip
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's ``POST /detokenize``: ``tokens`` back to text, special tokens included."""
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]

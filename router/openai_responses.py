@@ -99,7 +99,7 @@ class ChoiceState:
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
     offset: int = 0  # legacy logprobs: text offset of the next token
-    started: bool = False  # chat streams: the role was sent
+    started: bool = False  # chat streams: the role chunk was sent
 
     def add(self, chunk: Chunk) -> None:
         self.text.append(chunk.text)
@@ -156,12 +156,8 @@ def completion_chunk(rid: str, model: str, index: int, state: ChoiceState, chunk
 
 def chat_chunk(rid: str, model: str, index: int, state: ChoiceState, chunk: Chunk, fmt: LogprobFormat,
                logprobs: bool) -> dict:  # fmt: skip
-    delta: dict[str, Any] = {}
-    if not state.started:
-        delta["role"] = "assistant"
-        state.started = True
-    if chunk.text or "role" in delta:
-        delta["content"] = chunk.text
+    """A choice's text (and logprobs, finish reason) as it streams; its role went in ``role_chunk``."""
+    delta: dict[str, Any] = {"content": chunk.text} if chunk.text else {}
     choice = {
         "index": index,
         "delta": delta,
@@ -169,6 +165,14 @@ def chat_chunk(rid: str, model: str, index: int, state: ChoiceState, chunk: Chun
         "finish_reason": chunk.finish_reason if chunk.finished else None,
     }
     return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [choice]}
+
+
+def role_chunk(rid: str, model: str, index: int, usage: dict | None = None) -> dict:
+    """The first chunk of a streamed chat choice, as OpenAI and vLLM send it: the role and an
+    empty content, nothing else (``usage``: vLLM's continuous usage, nothing generated yet)."""
+    choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    body = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [choice]}
+    return body if usage is None else {**body, "usage": usage}
 
 
 def usage_chunk(rid: str, model: str, obj: str, usage: dict) -> dict:

@@ -31,13 +31,14 @@ class InvalidRequest(ValueError):
 @dataclass(frozen=True)
 class Prompt:
     """Exactly one of ``text``, ``token_ids`` and ``messages`` (chat: dicts with string ``role``
-    and ``content``). ``add_special_tokens`` applies to text; a chat prompt gets the special
-    tokens its template writes."""
+    and ``content``). ``add_special_tokens``: whether the tokenizer adds its special tokens (BOS...)
+    to the text, or to the chat its template rendered; None: the default for the kind, as
+    vLLM's: a text gets them, a chat only those its template writes. Ids are used as given."""
 
     text: str | None = None
     token_ids: Sequence[int] | None = None
     messages: Sequence[Mapping[str, str]] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
     split_special_tokens: bool = False
     add_generation_prompt: bool = True
     # Chat: more variables for the template (checked by the edge that takes them).
@@ -57,7 +58,7 @@ def tokenize(prompt: Prompt, tokenizer: ModelTokenizer, max_model_len: int | Non
     if prompt.text is not None:
         if not prompt.text:  # would be just the special tokens (e.g. BOS) the tokenizer adds
             raise InvalidRequest("prompt: the text must not be empty")
-        return _encode(tokenizer, prompt.text, "prompt", max_model_len, prompt.add_special_tokens,
+        return _encode(tokenizer, prompt.text, "prompt", max_model_len, prompt.add_special_tokens is not False,
                        prompt.split_special_tokens)  # fmt: skip
     if prompt.token_ids is not None:
         return [int(t) for t in prompt.token_ids]
@@ -76,7 +77,7 @@ def tokenize(prompt: Prompt, tokenizer: ModelTokenizer, max_model_len: int | Non
         text = tokenizer.render_chat(messages, prompt.add_generation_prompt, **(prompt.chat_template_kwargs or {}))
     except ChatTemplateError as e:
         raise InvalidRequest(f"messages: {e}") from e
-    return _encode(tokenizer, text, "messages", max_model_len, add_special_tokens=False)
+    return _encode(tokenizer, text, "messages", max_model_len, add_special_tokens=bool(prompt.add_special_tokens))
 
 
 def _encode(tokenizer: ModelTokenizer, text: str, field: str, max_model_len: int | None,

@@ -92,7 +92,9 @@ def test_chat_renders_the_template_as_transformers_and_answers_like_the_engine(
     assert out.usage.prompt_tokens == len(hf_ids)
     assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == ref.text
     chunks = list(client.chat.completions.create(**kw, stream=True))
-    assert chunks[0].choices[0].delta.role == "assistant"
+    # The role alone first (as OpenAI and vLLM send it), then the text.
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == "length"
 
