@@ -34,10 +34,17 @@ class GenerateResult:
 
 
 def build_request(
-    prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None, request_id: str = ""
+    prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None, request_id: str = "",
+    chat: bool = False,
 ) -> pb.GenerateRequest:
+    """The gRPC request; with ``chat``, the text ``prompt`` goes as one user message that the
+    router renders with the model's chat template. ValueError for an empty prompt."""
     req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt or "")
-    if isinstance(prompt, str):
+    if chat:
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("prompt: --chat needs a non-empty text prompt")
+        req.chat.messages.add(role="user", content=prompt)
+    elif isinstance(prompt, str):
         req.text = prompt
     elif not prompt:
         raise ValueError("prompt: must not be empty")
@@ -51,6 +58,7 @@ def build_request(
     if params.seed is not None:
         s.seed = params.seed
     s.stop_token_ids.extend(params.stop_token_ids)
+    s.stop.extend(params.stop)
     s.ignore_eos = params.ignore_eos
     return req
 
@@ -95,11 +103,12 @@ def router_channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
 
 def generate_via_router(
     address: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, as_json: bool,
-    tls: TLSConfig | None = None, api_key: str | None = None,
+    tls: TLSConfig | None = None, api_key: str | None = None, chat: bool = False,
 ) -> int:  # fmt: skip
+    request = build_request(prompt, params, cache_salt, chat=chat)
     with router_channel(address, tls) as channel:
         try:
-            result = generate(pb_grpc.RouterStub(channel), build_request(prompt, params, cache_salt), api_key=api_key)
+            result = generate(pb_grpc.RouterStub(channel), request, api_key=api_key)
         except grpc.RpcError as e:
             print(f"pdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

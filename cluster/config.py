@@ -65,6 +65,11 @@ class ServiceConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        if not self.host or any(c.isspace() for c in self.host):
+            raise ValueError(f"host must be an address to bind (127.0.0.1, 0.0.0.0, a name), got {self.host!r}")
+        name = self.router.served_model_name
+        if name is not None and (not name or any(c.isspace() or not c.isprintable() for c in name)):
+            raise ValueError(f"router.served_model_name must be a non-empty name without spaces, got {name!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.gpus_per_worker < 0 or self.cpus_per_worker < 0:

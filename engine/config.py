@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pdserve import envs
 
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # engine.kernels.quant maps them
+# vLLM's --dtype spellings that are not the stored names: "auto" is None (the device's default).
+DTYPE_ALIASES: dict[str, str | None] = {"auto": None, "half": "float16", "float": "float32"}
 
 
 @dataclass(frozen=True)
@@ -80,20 +82,44 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: float32 on CPU, bfloat16 on CUDA
+    # "float32" | "bfloat16" | "float16"; None: float32 on CPU, bfloat16 on CUDA. vLLM's spellings are
+    # accepted and stored in these words: "auto" (None), "half" (float16), "float" (float32).
+    dtype: str | None = None
     device: str | None = field(default_factory=envs.device)  # None: CUDA if available, else CPU
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # CPU float32 only: projections on 8+ rows run through oneDNN (engine/model/linear.py).
     # Costs a second copy of the linear weights; False keeps torch's F.linear everywhere.
     cpu_onednn: bool = True
+    # vLLM's --revision / --download-dir: which revision of a Hugging Face Hub id ``model`` names
+    # (a branch, tag or commit; None: "main") and the Hub cache to use (None: $HF_HOME/hub).
+    # Read where the id is resolved to a local directory (engine/model/hub.py); a local path
+    # ignores them.
+    revision: str | None = None
+    download_dir: str | None = None
+    # vLLM's --chat-template: the Jinja template text that replaces the checkpoint's (``pdserve up``
+    # reads a file path given there into its text, so every process gets the template, not a path).
+    chat_template: str | None = None
+    # vLLM's --seed: the seed of the engine's random generator, set when the engine starts, which
+    # requests without a seed of their own sample from (a request's ``seed`` keeps its own
+    # generator). None: not seeded. (vLLM's default is 0.)
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise ValueError(f"model must be a non-empty path, got {self.model!r}")
+        if isinstance(self.dtype, str) and self.dtype in DTYPE_ALIASES:
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
+        for name in ("revision", "download_dir", "chat_template"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**64):  # fmt: skip
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if not isinstance(self.cpu_onednn, bool):
             raise ValueError(f"cpu_onednn must be a bool, got {self.cpu_onednn!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16 (or half, float), got {self.dtype!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")

@@ -131,7 +131,9 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         dtype = _DTYPES[config.dtype] if config.dtype else None
         self.model_config = mc = ModelConfig.from_path(config.model)
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.model, config.chat_template)
+        if config.seed is not None:  # vLLM's --seed: requests without a seed of their own draw from this
+            torch.manual_seed(config.seed)
         # EOS: the model config's, and generation_config.json's where it names more (Llama 3 instruct).
         self.eos_token_ids = tuple(dict.fromkeys(
             (*mc.eos_token_ids, *self.tokenizer.info.generation_eos_token_ids)))  # fmt: skip

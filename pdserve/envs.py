@@ -57,3 +57,9 @@ def malloc_tuning() -> bool:
     """``PDSERVE_MALLOC_TUNING`` (default on; ``0`` turns it off): workers raise glibc's malloc
     thresholds so the KV wire's chunk buffers stay resident (``kvtransfer/allocator.py``)."""
     return os.environ.get("PDSERVE_MALLOC_TUNING", "1") != "0"
+
+
+def hf_hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` (``1``/``true``/``yes``/``on``, as huggingface_hub reads it): a Hub id
+    given as a model is looked up in the local Hub cache only, never downloaded."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")

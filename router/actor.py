@@ -65,7 +65,7 @@ class Router:
     ) -> None:
         assert engine.model is not None
         mc = ModelConfig.from_path(engine.model)
-        self.tokenizer = load_tokenizer(engine.model)
+        self.tokenizer = load_tokenizer(engine.model, engine.chat_template)
         _ = self.tokenizer.token_bound  # computed once, now, rather than in the first request
         self.workers = RayWorkers(prefill, decode)
         self.core = RouterCore(config, engine.cache, self.workers, PrefixLookup(index), StatsRecorder(index))

@@ -9,6 +9,7 @@ GGUF are read (no pickle).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,6 +117,40 @@ def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
     return LlamaForCausalLM
 
 
-def load_tokenizer(path: str | Path) -> ModelTokenizer:
-    """The checkpoint's tokenizer (FileNotFoundError naming ``tokenizer.json`` if a directory lacks it)."""
-    return ModelTokenizer.from_path(path)
+def load_tokenizer(path: str | Path, chat_template: str | None = None) -> ModelTokenizer:
+    """The checkpoint's tokenizer (FileNotFoundError naming ``tokenizer.json`` if a directory lacks it).
+
+    ``chat_template`` (template text, ``EngineConfig.chat_template``) replaces the checkpoint's
+    own, as vLLM's ``--chat-template`` does; None keeps the checkpoint's.
+    """
+    tokenizer = ModelTokenizer.from_path(path)
+    if chat_template is not None:
+        tokenizer.info = dataclasses.replace(tokenizer.info, chat_template=chat_template)
+    return tokenizer
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's ``--chat-template`` value as template text: the contents of the file ``value``
+    names, or ``value`` itself when it is an inline template (it has ``{`` or a newline).
+
+    ValueError (one line) for a file that cannot be read, a value that is neither, and a
+    template with a Jinja syntax error.
+    """
+    if "{" in value or "\n" in value:
+        text = value
+    else:
+        try:
+            text = Path(value).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ValueError(f"chat template: cannot read the file {value!r} ({why}); give a template file "
+                             "or the template itself") from None  # fmt: skip
+    import jinja2
+
+    from pdserve.engine.chat_template import _compile  # the compiler render_chat uses (cached)
+
+    try:
+        _compile(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template: Jinja syntax error on line {e.lineno}: {e.message}") from None
+    return text
