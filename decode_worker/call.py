@@ -61,8 +61,7 @@ class DecodeCall:
         self._ender = ender
         self._lease_settled = prefill is None or not prefill.lease_id
         self._registered = False
-        self.pulled_bytes = 0  # what a successful pull moved, and in how long
-        self.pull_seconds = 0.0
+        self.pulled_bytes = 0  # what a successful pull moved
 
     def register(self, on_output: OutputCallback) -> KVLoad | None:
         """Build the request and register it with the engine loop, its outputs to ``on_output``:
@@ -131,7 +130,7 @@ class DecodeCall:
                 used.append(client)
                 pulled = pull_kv(client, rt.engine.handover.kv_tensor, load, lease_id=prefill.lease_id)
                 rt.metrics.transfer_done(pulled.num_bytes, pulled.num_blocks, pulled.seconds)
-                self.pulled_bytes, self.pull_seconds = pulled.num_bytes, pulled.seconds
+                self.pulled_bytes = pulled.num_bytes
                 ok = True
                 return client
             finally:

@@ -73,7 +73,7 @@ class DecodeService:
                     yield DecodeEvent(
                         spec.request_id, tuple(out.new_token_ids), out.finished, out.finish_reason,
                         local_hit, transferred, recomputed, None if out.logprobs is None else tuple(out.logprobs),
-                        pull_bytes=call.pulled_bytes, pull_seconds=call.pull_seconds,
+                        pull_bytes=call.pulled_bytes,
                     )  # fmt: skip
                 if out.finished:
                     return

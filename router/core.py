@@ -230,11 +230,13 @@ class RouterCore:
 
     def _observe_decode_start(self, d: str, spec: RequestSpec, prefill: PrefillResult | None, ev: DecodeEvent,
                               seconds: float) -> None:  # fmt: skip
-        """What the decode worker's first event measured: its own prefill (no remote prefill), or a pull."""
+        """What the decode worker's first event measured, from the call to it (``seconds``): its own
+        prefill (no remote prefill), or taking the KV over (the pull with everything around it, up to
+        the first decode step: what the client waits for on that path, beside the prefill)."""
         if prefill is None:
             self.cost.observe_prefill(d, len(spec.prompt_token_ids) - ev.num_local_hit_tokens, seconds)
         elif ev.pull_bytes:
-            self.cost.observe_pull(prefill.worker_id, d, ev.pull_bytes, ev.num_transferred_tokens, ev.pull_seconds)
+            self.cost.observe_pull(prefill.worker_id, d, ev.pull_bytes, ev.num_transferred_tokens, seconds)
 
 
 @dataclass(frozen=True)

@@ -43,5 +43,4 @@ class DecodeEvent:
     num_transferred_tokens: int = 0
     num_recomputed_tokens: int = 0  # prompt tokens recomputed after a failed pull
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token, when the params ask for them
-    pull_bytes: int = 0  # the KV pulled for this request and how long the pull took (the router's cost model)
-    pull_seconds: float = 0.0
+    pull_bytes: int = 0  # KV bytes pulled for this request (the router's cost model fits its link on it)

@@ -35,6 +35,10 @@ class LinkProfile:
 PROFILES: dict[str, LinkProfile] = {
     "fast": LinkProfile("fast", 10_000_000_000, 0.2),  # a rack: 10 Gbit/s, 0.2 ms
     "slow": LinkProfile("slow", 1_000_000_000, 5.0),  # across zones: 1 Gbit/s, 5 ms
+    # slow's delay at a fifth of its rate (a thin or oversubscribed link between zones): where pulling a long
+    # prompt's KV loses to recomputing it on bandwidth alone (on slow, 768 tokens of the links bench's model
+    # move in about the time they take to recompute; benchmarks/links.py)
+    "thin": LinkProfile("thin", 200_000_000, 5.0),
     "wan": LinkProfile("wan", 100_000_000, 20.0),  # across regions: 100 Mbit/s, 20 ms
 }
 

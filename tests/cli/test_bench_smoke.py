@@ -111,3 +111,40 @@ def test_soak_bench_counts_outcomes_memory_and_what_stays_held(edge: str) -> Non
         assert set(out["rss_mb"][proc]) == {"start", "middle", "end"}, (proc, out["rss_mb"])
     assert out["after_2s"] == {w: {"blocks_in_use": 0, "leases": 0, "requests": 0, "registered": 0}
                                for w in ("prefill-0", "decode-0")}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_links_bench_measures_every_policy_on_every_profile() -> None:
+    """`bench links --quick` on a simulated 3-node cluster: the JSON's shape, every request completed,
+    the fixed policies took their one path (no timing asserted)."""
+    from pdserve.cluster.simnet import simnet_available
+
+    if reason := simnet_available():
+        pytest.skip(reason)
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "bench", "links", "--quick", "--json"],
+                       capture_output=True, text=True, timeout=600, cwd=REPO)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    if "skipped" in out:  # e.g. no redis-server
+        pytest.skip(out["skipped"])
+    profiles, pairs = out["profiles"], out["workload"]["pairs"]
+    assert profiles == ["fast", "slow", "thin"] and set(out["links"]) == set(profiles) and pairs > 0
+    kinds = {"cold_64", "cold_768", "warm"}
+    assert set(out["results"]) == {"pull", "recompute", "auto"}
+    for policy, by_profile in out["results"].items():
+        assert set(by_profile) == set(profiles)
+        for profile, res in by_profile.items():
+            assert len(res["requests"]) == 2 * pairs and all(q["completed"] for q in res["requests"])
+            assert all(q["ttft_ms"] is not None and q["t2_ms"] is not None for q in res["requests"])
+            s = res["summary"]
+            assert set(s) == kinds and s["warm"]["n"] == s["cold_64"]["n"] + s["cold_768"]["n"] == pairs
+            pulled = sum(k["pulled"] for k in s.values())
+            if policy == "pull":
+                assert pulled == 2 * pairs, (profile, s)
+            if policy == "recompute":
+                assert pulled == 0, (profile, s)
+    assert out["requests"] == out["completed"] == 3 * len(profiles) * 2 * pairs
+    for profile in profiles:
+        assert set(out["verdict"][profile]) == kinds
+        for v in out["verdict"][profile].values():
+            assert v["best_fixed"] in ("pull", "recompute") and isinstance(v["auto_as_good"], bool)

@@ -22,23 +22,18 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import queue
 import secrets
-import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from pdserve.cluster.simnet import NODE_IFACE, NodeSpec, SimCluster, pids_in_netns, process_alive, simnet_available
+from pdserve.cluster.simnet.service import HeadRedis, PdserveUp, Probe
 from pdserve.engine.kvcache.hashing import block_hashes
 from pdserve.kvindex.embedded import find_redis_server
 from tests.support.models import copy_tiny_tokenizer, load_hf_reference, randomise
@@ -55,56 +50,6 @@ LEASE_TTL_S = 5.0
 IDLE_WITHIN_S = 2.0  # after the last request: no block held, no lease open, no request left
 MAX_TOKENS = 8
 
-# Runs in the head's namespace for the whole module: one JSON command a line on stdin, one JSON answer
-# a line (prefixed, so that nothing else Ray may print is taken for one) on stdout.
-PROBE = r"""
-import json, os, sys, time
-import grpc, ray
-from pdserve import SamplingParams
-from pdserve.cli.client import build_request, generate
-from pdserve.kvindex.config import IndexConfig
-from pdserve.kvindex.stats import read_stats
-from pdserve.v1 import router_pb2_grpc as pb_grpc
-
-router, redis_url = sys.argv[1], sys.argv[2]
-ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ["SIMNET_NODE_IP"], log_to_driver=False,
-         logging_level="ERROR")
-# `up`'s named actors live in its job's namespace: find them across namespaces.
-workers = {a["name"].removeprefix("pdserve-"): ray.get_actor(a["name"], namespace=a["namespace"])
-           for a in ray.util.list_named_actors(all_namespaces=True)
-           if a["name"].startswith(("pdserve-prefill-", "pdserve-decode-"))}
-stub = pb_grpc.RouterStub(grpc.insecure_channel(router))
-index = IndexConfig(url=redis_url, namespace="pdserve")
-rds = index.client(timeout_s=2.0)
-
-def op_generate(prompt, max_tokens):
-    t0 = time.monotonic()
-    r = generate(stub, build_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)), 120)
-    return {"token_ids": r.token_ids, "finish_reason": r.finish_reason, "usage": r.usage,
-            "seconds": time.monotonic() - t0}
-
-def op_pools():
-    return {wid: ray.get(h.pool_state.remote(), timeout=10) for wid, h in workers.items()}
-
-def op_registry():
-    return {wid: json.loads(v) for wid, v in rds.hgetall("pdserve:workers").items()}
-
-def op_holders():
-    return {k.rsplit(":", 1)[1]: sorted(rds.hkeys(k)) for k in rds.scan_iter(match="pdserve:block:*", count=1000)}
-
-def op_stats():
-    return read_stats(rds, index)
-
-print("@@" + json.dumps({"ok": sorted(workers)}), flush=True)
-for line in sys.stdin:
-    cmd = json.loads(line)
-    try:
-        out = {"ok": globals()["op_" + cmd["op"]](**cmd.get("args", {}))}
-    except Exception as exc:
-        out = {"error": f"{type(exc).__name__}: {exc}"}
-    print("@@" + json.dumps(out), flush=True)
-"""
-
 CONNECT = r"""
 import socket, sys
 try:
@@ -114,72 +59,6 @@ except TimeoutError:
 except OSError as exc:
     print(f"error {exc.errno}")
 """
-
-
-class ProbeError(RuntimeError):
-    """The probe answered with an error (Redis down, a worker not answering, ...)."""
-
-
-class Lines:
-    """A process's stdout lines, read by a thread (so a wait has a timeout)."""
-
-    def __init__(self, stream: Any) -> None:
-        self.q: queue.Queue[str | None] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
-
-    def _read(self, stream: Any) -> None:
-        try:
-            for line in stream:
-                self.q.put(line.rstrip("\n"))
-        except (OSError, ValueError):  # closed under us at teardown
-            pass
-        self.q.put(None)
-
-    def next(self, timeout: float) -> str | None:
-        """The next line, None at EOF; queue.Empty after ``timeout`` seconds."""
-        line = self.q.get(timeout=timeout)
-        if line is not None:
-            self.seen.append(line)
-        return line
-
-
-class Probe:
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.proc = proc
-        self.lines = Lines(proc.stdout)
-        self.workers = self._answer(timeout=120)
-
-    def _answer(self, timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.next(max(deadline - time.monotonic(), 0.01))
-            except queue.Empty:
-                raise RuntimeError(f"the probe did not answer within {timeout} s") from None
-            if line is None:
-                raise RuntimeError(f"the probe exited ({self.proc.poll()}); its output: {self.lines.seen[-20:]}")
-            if line.startswith("@@"):
-                out = json.loads(line[2:])
-                if "error" in out:
-                    raise ProbeError(out["error"])
-                return out["ok"]
-
-    def call(self, op: str, timeout: float = 150.0, **args: Any) -> Any:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, "args": args}) + "\n")
-        self.proc.stdin.flush()
-        return self._answer(timeout)
-
-    def generate(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:
-        return self.call("generate", prompt=prompt, max_tokens=max_tokens)
-
-    def quietly(self, op: str, **args: Any) -> Any:
-        """``call``, None when the probe reports an error (for conditions polled through an outage)."""
-        try:
-            return self.call(op, **args)
-        except ProbeError:
-            return None
 
 
 @dataclass
@@ -242,16 +121,6 @@ def leftovers(prefix: str) -> list[str]:
     return [line for line in out.splitlines() if f"{prefix}-" in line]
 
 
-def stop_pid(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 60.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
 @pytest.fixture(autouse=True, scope="module")  # module scope: before the module's other fixtures
 def _needs_simnet() -> None:
     if reason := simnet_available():
@@ -283,84 +152,33 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     ]
     with SimCluster(nodes, "fast") as sim:
         head = sim.address("head")
-        password = secrets.token_hex(16)
-        redis_url = f"redis://:{password}@{head}:{REDIS_PORT}/0"
-        redis_dir = tmp / "redis"
-        redis_dir.mkdir(mode=0o700)
-        redis_conf = redis_dir / "redis.conf"
-        fd = os.open(redis_conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:  # deploy/setup-head.sh's settings, on the head's address only
-            f.write(f"port {REDIS_PORT}\nbind {head}\nprotected-mode yes\nrequirepass {password}\n"
-                    f'save ""\nappendonly no\ndir {redis_dir}\ndaemonize no\nloglevel notice\n')  # fmt: skip
-        redis_log = redis_dir / "redis.log"
-        redis_proc: list[subprocess.Popen[bytes]] = []
-
-        def redis_start() -> None:
-            starts = redis_log.read_text().count("Ready to accept") if redis_log.exists() else 0
-            with open(redis_log, "ab") as log:
-                redis_proc.append(sim.run("head", [redis_bin, str(redis_conf)], stdout=log, stderr=subprocess.STDOUT))
-            assert wait_until(lambda: redis_log.read_text().count("Ready to accept") > starts
-                              or redis_proc[-1].poll() is not None, timeout=30), redis_log.read_text()[-2000:]
-            assert redis_proc[-1].poll() is None, redis_log.read_text()[-2000:]
-
-        def redis_stop() -> None:
-            stop_pid(redis_proc[-1], timeout=30)
-
-        redis_start()
-
+        redis = HeadRedis(sim, "head", tmp / "redis", redis_bin, port=REDIS_PORT)
         config = {
             "prefill": 1, "decode": 1, "host": head, "port": ROUTER_PORT, "http_port": None,
             "prefill_resources": {"prefill_node": 1}, "decode_resources": {"decode_node": 1},
             "engine": {"model": str(model_dir), "cache": {"block_size": BLOCK, "kv_cache_memory_bytes": 16 * 1024**2}},
-            "index": {"url": redis_url},
+            "index": {"url": redis.url},
             "transfer": {"port_range": f"{TRANSFER_PORT}-{TRANSFER_PORT + 1}", "lease_ttl_s": LEASE_TTL_S,
                          "pull_timeout_s": PULL_TIMEOUT_S, "metadata_timeout_s": PULL_TIMEOUT_S,
                          "release_timeout_s": PULL_TIMEOUT_S, "stall_timeout_s": PULL_TIMEOUT_S},
             # Every request is prefilled on n1 and pulled to n2 (no local prefill on the decode worker).
             "router": {"kv_policy": "pull", "local_prefill_threshold": 0, "drain_timeout_s": 5},
         }  # fmt: skip
-        config_file = tmp / "service.json"
-        fd = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it holds the Redis password
-        with os.fdopen(fd, "w") as f:
-            json.dump(config, f)
-        state_dir = tmp / "state"
-        env = {"PDSERVE_CLUSTER_SECRET": secrets.token_hex(32), "PDSERVE_STATE_DIR": str(state_dir)}
-        up_log = tmp / "up.stderr"
-        pdserve = str(Path(sys.executable).parent / "pdserve")
-        with open(up_log, "wb") as err:
-            up = sim.run("head", [pdserve, "up", "--ray-address", sim.ray_address, "--config", str(config_file)],
-                         env, stdout=subprocess.PIPE, stderr=err, text=True)  # fmt: skip
-        probe_proc: subprocess.Popen[str] | None = None
+        up: PdserveUp | None = None
+        probe: Probe | None = None
         try:
-            up_lines, router = Lines(up.stdout), None
-            deadline = time.monotonic() + 240
-            while True:  # its ready lines: "router listening on HOST:PORT" ... "state in FILE"
-                try:
-                    line = up_lines.next(max(deadline - time.monotonic(), 0.01))
-                except queue.Empty:
-                    line = None
-                if line is None:
-                    raise AssertionError(f"pdserve up did not get ready; stdout {up_lines.seen}, stderr:\n"
-                                         f"{up_log.read_text(errors='replace')[-4000:]}")  # fmt: skip
-                if line.startswith("router listening on "):
-                    router = line.removeprefix("router listening on ")
-                if line.startswith("state in "):
-                    break
-            assert router == f"{head}:{ROUTER_PORT}"
-            probe_proc = sim.run("head", [sys.executable, "-c", PROBE, router, redis_url], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
-            probe = Probe(probe_proc)
+            up = PdserveUp(sim, "head", config, tmp, {"PDSERVE_CLUSTER_SECRET": secrets.token_hex(32)})
+            assert up.router == f"{head}:{ROUTER_PORT}"
+            probe = Probe(sim, "head", up.router, redis.url)
             assert probe.workers == ["decode-0", "prefill-0"]
-            yield Cluster(sim, probe, router, kv_bytes_per_token(model_dir), reference, redis_stop, redis_start)
-            assert up.poll() is None, up_log.read_text(errors="replace")[-4000:]  # it served throughout
+            yield Cluster(sim, probe, up.router, kv_bytes_per_token(model_dir), reference, redis.stop, redis.start)
+            assert up.alive(), up.stderr()  # it served throughout
         finally:
-            if probe_proc is not None:
-                if probe_proc.stdin is not None:
-                    probe_proc.stdin.close()  # its loop ends
-                stop_pid(probe_proc, signal.SIGTERM, timeout=20)
-            stop_pid(up, signal.SIGINT, timeout=60)  # drains, stops the workers and the router
-            if redis_proc:
-                stop_pid(redis_proc[-1], timeout=30)
+            if probe is not None:
+                probe.close()
+            if up is not None:
+                up.stop()  # drains, stops the workers and the router
+            redis.stop()
         pids, prefix = sim.recorded_pids(), sim.prefix
     # The run left nothing: no namespace, no link, no process, no run directory.
     assert leftovers(prefix) == []
@@ -443,14 +261,14 @@ def test_across_nodes_output_placement_hashes_and_bytes_on_the_link(cluster: Clu
 
     prompts = [prompt_ids(1, 20), prompt_ids(2, 37), prompt_ids(3, 64)]
     for p in prompts:
-        r = c.probe.generate(p)
+        r = c.probe.generate(p, MAX_TOKENS)
         assert r["token_ids"] == c.reference(p, MAX_TOKENS)
         assert r["finish_reason"] == "length" and r["usage"]["transferred_tokens"] == len(p)
 
     # A long prompt: its KV (prefilled on n1) crosses n2's link.
     long = prompt_ids(4, 600)
     rx = sim.link_bytes("n2").rx
-    r = c.probe.generate(long)
+    r = c.probe.generate(long, MAX_TOKENS)
     grown = sim.link_bytes("n2").rx - rx
     assert r["token_ids"] == c.reference(long, MAX_TOKENS)
     assert r["usage"]["transferred_tokens"] == len(long) and r["usage"]["cached_tokens"] == 0
@@ -468,7 +286,7 @@ def test_across_nodes_output_placement_hashes_and_bytes_on_the_link(cluster: Clu
     assert wait_until(lambda: held_by("decode-0") >= expected, timeout=15)
 
     # The same prompt again: a prefix hit, same tokens.
-    again = c.probe.generate(long)
+    again = c.probe.generate(long, MAX_TOKENS)
     assert again["token_ids"] == r["token_ids"]
     assert again["usage"]["cached_tokens"] > 0
     assert_idle_soon(c)
@@ -483,7 +301,7 @@ def test_partition_between_prefill_and_decode_node_recomputes_then_heals(cluster
         assert connects(sim, "n2", "n1", TRANSFER_PORT) == "timeout"  # silence, not a refusal
         assert connects(sim, "head", "n1", TRANSFER_PORT) == "connected"  # only n1 <-> n2 is cut
         p = prompt_ids(20, 150)
-        r = c.probe.generate(p)
+        r = c.probe.generate(p, MAX_TOKENS)
         # The pull waited for its deadline and gave up; the decode worker computed the prompt itself.
         assert r["token_ids"] == c.reference(p, MAX_TOKENS) and r["finish_reason"] == "length"
         assert r["usage"]["transferred_tokens"] == 0
@@ -505,7 +323,7 @@ def test_partition_between_prefill_and_decode_node_recomputes_then_heals(cluster
     def pulled() -> bool:
         nonlocal last
         q = prompt_ids(next(seeds), 90)
-        last = c.probe.generate(q)
+        last = c.probe.generate(q, MAX_TOKENS)
         assert last["token_ids"] == c.reference(q, MAX_TOKENS)
         return last["usage"]["transferred_tokens"] == len(q)
 
@@ -517,7 +335,7 @@ def test_redis_restart_while_both_nodes_serve(cluster: Cluster) -> None:
     c = cluster
     n1, n2 = c.sim.address("n1"), c.sim.address("n2")
     a = prompt_ids(40, 80)
-    assert c.probe.generate(a)["token_ids"] == c.reference(a, MAX_TOKENS)
+    assert c.probe.generate(a, MAX_TOKENS)["token_ids"] == c.reference(a, MAX_TOKENS)
     a_blocks = {h.hex() for h in block_hashes(a, BLOCK)}
     assert wait_until(lambda: all("prefill-0" in c.holders().get(h, []) for h in a_blocks), timeout=15)
 
@@ -525,12 +343,12 @@ def test_redis_restart_while_both_nodes_serve(cluster: Cluster) -> None:
     try:
         assert c.probe.quietly("registry") is None  # Redis is down indeed
         b = prompt_ids(41, 70)
-        rb = c.probe.generate(b)  # served with Redis down: routed without the index, pulled all the same
+        rb = c.probe.generate(b, MAX_TOKENS)  # served with Redis down: routed without the index, pulled all the same
         assert rb["token_ids"] == c.reference(b, MAX_TOKENS) and rb["usage"]["transferred_tokens"] == len(b)
     finally:
         c.redis_start()  # an empty server: no persistence
     d = prompt_ids(42, 60)
-    rd = c.probe.generate(d)
+    rd = c.probe.generate(d, MAX_TOKENS)
     assert rd["token_ids"] == c.reference(d, MAX_TOKENS)
 
     # The workers come back in the registry, republish what they hold, and the counters resume (the
@@ -546,6 +364,6 @@ def test_redis_restart_while_both_nodes_serve(cluster: Cluster) -> None:
         assert wait_until(lambda: expected <= {k for k, ws in c.holders().items() if worker in ws}, timeout=20), worker
     assert wait_until(lambda: c.counters().get("requests", 0) >= 2
                       and c.counters().get("transferred_tokens", 0) >= len(b) + len(d), timeout=20), c.counters()
-    last = c.probe.generate(a)  # still a prefix hit (the pools kept their blocks through the outage)
+    last = c.probe.generate(a, MAX_TOKENS)  # still a prefix hit (the pools kept their blocks through the outage)
     assert last["usage"]["cached_tokens"] > 0 and last["token_ids"] == c.reference(a, MAX_TOKENS)
     assert_idle_soon(c)
