@@ -19,6 +19,7 @@ import pytest
 
 from pdserve.cluster.simnet import NodeSpec, SimCluster, SimnetError, process_alive, simnet_available
 from tests.support import REPO
+from tests.support.connect_probe import CONNECT
 from tests.support.polling import wait_until
 
 # Probes run inside the namespaces, as separate processes (the test process stays in the root namespace).
@@ -59,15 +60,6 @@ s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
 chunk, sent, end = b"x" * (1 << 20), 0, time.monotonic() + float(sys.argv[3])
 while time.monotonic() < end and sent < 4 << 30:  # bounded in time and in bytes
     s.sendall(chunk); sent += len(chunk)
-"""
-CONNECT = r"""
-import socket, sys
-try:
-    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close(); print("connected")
-except TimeoutError:
-    print("timeout")
-except OSError as exc:
-    print(f"error {exc.errno}")
 """
 DRIVER = r"""
 import json, os, ray

@@ -36,6 +36,7 @@ from pdserve.cluster.simnet import NODE_IFACE, NodeSpec, SimCluster, pids_in_net
 from pdserve.cluster.simnet.service import HeadRedis, PdserveUp, Probe
 from pdserve.engine.kvcache.hashing import block_hashes
 from pdserve.kvindex.embedded import find_redis_server
+from tests.support.connect_probe import CONNECT
 from tests.support.models import copy_tiny_tokenizer, load_hf_reference, randomise
 from tests.support.polling import wait_until
 
@@ -50,15 +51,6 @@ LEASE_TTL_S = 5.0
 IDLE_WITHIN_S = 2.0  # after the last request: no block held, no lease open, no request left
 MAX_TOKENS = 8
 
-CONNECT = r"""
-import socket, sys
-try:
-    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close(); print("connected")
-except TimeoutError:
-    print("timeout")
-except OSError as exc:
-    print(f"error {exc.errno}")
-"""
 
 
 @dataclass
