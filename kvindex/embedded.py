@@ -29,16 +29,19 @@ Used by ``pdserve demo``/``up`` when no ``--redis-url`` is given, and by tests
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import redis
@@ -108,6 +111,23 @@ def _server_pid(host: str, port: int, username: str | None, password: str | None
         return None
     finally:
         client.close()
+
+
+_PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGTERM when the thread that started it ends
+    (Linux's ``PR_SET_PDEATHSIG``; the owner's SIGKILL included); None elsewhere. ``prctl`` is
+    looked up here, before the fork: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = (ctypes.c_int, ctypes.c_ulong)
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _terminate(proc: subprocess.Popen, workdir: str, grace_s: float = 5.0) -> None:
@@ -225,9 +245,10 @@ class EmbeddedRedis:
         with open(log_path, "wb") as log:
             # Its own session: the terminal's SIGINT goes to the foreground process group, and
             # `pdserve up` drains (its workers still writing to Redis) before it stops the server.
+            # Out of the owner's process group, it must still end with its owner, even a killed one.
             proc = subprocess.Popen(
                 self._command(workdir), cwd=workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=_die_with_parent(),
             )
         self._proc, self._workdir = proc, workdir
         self._finalizer = weakref.finalize(self, _terminate, proc, workdir)

@@ -26,6 +26,7 @@ from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.publisher import KVEventPublisher, remove_worker_blocks
 from pdserve.kvindex.registry import WorkerRegistry
 from pdserve.kvindex.stats import STATS_FIELDS, StatsRecorder, read_stats, read_window
+from tests.support import REPO
 from tests.support.polling import wait_until
 from tests.support.redis import running_redis, unique_namespace
 
@@ -568,3 +569,20 @@ def test_config_validation_and_tls_url() -> None:
     assert cfg.client().connection_pool.connection_class is redis.SSLConnection
     with pytest.raises(Exception):  # noqa: B017 - frozen
         cfg.namespace = "x"  # type: ignore[misc]
+
+
+def test_an_embedded_redis_ends_with_its_owner_even_a_killed_one() -> None:
+    """redis-server runs in a session of its own (a terminal's Ctrl-C is for `up` to handle), so a
+    signal to the owner's process group misses it: it must still end when its owner is SIGKILLed."""
+    script = ("from pdserve.kvindex.embedded import EmbeddedRedis\n"
+              "r = EmbeddedRedis().start()\nprint(r._proc.pid, flush=True)\nimport time\ntime.sleep(600)\n")  # fmt: skip
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert owner.stdout is not None
+        pid = int(owner.stdout.readline())
+        assert os.getpgid(pid) != os.getpgid(owner.pid)
+        owner.kill()
+        owner.wait(timeout=30)
+        assert wait_until(lambda: not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), timeout=30)
+    finally:
+        owner.kill()
