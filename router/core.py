@@ -31,7 +31,7 @@ from pdserve.router.admission import Admission, Draining, Overloaded
 from pdserve.router.config import RouterConfig
 from pdserve.router.cost_model import CostModel
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import pick_worker, prefill_locally
+from pdserve.router.policy import pick_worker
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,8 @@ class RouterCore:
         if policy == "auto":
             return self.cost.choose(d, missing_on_decode, p, computed_on_prefill).pull
         if policy == "threshold":
-            return not prefill_locally(missing_on_decode, 0, 1, self.config.local_prefill_threshold)
+            # Conditional disaggregation: what the decode worker lacks is short enough to prefill there.
+            return missing_on_decode > self.config.local_prefill_threshold
         return policy == "pull"
 
     async def _decode_with_retry(self, spec: RequestSpec, route: _Route, prefill: PrefillResult | None,

@@ -38,8 +38,3 @@ def pick_worker(
         if best is None or key < best:
             best, choice = key, w
     return choice
-
-
-def prefill_locally(prompt_len: int, decode_overlap_blocks: int, block_size: int, threshold: int) -> bool:
-    """Conditional disaggregation: the decode worker prefills itself when what it lacks is short."""
-    return prompt_len - decode_overlap_blocks * block_size <= threshold
