@@ -10,7 +10,7 @@ from pathlib import Path
 import redis
 
 from pdserve.cli.state import index_config
-from pdserve.kvindex.config import tenant_digest
+from pdserve.kvindex.config import IndexConfig, now_ms, tenant_digest
 from pdserve.kvindex.stats import hit_rate, read_stats, read_window
 
 DEFAULT_WINDOWS = (60, 300)
@@ -54,6 +54,29 @@ def _rate_line(window: dict, c: dict) -> str:
     )
 
 
+def read_registry(client: redis.Redis, cfg: IndexConfig) -> dict[str, dict]:
+    """Worker id -> role, node (the host of its KV-transfer address: which machine it runs on),
+    address and heartbeat age in seconds, from the worker registry; malformed entries skipped."""
+    out: dict[str, dict] = {}
+    now = now_ms()
+    for wid, raw in client.hgetall(cfg.workers_key).items():
+        try:
+            info = json.loads(raw)
+            address = str(info["grpc_address"])
+            age_s = round((now - int(info["heartbeat_ms"])) / 1000, 1)
+        except (ValueError, TypeError, KeyError):
+            continue
+        wid = wid.decode() if isinstance(wid, bytes) else wid
+        out[wid] = {"role": info.get("role"), "node": address.rsplit(":", 1)[0], "address": address,
+                    "heartbeat_age_s": age_s}  # fmt: skip
+    return out
+
+
+def _worker_label(wid: str, registry: dict[str, dict]) -> str:
+    r = registry.get(wid)
+    return f"worker {wid}" if r is None else f"worker {wid} ({r['role']} on {r['node']})"
+
+
 def format_stats(stats: dict, tenant_names: dict[str, str] | None = None) -> str:
     """Human-readable lines; ``tenant_names`` maps salt digests to names the caller knows. Each
     row's lifetime totals are followed by its rates over each window in ``stats["windows"]``."""
@@ -66,9 +89,10 @@ def format_stats(stats: dict, tenant_names: dict[str, str] | None = None) -> str
             out.append(_rate_line(w, pick(w) or {}))
         return out
 
+    registry = stats.get("registry", {})
     lines = rows("cluster", stats["cluster"], lambda w: w["cluster"])
     for wid, c in sorted(stats["workers"].items()):
-        lines += rows(f"worker {wid}", c, lambda w, wid=wid: w["workers"].get(wid))
+        lines += rows(_worker_label(wid, registry), c, lambda w, wid=wid: w["workers"].get(wid))
     for t, c in sorted(stats["tenants"].items(), key=lambda kv: (kv[0] not in names, names.get(kv[0], kv[0]))):
         lines += rows(f"tenant {names.get(t, t)}", c, lambda w, t=t: w["tenants"].get(t))
     return "\n".join(lines)
@@ -87,6 +111,7 @@ def run_stats(args: argparse.Namespace) -> int:
     client = cfg.client()
     try:
         stats = read_stats(client, cfg)
+        stats["registry"] = read_registry(client, cfg)
         stats["windows"] = {}
         for w in windows:
             stats["windows"][str(w)] = {"window": w, **read_window(client, cfg, w)}

@@ -29,6 +29,11 @@ class RouterConfig:
     max_output_load_tokens: int = 512
     # Retries on another decode worker while no decode token was sent.
     decode_retries: int = 1
+    # A worker whose call failed as unavailable (dead actor, lost node) gets no requests until it
+    # answers a ping; down workers are pinged every health_probe_interval_s, each ping given
+    # health_probe_timeout_s (router/health.py).
+    health_probe_interval_s: float = 1.0
+    health_probe_timeout_s: float = 5.0
     # A request message larger than this is refused before it is read (RESOURCE_EXHAUSTED).
     max_request_bytes: int = 1 * MiB
     # Admission: requests running at once, of them per tenant (cache_salt), and waiting for a slot.
@@ -77,7 +82,8 @@ class RouterConfig:
             w = getattr(self, name)
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {w!r}")
-        for name in ("http_header_timeout_s", "http_body_timeout_s"):
+        for name in ("http_header_timeout_s", "http_body_timeout_s", "health_probe_interval_s",
+                     "health_probe_timeout_s"):
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {t!r}")

@@ -30,6 +30,7 @@ from pdserve.router.accounting import Outcome, RequestAccount, log_access
 from pdserve.router.admission import Admission, Draining, Overloaded
 from pdserve.router.config import RouterConfig
 from pdserve.router.cost_model import CostModel
+from pdserve.router.health import WorkerHealth
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import pick_worker
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
@@ -53,6 +54,9 @@ class WorkerClient(Protocol):
 
     def release(self, worker_id: str, lease_id: str) -> None:
         """Fire and forget: end a lease that no decode worker took over."""
+
+    async def ping(self, worker_id: str) -> object:
+        """Returns when the worker answers; raises when it cannot (asked only of workers that are down)."""
 
 
 @dataclass
@@ -94,6 +98,8 @@ class RouterCore:
         self.admission = Admission(config.max_in_flight, config.max_in_flight_per_tenant, config.max_queued,
                                    config.queue_timeout_s)  # fmt: skip
         self.cost = CostModel(fallback_threshold=config.local_prefill_threshold)
+        self.health = WorkerHealth(lambda w: self.workers.ping(w), config.health_probe_interval_s,
+                                   config.health_probe_timeout_s)  # fmt: skip
         self.metrics = metrics or RouterMetrics()
         self.metrics.watch_admission(lambda: self.admission.in_flight, lambda: self.admission.queued)
 
@@ -102,6 +108,7 @@ class RouterCore:
         return [("prefix-lookup", self.lookup.outages), ("stats", self.stats.outages)]
 
     def close(self) -> None:
+        self.health.close()
         self.lookup.close()
         self.stats.close()
 
@@ -114,7 +121,8 @@ class RouterCore:
             self.cost.observe_prefill(p, result.num_prompt_tokens - result.num_cached_tokens, time.perf_counter() - t0)
             return result
         except WorkerUnavailableError as exc:
-            logger.warning("prefill worker %s unavailable (%s); the decode worker prefills %s", p, exc, spec.request_id)
+            self.health.mark_down(p, exc)
+            logger.warning("prefill worker %s unavailable; the decode worker prefills %s", p, spec.request_id)
             return None
         finally:
             self.prefill_load.add(p, -work)
@@ -144,8 +152,15 @@ class RouterCore:
     async def _generate(self, spec: RequestSpec, account: RequestAccount) -> AsyncIterator[StreamEvent]:
         route = await self._route(spec)
         account.front_worker = route.decode
-        prefill = await self._prefill_first(spec, route)
-        async with _LeaseHold(self.workers, prefill, account):
+        # The decode worker's load counts the request from now (not only once its decode starts), so
+        # that requests arriving together are spread over the decode workers while they prefill.
+        footprint = self._decode_footprint(spec)
+        self.decode_load.add(route.decode, footprint)
+        try:
+            prefill = await self._prefill_first(spec, route)
+        finally:
+            self.decode_load.add(route.decode, -footprint)
+        async with _LeaseHold(self.workers, prefill, account) as lease:
             if prefill is not None:
                 ttft = account.prefilled(prefill)
                 first_lp = None if prefill.first_logprobs is None else [prefill.first_logprobs]
@@ -153,7 +168,7 @@ class RouterCore:
                                   dict(account.usage), first_lp)  # fmt: skip
                 if prefill.finished:
                     return
-            async for event in self._decode_with_retry(spec, route, prefill, account):
+            async for event in self._decode_with_retry(spec, route, prefill, account, lease):
                 yield event
 
     async def _route(self, spec: RequestSpec) -> _Route:
@@ -162,9 +177,13 @@ class RouterCore:
         hashes = block_hashes(spec.prompt_token_ids, bs, self.cache.hash_seed, spec.cache_salt)
         ids = self.workers.prefill_ids + self.workers.decode_ids
         overlaps = await asyncio.to_thread(self.lookup.longest_prefix, hashes, ids) if hashes else {}
-        d = pick_worker(self.workers.decode_ids, overlaps, self.decode_load.queued, bs, cfg.load_weight)
+        down = self.health.down()
+        d = pick_worker(self.workers.decode_ids, overlaps, self.decode_load.queued, bs, cfg.load_weight, exclude=down)
         if d is None:
-            raise WorkerUnavailableError("no decode worker is registered")
+            if not self.workers.decode_ids:
+                raise WorkerUnavailableError("no decode worker is registered")
+            raise WorkerUnavailableError(
+                f"no decode worker is available: {', '.join(sorted(down & set(self.workers.decode_ids)))} down")
         return _Route(overlaps, d)
 
     async def _prefill_first(self, spec: RequestSpec, route: _Route) -> PrefillResult | None:
@@ -172,9 +191,10 @@ class RouterCore:
         it lacks is short) or the prefill worker is unavailable."""
         cfg, bs = self.config, self.cache.block_size
         prompt_len = len(spec.prompt_token_ids)
-        p = pick_worker(self.workers.prefill_ids, route.overlaps, self.prefill_load.queued, bs, cfg.load_weight)
+        p = pick_worker(self.workers.prefill_ids, route.overlaps, self.prefill_load.queued, bs, cfg.load_weight,
+                        exclude=self.health.down())  # fmt: skip
         if p is None:
-            return None  # no prefill worker: the decode worker prefills
+            return None  # no prefill worker up: the decode worker prefills
         missing_on_decode = prompt_len - route.overlaps.get(route.decode, 0) * bs
         computed_on_prefill = prompt_len - route.overlaps.get(p, 0) * bs
         if not self._pulls(route.decode, missing_on_decode, p, computed_on_prefill):
@@ -192,12 +212,13 @@ class RouterCore:
         return policy == "pull"
 
     async def _decode_with_retry(self, spec: RequestSpec, route: _Route, prefill: PrefillResult | None,
-                                 account: RequestAccount) -> AsyncIterator[StreamEvent]:  # fmt: skip
+                                 account: RequestAccount, lease: _LeaseHold) -> AsyncIterator[StreamEvent]:  # fmt: skip
         """Stream the decode worker's tokens; a worker that fails before its first decode token is
-        replaced by the next best (up to ``decode_retries``), one that fails later fails the request."""
+        replaced by the next best worker that is up (up to ``decode_retries``), one that fails later
+        fails the request. A failed worker is marked down (``WorkerHealth``) either way."""
         cfg, bs = self.config, self.cache.block_size
         tried: set[str] = set()
-        footprint = len(spec.prompt_token_ids) + min(spec.params.max_tokens, cfg.max_output_load_tokens)
+        footprint = self._decode_footprint(spec)
         nxt: str | None = route.decode
         while nxt is not None:
             d = nxt
@@ -218,8 +239,10 @@ class RouterCore:
                             return
                 raise WorkerUnavailableError(f"decode worker {d} ended the stream of {spec.request_id} early")
             except WorkerUnavailableError as exc:
+                self.health.mark_down(d, exc)
+                lease.taker_failed()
                 nxt = pick_worker(self.workers.decode_ids, route.overlaps, self.decode_load.queued, bs,
-                                  cfg.load_weight, exclude=frozenset(tried))  # fmt: skip
+                                  cfg.load_weight, exclude=frozenset(tried) | self.health.down())  # fmt: skip
                 if decoded or nxt is None or len(tried) > cfg.decode_retries:
                     raise WorkerUnavailableError(
                         f"decode worker {d} failed after {account.sent} token(s) of request {spec.request_id}: {exc}"
@@ -228,6 +251,11 @@ class RouterCore:
             finally:
                 self.decode_load.add(d, -footprint)
 
+
+    def _decode_footprint(self, spec: RequestSpec) -> int:
+        """The tokens a request adds to its decode worker's load: its prompt and at most
+        ``max_output_load_tokens`` of its output."""
+        return len(spec.prompt_token_ids) + min(spec.params.max_tokens, self.config.max_output_load_tokens)
 
     def _observe_decode_start(self, d: str, spec: RequestSpec, prefill: PrefillResult | None, ev: DecodeEvent,
                               seconds: float) -> None:  # fmt: skip
@@ -250,18 +278,24 @@ class _LeaseHold:
     """The router's side of a prefill worker's lease: from the prefill's result until a decode
     worker takes it over (reports continuing after the remote prefill; its own ``DecodeCall``
     settles it then). If none did when the request ends (finished on the first token, cancelled,
-    every decode worker failed), the lease is released here. Release is idempotent on the
-    holder, deferred there while a pull still streams, and the lease's TTL is the backstop."""
+    every decode worker failed), or a decode worker that took it over failed (it died with the
+    lease unsettled), the lease is released here. Release is idempotent on the holder, deferred
+    there while a pull still streams, and the lease's TTL is the backstop."""
 
     def __init__(self, workers: WorkerClient, prefill: PrefillResult | None, account: RequestAccount) -> None:
         self._workers = workers
         self._prefill = prefill
         self._account = account
+        self._taker_failed = False
+
+    def taker_failed(self) -> None:
+        """A decode worker given this lease failed: it may never settle it."""
+        self._taker_failed = True
 
     async def __aenter__(self) -> _LeaseHold:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         p = self._prefill
-        if p is not None and p.lease_id and not self._account.decode_took_over:
+        if p is not None and p.lease_id and (self._taker_failed or not self._account.decode_took_over):
             self._workers.release(p.worker_id, p.lease_id)

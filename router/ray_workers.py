@@ -54,6 +54,11 @@ class RayWorkers:
         if handle is not None:
             handle.release_request.remote(request_id)  # not awaited; idempotent
 
+    async def ping(self, worker_id: str) -> object:
+        """The worker's ``ready`` answer (its registry info); raises while its actor cannot answer."""
+        handle = self.prefill_handles.get(worker_id) or self.decode_handles[worker_id]
+        return await handle.ready.remote()
+
     def release(self, worker_id: str, lease_id: str) -> None:
         handle = self.prefill_handles.get(worker_id)
         if handle is not None:

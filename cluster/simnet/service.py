@@ -164,7 +164,7 @@ class PdserveUp:
 # Runs in a node's namespace: one JSON command a line on stdin, one JSON answer a line (prefixed, so that
 # nothing else Ray may print is taken for one) on stdout. argv: router address, Redis URL, namespace.
 PROBE = r"""
-import json, os, sys, time
+import json, os, sys, threading, time
 import grpc, ray
 from pdserve import SamplingParams, envs
 from pdserve.cli.client import build_request
@@ -229,8 +229,32 @@ def op_prefill_only(worker, prompt, block_size, hash_seed=None, timeout=10.0):
         time.sleep(0.005)
     return {"cached_tokens": r.num_cached_tokens}
 
-def op_pools():
-    return {wid: ray.get(h.pool_state.remote(), timeout=10) for wid, h in workers.items()}
+def op_pools(only=None):
+    return {wid: ray.get(h.pool_state.remote(), timeout=10) for wid, h in workers.items() if only is None or wid in only}
+
+streams = {}
+
+def _stream(sid, prompt, max_tokens):
+    st = streams[sid]
+    try:
+        req = build_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None)
+        for resp in stub.Generate(req, timeout=120):
+            st["token_ids"] += list(resp.token_ids)
+            if resp.finished:
+                st["finish_reason"] = resp.finish_reason
+    except grpc.RpcError as exc:
+        st["error"] = {"code": exc.code().name, "details": exc.details()}
+    st["done"] = True
+
+def op_start_stream(prompt, max_tokens):
+    # A streamed request in a thread of its own; `streams` says how far each got.
+    sid = str(len(streams))
+    streams[sid] = {"token_ids": [], "finish_reason": None, "error": None, "done": False}
+    threading.Thread(target=_stream, args=(sid, prompt, max_tokens), daemon=True).start()
+    return sid
+
+def op_streams():
+    return {sid: dict(st, token_ids=list(st["token_ids"])) for sid, st in streams.items()}
 
 def op_registry():
     return {wid: json.loads(v) for wid, v in rds.hgetall(f"{namespace}:workers").items()}
@@ -264,7 +288,10 @@ class Probe:
     ``call(op, **args)`` returns the op's answer; ops: ``generate(prompt, max_tokens, cache_salt)``
     -> token_ids, finish_reason, usage, seconds, token_times (seconds from the call to each token);
     ``prefill_only(worker, prompt, block_size, hash_seed)`` (the prompt's KV into that worker's prefix
-    cache only, returned once Redis names it holder of the last full block); ``pools``; ``registry``; ``holders``
+    cache only, returned once Redis names it holder of the last full block); ``pools(only)`` (pool
+    state of every worker, or of those listed); ``start_stream(prompt, max_tokens)`` -> a stream id
+    (a streamed request run in the background), ``streams`` -> id -> token_ids, finish_reason, error
+    (gRPC code and details), done; ``registry``; ``holders``
     (block hex -> holder ids); ``stats`` (``read_stats``). ``close`` ends it (stdin closed, then by pid)."""
 
     def __init__(self, sim: SimCluster, node: str, router: str, redis_url: str, namespace: str = "pdserve",

@@ -17,6 +17,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.model import make_tiny_model
 from pdserve.kvindex.config import IndexConfig, tenant_digest
 from pdserve.kvindex.embedded import EmbeddedRedis
+from pdserve.kvindex.registry import WorkerRegistry
 from pdserve.kvindex.stats import StatsRecorder
 from tests.support import REPO
 from tests.support.redis import unique_namespace
@@ -87,12 +88,18 @@ def test_stats_reads_ratio_of_sums_from_redis(redis_server: EmbeddedRedis, tmp_p
     rec.record({"requests": 1, "prompt_tokens": 300, "prefix_hit_tokens": 0}, cache_salt="b")
     assert rec.flush(10)
     rec.close()
+    with WorkerRegistry(cfg) as registry:  # where w1 runs, as a worker registers itself
+        assert registry.register("w1", {"role": "decode", "grpc_address": "10.0.0.7:50100"})
     r = pdserve("stats", "--redis-url", redis_server.url, "--namespace", ns, "--json")
     assert r.returncode == 0, r.stderr
     stats = json.loads(r.stdout)
     assert stats["hit_rate"] == pytest.approx(90 / 400)  # not the mean of 0.9 and 0.0
     assert stats["workers"]["w1"]["prompt_tokens"] == 400 and len(stats["tenants"]) == 2
+    w1 = stats["registry"]["w1"]
+    assert (w1["role"], w1["node"], w1["address"]) == ("decode", "10.0.0.7", "10.0.0.7:50100")
+    assert 0 <= w1["heartbeat_age_s"] < 60
     text = pdserve("stats", "--redis-url", redis_server.url, "--namespace", ns, "--tenant", "acme=a")
+    assert "worker w1 (decode on 10.0.0.7)" in text.stdout
     assert "hit_rate=22.5%" in text.stdout
     # Rates over the last minute and five minutes follow each row's totals; a tenant whose salt
     # was given is shown by name (the other by its digest).
