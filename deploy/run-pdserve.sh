@@ -9,9 +9,12 @@ set -euo pipefail
 : "${PDSERVE_CLUSTER_SECRET:?missing: run deploy/make-secrets.sh before ray up}"
 : "${PDSERVE_HASH_SEED:?missing: run deploy/make-secrets.sh before ray up}"
 
-# This node's private IP: the source address of its default route.
-ip="$(ip -4 route get 1.1.1.1 2>/dev/null | sed -n 's/.* src \([0-9.]*\).*/\1/p' | head -n 1)"
-[[ -n "$ip" ]] || ip="$(hostname -I | awk '{print $1}')"
+# This node's private IP, found as redis-conf.sh finds it (the address Redis is bound to): the
+# source address of the default route; without a default route, the first address `hostname -I`
+# lists.
+ip="$({ ip -4 route get 1.1.1.1 2>/dev/null || true; } | sed -n 's/.* src \([0-9.]*\).*/\1/p' | head -n 1)"
+[[ -n "$ip" ]] || ip="$({ hostname -I 2>/dev/null || true; } | awk '{print $1}')"
+[[ -n "$ip" ]] || { echo "run-pdserve: cannot tell this node's private IP" >&2; exit 1; }
 # In the environment, not on the command line: ps shows arguments to every user.
 export PDSERVE_REDIS_URL="redis://:${PDSERVE_REDIS_PASSWORD}@${ip}:6379/0"
 

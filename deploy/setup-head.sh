@@ -6,16 +6,17 @@
 #
 #   bash setup-head.sh [DIR]      (default: ~/pdserve, where cluster-gpu.yaml's file_mounts land)
 #
-# 1. Redis (apt redis-server; pdserve needs streams, Redis >= 5): port 6379 on 127.0.0.1 and the
-#    node's private IP (the one run-pdserve.sh gives the workers), the password from
-#    DIR/secrets.env, no
-#    persistence (Redis is pdserve's block index, not its source of truth: the workers republish
-#    the index when Redis comes back empty).
+# 1. Redis (apt redis-server; pdserve needs streams, Redis >= 5) with the settings redis-conf.sh
+#    (next to this script) prints: port 6379 on 127.0.0.1 and the node's private IP (the one
+#    run-pdserve.sh gives the workers), the password from DIR/secrets.env, no persistence (Redis is
+#    pdserve's block index, not its source of truth: the workers republish the index when Redis
+#    comes back empty).
 # 2. The systemd unit pdserve.service (DIR/pdserve.service), enabled; head_start_ray_commands
 #    (re)starts it after Ray.
 set -euo pipefail
 
 DIR="${1:-$HOME/pdserve}"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CONF_D=/etc/redis/pdserve.conf
 MAIN_CONF=/etc/redis/redis.conf
 
@@ -23,11 +24,12 @@ say() { echo "setup-head: $*" >&2; }
 
 [[ -f "$DIR/secrets.env" ]] || { say "no $DIR/secrets.env: run deploy/make-secrets.sh, then ray up again"; exit 1; }
 chmod 600 "$DIR/secrets.env"
-password="$(sed -n 's/^PDSERVE_REDIS_PASSWORD=//p' "$DIR/secrets.env")"
-if [[ ! "$password" =~ ^[A-Za-z0-9._~-]{16,}$ ]]; then
-    say "PDSERVE_REDIS_PASSWORD in $DIR/secrets.env must be 16+ of [A-Za-z0-9._~-] (make-secrets.sh writes hex)"
-    exit 1
-fi
+tmp="$(mktemp)"  # mode 0600: it holds the password
+trap 'rm -f "$tmp"' EXIT
+# Before anything is installed: it checks the password and finds the private IP, or stops here.
+bash "$HERE/redis-conf.sh" "$DIR" >"$tmp"
+password="$(sed -n 's/^requirepass //p' "$tmp")"
+ip="$(sed -n 's/^bind 127\.0\.0\.1 //p' "$tmp")"
 
 if ! command -v redis-server >/dev/null; then
     say "installing redis-server"
@@ -41,22 +43,6 @@ if [[ -z "$version" || "$version" -lt 5 ]]; then
     exit 1
 fi
 
-# The private IP: the source address of the default route (stable across restarts of the node).
-ip="$(ip -4 route get 1.1.1.1 2>/dev/null | sed -n 's/.* src \([0-9.]*\).*/\1/p' | head -n 1)"
-[[ -n "$ip" ]] || ip="$(hostname -I | awk '{print $1}')"
-[[ -n "$ip" ]] || { say "cannot tell this node's private IP"; exit 1; }
-
-tmp="$(mktemp)"
-trap 'rm -f "$tmp"' EXIT
-cat >"$tmp" <<EOT
-# Written by pdserve's deploy/setup-head.sh (included last by ${MAIN_CONF}, so it wins).
-port 6379
-bind 127.0.0.1 ${ip}
-protected-mode yes
-requirepass ${password}
-save ""
-appendonly no
-EOT
 sudo install -m 640 -o redis -g redis "$tmp" "$CONF_D"
 grep -qxF "include ${CONF_D}" "$MAIN_CONF" || echo "include ${CONF_D}" | sudo tee -a "$MAIN_CONF" >/dev/null
 sudo systemctl enable redis-server >/dev/null 2>&1 || true

@@ -17,7 +17,7 @@ from pdserve.cluster.simnet.errors import SimnetError
 from pdserve.cluster.simnet.netns import RUN_PREFIX, LinkBytes
 from pdserve.cluster.simnet.nodes import NodeSpec, SimNode, plan_nodes
 from pdserve.cluster.simnet.procs import RunProcesses, descendants, empty_netns, pids_in_netns
-from pdserve.cluster.simnet.ray_nodes import inherited_env, kill_ray, launch_ray, start_ray, wait_ray
+from pdserve.cluster.simnet.ray_nodes import check_ray_args, inherited_env, kill_ray, launch_ray, start_ray, wait_ray
 from pdserve.cluster.simnet.shaping import LinkProfile, profile_of, shape
 from pdserve.cluster.simnet.state import BASE_DIR, nodes_from_state, read_state, write_state
 
@@ -28,7 +28,10 @@ class SimCluster:
     ``with SimCluster(nodes=[NodeSpec("head", resources={"node_head": 1}), NodeSpec("n1")]) as sim:``
     builds everything on entry (the first node is Ray's head) and removes it on exit. Node arguments
     are node names. Every method raises SimnetError when a step fails. ``close`` is idempotent and
-    also runs at interpreter exit and on SIGTERM.
+    also runs at interpreter exit and on SIGTERM. ``ray_port`` is the head's GCS port; ``ray_args``
+    are more ``ray start`` flags (``--name=value``) for every node, e.g. fixed ports (each node has
+    its own network stack, so every node may take the same one), never one that the cluster sets
+    itself (SimnetError).
     """
 
     def __init__(
@@ -42,6 +45,7 @@ class SimCluster:
         start_timeout: float = 120.0,
         delay: str | None = None,
         ray_env: Mapping[str, str] | None = None,
+        ray_args: Sequence[str] = (),
     ) -> None:
         names = [n.name for n in nodes]
         if not nodes or len(set(names)) != len(names):
@@ -58,6 +62,7 @@ class SimCluster:
         self.ray_port = ray_port
         self.object_store_bytes = object_store_bytes
         self.ray_env = dict(ray_env or {})  # e.g. RAY_health_check_period_ms: Ray's settings for every node
+        self.ray_args = check_ray_args(ray_args)  # e.g. --object-manager-port=8076: more `ray start` flags
         self.start_timeout = start_timeout
         self.prefix = f"{RUN_PREFIX}{secrets.token_hex(3)}"
         self.bridge = f"{self.prefix}-br"

@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 RAY_READY = "Ray runtime started."  # what `ray start` prints once its node runs (also with --block)
 # Inherited settings that would point a node or a driver at another cluster or another token.
 RAY_ENV_DROP = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+# The `ray start` flags the cluster sets on every node (or on the head, or on the others).
+OWN_FLAGS = frozenset({
+    "--block", "--node-ip-address", "--num-cpus", "--num-gpus", "--resources", "--temp-dir", "--object-store-memory",
+    "--disable-usage-stats", "--log-style", "--log-color", "--head", "--port", "--include-dashboard", "--address",
+})  # fmt: skip
 
 
 def inherited_env() -> dict[str, str]:
@@ -39,13 +44,24 @@ def _ray_bin() -> str:
     return found
 
 
+def check_ray_args(args: Sequence[str]) -> tuple[str, ...]:
+    """``args`` as extra ``ray start`` flags: each ``--name=value`` and none of ``OWN_FLAGS``, which
+    the cluster sets itself (a second value would make the node differ from what it records);
+    SimnetError otherwise."""
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if not arg.startswith("--") or "=" not in arg or name in OWN_FLAGS:
+            raise SimnetError(f"ray_args: {arg!r}: give --name=value, not one of {', '.join(sorted(OWN_FLAGS))}")
+    return tuple(args)
+
+
 def _ray_argv(sim: SimCluster, node: SimNode) -> list[str]:
     spec = node.spec
     argv = [
         _ray_bin(), "start", "--block", f"--node-ip-address={node.address}", f"--num-cpus={spec.cpus}",
         "--num-gpus=0", f"--resources={json.dumps(dict(spec.resources))}", f"--temp-dir={node.temp_dir}",
         f"--object-store-memory={sim.object_store_bytes}", "--disable-usage-stats", "--log-style=record",
-        "--log-color=false",
+        "--log-color=false", *sim.ray_args,
     ]  # fmt: skip
     if node.index == 0:
         return argv + ["--head", f"--port={sim.ray_port}", "--include-dashboard=false"]

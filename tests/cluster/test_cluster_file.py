@@ -109,14 +109,14 @@ def test_images_secrets_ports_and_the_supervisor(cluster: dict) -> None:
     assert "Restart=on-failure" in unit and "EnvironmentFile=@HOME@/pdserve/secrets.env" in unit
     assert "ExecStart=/bin/bash @HOME@/pdserve/run-pdserve.sh" in unit
     mounts = cluster["file_mounts"]
-    for name in ("run-pdserve.sh", "pdserve.service", "setup-head.sh", "secrets.env", "service.json"):
+    for name in ("run-pdserve.sh", "pdserve.service", "setup-head.sh", "redis-conf.sh", "secrets.env", "service.json"):
         assert mounts[f"~/pdserve/{name}"] == f"./deploy/{name}"
     assert "deploy/secrets.env" in (REPO / ".gitignore").read_text().splitlines()
     # The GPU nodes get the secrets from the service; their copy goes after every sync (a
     # --restart-only syncs files but runs only the start commands).
     rm = "rm -f ~/pdserve/secrets.env"
     assert rm in cluster["worker_setup_commands"] and rm in cluster["worker_start_ray_commands"]
-    for script in ("make-secrets.sh", "run-pdserve.sh", "setup-head.sh"):
+    for script in ("make-secrets.sh", "run-pdserve.sh", "setup-head.sh", "redis-conf.sh"):
         subprocess.run(["bash", "-n", str(DEPLOY / script)], check=True)
 
 
@@ -148,3 +148,23 @@ def test_the_start_script_hands_pdserve_its_config_and_a_redis_url_of_this_node(
     missing = subprocess.run(["bash", str(DEPLOY / "run-pdserve.sh")], env={**env, "PDSERVE_REDIS_PASSWORD": ""},
                              capture_output=True, text=True, timeout=60)  # fmt: skip
     assert missing.returncode != 0 and "make-secrets.sh" in missing.stderr
+
+
+def test_the_redis_config_binds_this_node_with_the_password_and_refuses_a_weak_one(tmp_path: Path) -> None:
+    # setup-head.sh installs what redis-conf.sh prints (tests/e2e/test_deploy_scripts.py runs Redis on it).
+    password = "pw0123456789abcdef"
+    (tmp_path / "secrets.env").write_text(f"# comment\nPDSERVE_REDIS_PASSWORD={password}\n")
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    r = subprocess.run(["bash", str(DEPLOY / "redis-conf.sh")], env={**env, "HOME": str(tmp_path / "nobody")},
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode != 0 and "make-secrets.sh" in r.stderr and r.stdout == ""  # no ~/pdserve/secrets.env
+    r = subprocess.run(["bash", str(DEPLOY / "redis-conf.sh"), str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    conf = [ln for ln in r.stdout.splitlines() if ln and not ln.startswith("#")]
+    assert conf[0] == "port 6379" and re.fullmatch(r"bind 127\.0\.0\.1 \d+\.\d+\.\d+\.\d+", conf[1]), conf
+    assert conf[2:] == ["protected-mode yes", f"requirepass {password}", 'save ""', "appendonly no"]
+    (tmp_path / "secrets.env").write_text("PDSERVE_REDIS_PASSWORD=short pw\n")
+    r = subprocess.run(["bash", str(DEPLOY / "redis-conf.sh"), str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=60)  # fmt: skip
+    assert r.returncode != 0 and "16+" in r.stderr and r.stdout == ""

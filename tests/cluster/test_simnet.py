@@ -251,3 +251,11 @@ def test_down_removes_what_a_crashed_run_left() -> None:
 def test_node_names_must_be_unique() -> None:
     with pytest.raises(SimnetError, match="unique"):
         SimCluster([NodeSpec("a"), NodeSpec("a")])
+
+
+def test_extra_ray_flags_are_name_value_pairs_the_cluster_does_not_set_itself() -> None:
+    sim = SimCluster([NodeSpec("a")], ray_port=6380, ray_args=["--object-manager-port=8076"])
+    assert sim.ray_args == ("--object-manager-port=8076",) and sim.ray_port == 6380
+    for bad in (["--port=6381"], ["--temp-dir=/tmp/x"], ["--object-manager-port", "8076"], ["8076"]):
+        with pytest.raises(SimnetError, match="ray_args"):
+            SimCluster([NodeSpec("a")], ray_args=bad)

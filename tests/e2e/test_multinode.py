@@ -37,8 +37,8 @@ from pdserve.cluster.simnet.service import HeadRedis, PdserveUp, Probe
 from pdserve.engine.kvcache.hashing import block_hashes
 from pdserve.kvindex.embedded import find_redis_server
 from tests.support.connect_probe import CONNECT
-from tests.support.models import copy_tiny_tokenizer, load_hf_reference, randomise
 from tests.support.polling import wait_until
+from tests.support.sim_models import greedy_reference, make_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -82,23 +82,6 @@ def prompt_ids(seed: int, n: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=g).tolist()
 
 
-def make_checkpoint(out: Path) -> Path:
-    """A seeded random Llama saved by transformers, with KV big enough (4 KiB a token in float32) that
-    a pull stands out of the Ray traffic on a link."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
-                         rms_norm_eps=1e-5, bos_token_id=256, eos_token_id=257)  # fmt: skip
-    torch.manual_seed(3)
-    model = LlamaForCausalLM(config).float()
-    randomise(model, 3)
-    out.mkdir(parents=True)
-    model.save_pretrained(out)
-    copy_tiny_tokenizer(out)
-    return out
-
-
 def kv_bytes_per_token(model_dir: Path) -> int:
     """K and V of every layer, float32 (the CPU engine's dtype), from the checkpoint's config."""
     c = json.loads((model_dir / "config.json").read_text())
@@ -128,14 +111,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("multinode")
     tmp.chmod(0o700)
     model_dir = make_checkpoint(tmp / "model")
-    hf = load_hf_reference(model_dir)
-
-    @torch.no_grad()
-    def reference(prompt: list[int], n: int) -> list[int]:
-        ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)  # fmt: skip
-        return out[0, len(prompt):].tolist()
+    reference = greedy_reference(model_dir)
 
     nodes = [
         NodeSpec("head", cpus=1),
