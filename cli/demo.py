@@ -148,7 +148,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from pdserve.engine.model.hub import resolve_model
 
     model = resolve_model(args.model) if args.model else demo_model()
-    engine = EngineConfig(model=model, cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2))
+    engine = EngineConfig(model=model)
     # Warnings only: the demo tells its own story (no access log, no workers' start-up lines).
     service = Service(ServiceConfig(port=0, http_port=None, engine=engine, log_level="WARNING"))
     try:

@@ -23,11 +23,7 @@ from pdserve.kvindex.config import redact_url
 SUPERVISE_INTERVAL_S = 2.0
 
 # vLLM's flags that pdserve cannot honour: refused with the reason, never accepted and ignored.
-REFUSED_FLAGS = {
-    "gpu_memory_utilization": "--gpu-memory-utilization: pdserve does not profile GPU memory, so it cannot size "
-                              "the KV cache from a fraction of it; give the cache's size per worker instead: "
-                              "--kv-cache-memory-bytes 8GiB (engine.cache.kv_cache_memory_bytes)",
-}  # fmt: skip
+REFUSED_FLAGS: dict[str, str] = {}
 
 
 def build_config(args: argparse.Namespace) -> ServiceConfig:
@@ -63,6 +59,7 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
         engine__cache__hash_seed=args.hash_seed,
         engine__cache__block_size=args.block_size,
         engine__cache__kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        engine__cache__gpu_memory_utilization=args.gpu_memory_utilization,
         engine__cache__kv_cache_dtype=args.kv_cache_dtype,
         engine__cache__kv_offload_gb=args.kv_offload_gb,
         engine__cache__kv_offload_disk_gb=args.kv_offload_disk_gb,

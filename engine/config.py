@@ -16,8 +16,14 @@ class CacheConfig:
     """Paged KV cache: block size, how many blocks (or a memory budget), prefix caching."""
 
     block_size: int = 16
-    num_blocks: int | None = None  # None: derive from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 256 * 1024**2
+    # The pool's size (engine/kv_budget.py): exactly num_blocks blocks when given; else a budget of
+    # kv_cache_memory_bytes (vLLM's --kv-cache-memory-bytes); else the default, on a GPU
+    # gpu_memory_utilization of its memory less the model and activations, on the CPU room for one
+    # request of max_model_len (at least 256 MiB). A budget that cannot hold one request of
+    # max_model_len tokens is refused at start.
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # Root of every block-hash chain (docs/block-hashes.md); the same on every process of a cluster.
     hash_seed: str = field(default_factory=envs.hash_seed)
@@ -50,8 +56,11 @@ class CacheConfig:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_memory_bytes < 1:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
         if not isinstance(self.hash_seed, str):
             raise ValueError(f"hash_seed must be a string, got {self.hash_seed!r}")
 

@@ -21,6 +21,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels.quant import KV_CACHE_DTYPES, is_fp8
+from pdserve.engine.kv_budget import DeviceMemory, activation_reserve, check_max_model_len, plan_kv_pool
 from pdserve.engine.kv_handover import HeldKV, KVHandover, KVLoad, RemotePrefill
 from pdserve.engine.kv_offload import OffloadTier, offload_tiers
 from pdserve.engine.kv_tensor import KVLayout, KVTensor
@@ -32,6 +33,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +152,7 @@ class LLMEngine:
         scales = self.model.kv_scales(quantized=is_fp8(cache_dtype))
         layout = KVLayout(mc.num_hidden_layers, mc.kv_cache_heads, mc.kv_cache_head_dim, cc.block_size, cache_dtype,
                           scales, kind=mc.kv_cache_kind, rope_dim=mc.kv_cache_rope_dim)  # fmt: skip
-        num_blocks = cc.num_blocks or max(1, layout.num_blocks_for_budget(cc.kv_cache_memory_bytes))
+        num_blocks = self._plan_pool(layout)
         self.limits = RequestLimits.for_engine(mc, config, num_blocks)
         self.max_model_len = self.limits.max_model_len
         self.kv_tensor = KVTensor(layout, num_blocks, self.device)
@@ -169,6 +171,8 @@ class LLMEngine:
             self.kv_manager.pool.eviction_sink = offload
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = ModelRunner(self.model, self.kv_tensor, cc.block_size)
+        # Compiles structured-output constraints (once each) on the first request that has one.
+        self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.lock = threading.RLock()
         self.handover = KVHandover(self.kv_manager, self.kv_tensor, self.lock)
         self.handover.tier = self.tier
@@ -195,6 +199,8 @@ class LLMEngine:
         """Validate a prompt and build its Request (not queued). Errors name the field.
 
         ``handoff``: see ``Request``; the request's output then carries its ``HeldKV``.
+        A structured-output constraint is compiled here (unless an equal one was recently):
+        ``ConstraintError`` (a ValueError) when it cannot be.
         """
         ids = _token_ids(prompt_token_ids)
         if not isinstance(params, SamplingParams):
@@ -202,9 +208,11 @@ class LLMEngine:
         self.limits.check(ids, params.max_tokens)
         rid = request_id or uuid.uuid4().hex
         self._check_id_free(rid)
+        so = params.structured_outputs
         return Request(
             rid, ids, params, self.layout.block_size, hash_seed=self.config.cache.hash_seed, cache_salt=cache_salt,
             eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, handoff=handoff,
+            grammar=None if so is None else self.structured.state(so),
         )  # fmt: skip
 
     def _check_id_free(self, request_id: str) -> None:
@@ -231,6 +239,8 @@ class LLMEngine:
             self._check_id_free(request.request_id)
             self._restore_prefix(request)
             self.requests[request.request_id] = request
+            if request.grammar is not None:
+                self.runner.sampler.constrain(request.request_id, request.grammar)
             self.scheduler.add(request)
 
     def _restore_prefix(self, request: Request) -> None:
@@ -275,6 +285,8 @@ class LLMEngine:
                 if load is not None:
                     self.handover.complete(request, load, ok=False)
                 raise
+            if request.grammar is not None:  # advanced over the tokens sampled elsewhere by now
+                self.runner.sampler.constrain(request.request_id, request.grammar)
             if load is None:
                 self.scheduler.add(request)
                 return None
@@ -283,8 +295,9 @@ class LLMEngine:
             return load
 
     def _append_remote_output(self, request: Request, remote: RemotePrefill) -> None:
-        """The tokens sampled elsewhere become the request's first outputs; a seeded sampler
-        skips the draws they took, so the stream continues as if sampled here."""
+        """The tokens sampled elsewhere become the request's first outputs (advancing its grammar,
+        if it has one); a seeded sampler skips the draws they took, so the stream continues as if
+        sampled here."""
         for tok in remote.output_token_ids:
             if not 0 <= tok < self.model_config.vocab_size:
                 raise ValueError(f"output token {tok} is outside the vocabulary")
@@ -359,6 +372,29 @@ class LLMEngine:
         with self.lock:
             if self.tier is not None:
                 self.tier.close()
+
+    def _plan_pool(self, layout: KVLayout) -> int:
+        """The KV pool's block count (engine/kv_budget.py); KVBudgetError when a budget cannot hold one
+        request of max_model_len tokens."""
+        config, mc, cc = self.config, self.model_config, self.config.cache
+        unbounded = RequestLimits.for_engine(mc, config)
+        need = unbounded.blocks_needed(unbounded.max_model_len - 1, 1)
+        device_memory = None
+        if self.device.type == "cuda":
+            def device_memory() -> DeviceMemory:
+                free, total = torch.cuda.mem_get_info(self.device)
+                return DeviceMemory(free, total)
+
+        plan = plan_kv_pool(cc.num_blocks, cc.kv_cache_memory_bytes, cc.gpu_memory_utilization, layout.block_nbytes,
+                            need, device_memory, activation_reserve(
+                                mc.hidden_size, mc.intermediate_size, mc.vocab_size,
+                                config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                                self.dtype.itemsize))  # fmt: skip
+        num_blocks = max(1, plan.num_blocks)
+        usable = RequestLimits.for_engine(mc, config, num_blocks).usable_len
+        check_max_model_len(plan, unbounded.max_model_len, need, usable, cc.block_size, layout.block_nbytes)
+        logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, cc.block_size, plan.source)
+        return num_blocks
 
     def kv_usage(self) -> KVUsage:
         with self.lock:

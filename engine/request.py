@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pdserve.engine.kvcache.hashing import BlockHasher
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.structured import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -33,6 +37,10 @@ class Request:
     prefix-cache hit, or KV handed over), known once the request is first scheduled or loaded.
     ``handoff``: after its prefill and first sampled token the request ends here with its KV
     held for another engine (KV-handover API), unless that token already ends it.
+    ``grammar``: the state of its structured-output constraint, if it has one: every output
+    token advances it once, as it is appended (so a recomputed request, whose old tokens are not
+    appended again, never advances it twice); a token it refuses is a ValueError, and a grammar
+    that ended (matched in full, then EOS) ends the request with ``FINISHED_STOPPED``.
     """
 
     def __init__(
@@ -47,6 +55,7 @@ class Request:
         eos_token_ids: Sequence[int] = (),
         max_model_len: int | None = None,
         handoff: bool = False,
+        grammar: GrammarState | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -61,6 +70,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None
         self.handoff = handoff
+        self.grammar = grammar
         self.hasher = BlockHasher(block_size, seed=hash_seed, cache_salt=cache_salt, lora_name=lora_name)
         self.hasher.extend(self.prompt_token_ids)
 
@@ -81,6 +91,9 @@ class Request:
         return self.hasher.hashes
 
     def append_output_token(self, token_id: int) -> None:
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            raise ValueError(f"request {self.request_id!r}: token {token_id} is not allowed by its structured-output "
+                             "constraint here")  # fmt: skip
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
         self.hasher.extend((token_id,))
@@ -90,6 +103,8 @@ class Request:
         params = self.sampling_params
         last = self.output_token_ids[-1]
         if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.terminated:
             return RequestStatus.FINISHED_STOPPED
         if len(self.output_token_ids) >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH

@@ -1,10 +1,17 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators."""
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators, and the
+token bitmasks of structured outputs."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
+from pdserve.engine.structured.bitmask import apply_bitmask, new_bitmask
+
+if TYPE_CHECKING:
+    from pdserve.engine.structured import GrammarState
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -27,13 +34,22 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
 
 class Sampler:
     """Samples one token per row. Seeded requests own a generator, so their draws do not
-    depend on what else is in the batch."""
+    depend on what else is in the batch. Constrained requests (``constrain``) sample only among
+    the tokens their grammar allows next: one bitmask for the step's rows, applied to the logits
+    on their device before anything else reads them (log-probabilities excepted: they stay the
+    model's). The sampler only reads a grammar's state; whoever appends the token advances it."""
 
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self._grammars: dict[str, GrammarState] = {}
+
+    def constrain(self, request_id: str, grammar: GrammarState) -> None:
+        """Mask ``request_id``'s rows with ``grammar`` from now until ``forget``."""
+        self._grammars[request_id] = grammar
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._grammars.pop(request_id, None)
 
     def _generator(self, request_id: str, params: SamplingParams, device: torch.device) -> torch.Generator | None:
         if params.seed is None:
@@ -61,6 +77,15 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """``logits`` is float32 ``[n, vocab]``; returns one token id per row, and its log-probs
         for the rows whose params ask for them (None for the others)."""
+        raw = logits
+        constrained = [i for i, rid in enumerate(request_ids) if rid in self._grammars]
+        if constrained:
+            if any(p.logprobs is not None for p in params):
+                logits = logits.clone()  # the log-probs are read from the unmasked logits
+            bitmask = new_bitmask(logits.shape[0], logits.shape[-1], logits.device)
+            for i in constrained:
+                self._grammars[request_ids[i]].fill(bitmask, i)
+            apply_bitmask(logits, bitmask, constrained)
         greedy = logits.argmax(dim=-1).tolist()
         out: list[int] = []
         for i, (rid, p) in enumerate(zip(request_ids, params)):
@@ -71,7 +96,7 @@ class Sampler:
             probs = torch.softmax(row, dim=-1)
             gen = self._generator(rid, p, logits.device)
             out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
-        return out, _logprobs(logits, out, params)
+        return out, _logprobs(raw, out, params)
 
 
 def _logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprobs | None]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pdserve.engine.structured.params import StructuredOutputsParams
+
 # Temperatures below this sample greedily: dividing logits by a tinier one overflows float32.
 GREEDY_TEMPERATURE = 1e-5
 # What torch.Generator.manual_seed accepts.
@@ -23,7 +25,9 @@ class SamplingParams:
     them. The engine works in tokens and leaves them to whoever detokenizes (the offline ``LLM``,
     the router). ``logprobs``: return the sampled token's log-probability and that many top
     alternatives (0: only the sampled one), from the model's distribution before temperature,
-    top-k and top-p (vLLM's ``raw_logprobs``).
+    top-k and top-p (vLLM's ``raw_logprobs``), and before a structured-output constraint.
+    ``structured_outputs``: the constraint the output follows (``pdserve.engine.structured``);
+    the engine refuses one it cannot compile (``ValueError`` naming the field).
 
     Validation errors name the offending field.
     """
@@ -37,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -66,6 +71,9 @@ class SamplingParams:
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")  # fmt: skip
 
     @property
     def greedy(self) -> bool:

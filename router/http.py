@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from pdserve.engine.limits import RequestLimits
+from pdserve.engine.structured import check_tokenizer
 from pdserve.engine.tokenizer import ModelTokenizer
 from pdserve.kvindex.config import tenant_digest
 from pdserve.metrics import CONTENT_TYPE_LATEST
@@ -174,6 +175,8 @@ class OpenAIServer:
 
     def _specs(self, req: _Common, prompts: list[Prompt], max_tokens: int | None, logprobs: int | None) -> list[RequestSpec]:
         """Tokenize and check every choice of every prompt (runs off the event loop)."""
+        if (constraint := req.constraint()) is not None and (why := check_tokenizer(self.tokenizer)) is not None:
+            raise InvalidRequest(f"{constraint[0]}: {why}")
         specs = []
         for prompt in prompts:
             ids = tokenize(prompt, self.tokenizer, self.limits.max_model_len)

@@ -2,8 +2,11 @@
 
 Fields follow OpenAI's API and vLLM's extensions to it (``cache_salt``, ``top_k``,
 ``ignore_eos``, ``stop_token_ids``, ``add_special_tokens``, ``add_generation_prompt``,
-``chat_template_kwargs``). Fields of either API that would change the output and that this server
-cannot honour are refused by name (400) when set to anything but their neutral value
+``chat_template_kwargs``, ``structured_outputs`` and the older ``guided_*``). A structured-output
+constraint (``response_format``, ``structured_outputs`` or a ``guided_*`` field: one per request)
+is built and checked with the grammar library here (``_Common.constraint``), so a bad one is a
+400 before any worker sees it. Fields of either API that would change the output and that this
+server cannot honour are refused by name (400) when set to anything but their neutral value
 (``UNSUPPORTED``); fields it does not know at all are ignored, as OpenAI's clients send more over
 time. Every string of a body, known field or not, must be valid Unicode (JSON's escapes can spell
 a lone surrogate): 400 naming where, before anything else reads it.
@@ -20,6 +23,8 @@ from pydantic_core import PydanticCustomError
 
 from pdserve.engine.chat_template import reserved_variable
 from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.engine.structured import ConstraintError, StructuredOutputsParams
+from pdserve.engine.structured.request_fields import GUIDED_FIELDS, from_request
 from pdserve.router.requests import InvalidRequest, Prompt, sampling_params
 
 MAX_N = 16  # choices per request
@@ -47,11 +52,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "skip_special_tokens": (None, True),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
+    "guided_whitespace_pattern": (None,),
     "truncate_prompt_tokens": (None,),
 }
 
@@ -119,6 +120,12 @@ class _Common(_Body):
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     cache_salt: StrictStr | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: StrictStr | dict[str, Any] | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     def _refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
@@ -141,7 +148,18 @@ class _Common(_Body):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            structured_outputs=None if (c := self.constraint()) is None else c[1],
         )
+
+    def constraint(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The request's structured-output constraint and the field that sets it, built and
+        checked with the grammar library (``engine/structured/request_fields.py``); InvalidRequest
+        naming the field for two at once, a bad or unsupported one, or none buildable here."""
+        guided = {name: getattr(self, name) for name in GUIDED_FIELDS}
+        try:
+            return from_request(self.response_format, self.structured_outputs, guided)
+        except ConstraintError as e:
+            raise InvalidRequest(str(e)) from None
 
     @property
     def include_usage(self) -> bool:
@@ -219,13 +237,10 @@ class ChatCompletionRequest(_Common):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     chat_template: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def prompt(self) -> Prompt:
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequest("response_format: only {'type': 'text'} is supported by this server")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs: true")
         return chat_prompt(self.messages, self.add_generation_prompt, self.chat_template, self.chat_template_kwargs,

@@ -72,6 +72,7 @@ FLAGS = [
     (["--kv-cache-memory", "512MiB"], "engine.cache.kv_cache_memory_bytes", 512 << 20),
     (["--kv-cache-memory", "2GB"], "engine.cache.kv_cache_memory_bytes", 2 * 10**9),
     (["--kv-cache-memory", "123456"], "engine.cache.kv_cache_memory_bytes", 123456),
+    (["--gpu-memory-utilization", "0.8"], "engine.cache.gpu_memory_utilization", 0.8),
     (["--seed", "7"], "engine.seed", 7),
     (["--chat-template", TEMPLATE], "engine.chat_template", TEMPLATE),
     (["--revision", "v1.0"], "engine.revision", "v1.0"),
@@ -150,7 +151,7 @@ def test_print_config_shows_the_flags_and_hides_secrets(hub_env: dict[str, str])
         (["--seed", str(2**64)], "seed must be an integer"),
         (["--chat-template", "/no/such/template.jinja"], "cannot read the file"),
         (["--chat-template", "{% if %}"], "Jinja syntax error"),
-        (["--gpu-memory-utilization", "0.9"], "--kv-cache-memory-bytes"),
+        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be a fraction in (0, 1]"),
         (["--model", "org/unknown"], "HF_HUB_OFFLINE"),
     ],
 )

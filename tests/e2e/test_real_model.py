@@ -24,7 +24,7 @@ def smollm2_service():
     path = smollm2_path()
     config = ServiceConfig.load(
         port=0, http_port=0, engine__model=str(path), engine__cache__kv_cache_memory_bytes=128 * 1024**2,
-        router__local_prefill_threshold=8,
+        engine__scheduler__max_model_len=2048, router__local_prefill_threshold=8,
     )  # fmt: skip
     svc = Service(config, progress=lambda _m: None)
     svc.start()
