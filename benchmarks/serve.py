@@ -48,6 +48,11 @@ the JSON), so a second run against the same service starts cold like the first; 
 ID`` fixes it (the same id twice: the second run is warm on purpose; ``--run-id ''``: bare
 ``tenant-<t>``).
 
+``--api-key KEY`` (default ``PDSERVE_API_KEY``, as ``pdserve up`` and ``pdserve generate`` read it)
+is sent with every request: ``Authorization: Bearer KEY`` over HTTP, the metadata ``authorization:
+Bearer KEY`` over gRPC. A self-started service requires that key (the flag's, else the
+environment's); with ``--router`` it is the running service's key.
+
 Run: ``python -m benchmarks.serve [--quick] [--json]`` or ``pdserve bench serve``.
 """
 
@@ -180,12 +185,15 @@ def redis_delta(redis_url: str, namespace: str, before: dict, expect_requests: i
 def measure(
     label: str, address: str, redis_url: str | None, namespace: str, workload: list[BenchRequest],
     params: SamplingParams, timeout_s: float, warmup: int, http: bool = False, salt_prefix: str = "",
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """Warm up (under the salt ``<salt_prefix>bench-warmup-<label>``), snapshot Redis, run the load
-    (gRPC, or the HTTP API at ``address``), summarize, Redis delta."""
+    (gRPC, or the HTTP API at ``address``; every request with ``api_key`` when given), summarize,
+    Redis delta."""
     if warmup:
         log(f"{label}: warm-up ({warmup} requests)")
-        failed = warm_up(address, params, 64, warmup, f"{salt_prefix}bench-warmup-{label}", timeout_s, http)
+        failed = warm_up(address, params, 64, warmup, f"{salt_prefix}bench-warmup-{label}", timeout_s, http,
+                         api_key)  # fmt: skip
         if failed:
             log(f"{label}: warning: {failed} warm-up request(s) failed")
     before = None
@@ -194,7 +202,7 @@ def measure(
         before = _read_stats(redis_url, namespace)
     load = os.getloadavg()[0]
     log(f"{label}: {len(workload)} requests over ~{workload[-1].arrival_s:.1f}s (1-min load avg {load:.2f})")
-    records, wall = run_load(address, workload, params, timeout_s, label, http)
+    records, wall = run_load(address, workload, params, timeout_s, label, http, api_key)
     result = summarize(records, wall)
     result["load_average_1min_before"] = load
     if redis_url and before is not None:
@@ -280,11 +288,12 @@ def _child_processes() -> list[str]:
 def run_service(
     label: str, model_dir: str, cpus_per_worker: float, threshold: int, workload: list[BenchRequest],
     params: SamplingParams, timeout_s: float, warmup: int, edges: bool = False, salt_prefix: str = "",
+    api_key: str | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Start a 1 prefill + 1 decode service, measure it, check its workers, stop it. Returns
-    ``{label: result}``; with ``edges``, ``{"HTTP": ..., "gRPC": ...}``: the workload through each
-    edge of the same service, one after the other, each with tenants (cache salts) of its own so
-    that both start cold."""
+    """Start a 1 prefill + 1 decode service (requiring ``api_key`` when given, which every request
+    then carries), measure it, check its workers, stop it. Returns ``{label: result}``; with
+    ``edges``, ``{"HTTP": ..., "gRPC": ...}``: the workload through each edge of the same service,
+    one after the other, each with tenants (cache salts) of its own so that both start cold."""
     from pdserve.cluster.config import ServiceConfig
     from pdserve.cluster.launcher import Service
     from pdserve.engine.config import CacheConfig, EngineConfig
@@ -294,7 +303,7 @@ def run_service(
     config = ServiceConfig(
         prefill=1, decode=1, cpus_per_worker=cpus_per_worker, port=0, http_port=0,
         engine=EngineConfig(model=model_dir, cache=CacheConfig(kv_cache_memory_bytes=KV_CACHE_BYTES)),
-        index=IndexConfig(url=None), router=RouterConfig(local_prefill_threshold=threshold),
+        index=IndexConfig(url=None), router=RouterConfig(local_prefill_threshold=threshold, api_key=api_key),
     )
     before_children = set(_child_processes())
     service = Service(config, progress=lambda m: log(f"{label}: {m}"))
@@ -310,7 +319,7 @@ def run_service(
             assert where is not None
             load = [dataclasses.replace(r, tenant=f"{side}-{r.tenant}") for r in workload] if edges else workload
             results[side] = measure(side, where, redis_url, config.index.namespace, load, params, timeout_s,
-                                    warmup, http, salt_prefix)  # fmt: skip
+                                    warmup, http, salt_prefix, api_key)  # fmt: skip
         pools = _pool_states(service)
         for wid, pool in pools.items():
             checks[wid]["pool_after"] = pool
@@ -441,8 +450,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-id", default=None, metavar="ID",
                     help="prefix of the tenant salts (ID/tenant-N; default: a fresh id per run, so every run starts "
                          "cold; the same ID again reruns warm; '' for bare tenant-N)")
+    ap.add_argument("--api-key", default=None, metavar="KEY",
+                    help="sent with every request (HTTP 'Authorization: Bearer KEY', gRPC metadata 'authorization: "
+                         "Bearer KEY'); a self-started service requires it (default $PDSERVE_API_KEY)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    from pdserve import envs
+    from pdserve.router.config import check_api_key
+
+    api_key = args.api_key if args.api_key is not None else envs.api_key()
+    try:
+        check_api_key(api_key)
+    except ValueError as e:
+        ap.error(f"--api-key: {e}")
     if args.redis_url and not args.router:
         ap.error("--redis-url goes with --router (a self-started service has its own Redis)")
 
@@ -471,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             result["router"] = args.router
             redis_url, namespace = router_redis(args.router, args.redis_url, args.namespace, args.http)
             runs[args.router] = measure(args.router, args.router, redis_url, namespace, workload,
-                                        params, args.timeout, args.warmup, args.http, salt_prefix)
+                                        params, args.timeout, args.warmup, args.http, salt_prefix, api_key)
         else:
             from pdserve.engine.model import make_tiny_model
 
@@ -482,9 +502,9 @@ def main(argv: list[str] | None = None) -> int:
                 if args.only or args.http:
                     sides = [s for s in sides if (s[0] == DISAGG) == (args.only != "mono")]
                 for label, cpus, threshold in sides:
-                    runs.update(run_service(label, model_dir, cpus, threshold, workload, params,
-                                            args.timeout, args.warmup, edges=args.http, salt_prefix=salt_prefix))
-    except grpc.RpcError as e:
+                    runs.update(run_service(label, model_dir, cpus, threshold, workload, params, args.timeout,
+                                            args.warmup, edges=args.http, salt_prefix=salt_prefix, api_key=api_key))
+    except (grpc.RpcError, RuntimeError) as e:
         print(f"pdserve bench serve: error: {e}", file=sys.stderr)
         return 1
     result["runs"] = runs

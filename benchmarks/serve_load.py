@@ -1,5 +1,9 @@
 """Open-loop load for ``pdserve bench serve``: the seeded multi-tenant workload, a client that sends
-each request at its scheduled time and timestamps every streamed message, and the latency summary."""
+each request at its scheduled time and timestamps every streamed message, and the latency summary.
+
+With an API key (``api_key``), every request carries it as the router requires it: the HTTP header
+``Authorization: Bearer KEY`` (also on ``/v1/models``) or the gRPC metadata ``authorization: Bearer
+KEY``; without one, neither is sent."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from typing import Any
 import grpc
 import httpx
 
-from pdserve.cli.client import build_request
+from pdserve.cli.client import auth_metadata, build_request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.v1 import router_pb2 as pb
 from pdserve.v1 import router_pb2_grpc as pb_grpc
@@ -159,15 +163,17 @@ class ProgressBar:
 
 
 async def _send(
-    stub: pb_grpc.RouterStub, req: BenchRequest, params: SamplingParams, t0: float, timeout_s: float
+    stub: pb_grpc.RouterStub, req: BenchRequest, params: SamplingParams, t0: float, timeout_s: float,
+    metadata: tuple[tuple[str, str], ...] | None = None,
 ) -> RequestRecord:
-    """Stream one request, timestamping every message; errors are recorded, not raised."""
+    """Stream one request (with the call ``metadata``: the API key), timestamping every message;
+    errors are recorded, not raised."""
     rec = RequestRecord(req.index, req.tenant, req.arrival_s)
     request = build_request(list(req.prompt), params, cache_salt=req.tenant, request_id=f"bench-{req.index}")
     rec.sent_s = time.perf_counter() - t0
     try:
         resp: pb.GenerateResponse
-        async for resp in stub.Generate(request, timeout=timeout_s):
+        async for resp in stub.Generate(request, timeout=timeout_s, metadata=metadata):
             now = time.perf_counter() - t0
             if resp.token_ids:
                 rec.message_times.append(now)
@@ -237,22 +243,36 @@ async def _send_http(
     return rec
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The HTTP headers that carry the router's API key (empty: no key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def _model_name(client: httpx.AsyncClient) -> str:
+    """The served model's name from ``/v1/models``; RuntimeError naming the status when it is refused
+    (a 401 there means the API key is missing or wrong)."""
+    resp = await client.get("/v1/models", timeout=30)
+    if resp.status_code != 200:
+        raise RuntimeError(f"GET /v1/models: HTTP {resp.status_code}: {resp.text[:200]}")
+    return str(resp.json()["data"][0]["id"])
+
+
 async def _run_load(
     address: str, workload: list[BenchRequest], params: SamplingParams, timeout_s: float,
-    on_done: Callable[[RequestRecord], None] | None, http: bool = False,
+    on_done: Callable[[RequestRecord], None] | None, http: bool = False, api_key: str | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Send every request at its arrival time, over gRPC or (``http``) the OpenAI-compatible API
-    at ``address``; returns the records and the wall time."""
+    at ``address``, each with ``api_key`` when given; returns the records and the wall time."""
     async with contextlib.AsyncExitStack() as stack:
         if http:
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-            client = await stack.enter_async_context(httpx.AsyncClient(base_url=f"http://{address}", limits=limits))
-            model = (await client.get("/v1/models", timeout=30)).json()["data"][0]["id"]
-            send = functools.partial(_send_http, client, model)
+            client = await stack.enter_async_context(
+                httpx.AsyncClient(base_url=f"http://{address}", limits=limits, headers=auth_headers(api_key)))
+            send = functools.partial(_send_http, client, await _model_name(client))
         else:
             channel = await stack.enter_async_context(grpc.aio.insecure_channel(address))
             await asyncio.wait_for(channel.channel_ready(), timeout=30)
-            send = functools.partial(_send, pb_grpc.RouterStub(channel))
+            send = functools.partial(_send, pb_grpc.RouterStub(channel), metadata=auth_metadata(api_key))
         t0 = time.perf_counter()
         tasks = []
         for req in workload:
@@ -270,7 +290,7 @@ async def _run_load(
 
 def run_load(
     address: str, workload: list[BenchRequest], params: SamplingParams, timeout_s: float, label: str,
-    http: bool = False,
+    http: bool = False, api_key: str | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """``_run_load`` with a progress bar on stderr."""
     bar = ProgressBar(label, len(workload))
@@ -281,11 +301,11 @@ def run_load(
         state["errors"] += rec.error is not None
         bar.update(state["done"], state["errors"])
 
-    return asyncio.run(_run_load(address, workload, params, timeout_s, on_done, http))
+    return asyncio.run(_run_load(address, workload, params, timeout_s, on_done, http, api_key))
 
 
 def warm_up(address: str, params: SamplingParams, prompt_len: int, n: int, salt: str, timeout_s: float,
-            http: bool = False) -> int:  # fmt: skip
+            http: bool = False, api_key: str | None = None) -> int:  # fmt: skip
     """``n`` sequential requests under a salt of their own; returns how many failed."""
     rng = random.Random(12345)
     reqs = [BenchRequest(i, 0.0, salt, tuple(rng.randrange(NUM_BYTE_TOKENS) for _ in range(prompt_len)))
@@ -294,7 +314,7 @@ def warm_up(address: str, params: SamplingParams, prompt_len: int, n: int, salt:
     async def go() -> int:
         failed = 0
         for r in reqs:
-            records, _ = await _run_load(address, [r], params, timeout_s, None, http)
+            records, _ = await _run_load(address, [r], params, timeout_s, None, http, api_key)
             failed += records[0].error is not None
         return failed
 

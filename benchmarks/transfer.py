@@ -1,10 +1,14 @@
-"""KV transfer benchmark: pulling KV blocks over gRPC vs a raw TCP socket, between two processes.
+"""KV transfer benchmark: pulling KV blocks over gRPC and shared memory vs a raw TCP socket, between two processes.
 
 A holder process (this module with ``--serve``) fills a KV tensor of at least
 ``--total-mb`` MiB, leases all of its blocks and serves them over the KV wire, and also
 sends the same bytes over a plain TCP socket (``sendall`` of the whole tensor). This
-process pulls them with ``KVTransferClient.pull_into`` into its own KV tensor, and with
-``recv_into`` straight into a tensor (the best a socket can do), over loopback. Each round
+process pulls them with ``KVTransferClient.pull_into`` into its own KV tensor, once with the
+gRPC stream and once by the same-host transport (``shm``: the holder stages the blocks in a
+sealed memfd, the puller maps it and copies them in), and with ``recv_into`` straight into a
+tensor (the best a socket can do), over loopback; ``memcpy`` is one copy of the same bytes
+between two tensors of this process (a single-threaded slice assignment: what no transport that
+copies the bytes can beat). Each round
 pulls once by every method, one after the other; for each (block size, chunk size) it reports
 the median GB/s (10**9 bytes/s) of ``--repeats`` rounds, the median of the per-round ratios
 (shared machines drift between rounds, less within one), and the CPU seconds each process spent
@@ -15,6 +19,9 @@ The ``bare gRPC`` row is the ceiling of any design that keeps gRPC (Python) as t
 server-streaming method of raw ``bytes`` messages, built once before the timed region, each
 copied once into the tensor on arrival (no protobuf, no checksum, no lease): what grpcio itself
 moves between two processes on this machine.
+
+``--json`` prints, per row, ``raw_tcp`` and ``memcpy`` and, per transport, ``transports.<name>``
+with its ``gbps``, ``over_raw`` and ``over_memcpy`` (medians of per-round ratios).
 
 Run: ``python -m benchmarks.transfer`` or ``pdserve bench transfer [--json]``.
 """
@@ -32,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -151,6 +158,10 @@ def raw_pull(port: int, dest: KVTensor) -> None:
             got += n
 
 
+def memcpy(source: KVTensor, dest: KVTensor) -> None:
+    dest.host_bytes()[:] = source.host_bytes()  # one memcpy, one thread (as the receivers copy)
+
+
 def process_usage(pid: int) -> tuple[float, int] | None:
     """CPU seconds (user + system, all threads) and minor page faults of a live process; None
     where /proc is absent."""
@@ -190,8 +201,8 @@ class Method:
 
 
 def bench_layout(num_layers: int, chunks: list[int], total_bytes: int, repeats: int) -> list[dict]:
-    """For each chunk size: ``repeats`` rounds of raw TCP, our pull and bare gRPC, one after the
-    other in each round, so that every ratio compares pulls made moments apart."""
+    """For each chunk size: ``repeats`` rounds of raw TCP, our gRPC pull, bare gRPC, our shm pull
+    and memcpy, one after the other in each round, so that every ratio compares pulls made moments apart."""
     layout = layout_for(num_layers)
     cmd = [sys.executable, "-m", "pdserve.benchmarks.transfer", "--serve", "--num-layers", str(num_layers),
            "--total-mb", str(total_bytes // MiB), "--chunk-bytes", ",".join(map(str, chunks))]  # fmt: skip
@@ -205,24 +216,36 @@ def bench_layout(num_layers: int, chunks: list[int], total_bytes: int, repeats: 
         n = info["num_blocks"]
         dest = KVTensor(layout, n)
         nbytes = n * layout.block_nbytes
+        raw_pull(info["raw_port"], dest)
+        source = KVTensor(layout, n)  # memcpy's source: the holder's bytes, in this process
+        source.host_bytes()[:] = dest.host_bytes()
         rows = []
         for chunk in chunks:
             config = TransferConfig(chunk_bytes=chunk, pull_timeout_s=600.0)
             opts = [("grpc.max_receive_message_length", chunk + MiB)]
-            with KVTransferClient(f"127.0.0.1:{info['grpc_port']}", config) as client, \
+            address = f"127.0.0.1:{info['grpc_port']}"
+            with KVTransferClient(address, replace(config, shm=False)) as client, \
+                    KVTransferClient(address, config) as shm_client, \
                     grpc.insecure_channel(f"127.0.0.1:{info['bare_port']}", options=opts) as channel:  # fmt: skip
                 client.metadata()  # connect outside the timed region, as the raw socket's peer is listening
+                if not shm_client.metadata().shm_socket:
+                    raise RuntimeError("the holder offers no shared-memory transport")
                 grpc.channel_ready_future(channel).result(timeout=30)
                 chunk_counts: list[int] = []
 
-                def ours() -> None:
-                    stats = client.pull_into(dest, list(range(n)), lease_id=info["lease_id"])
-                    if stats.num_bytes != nbytes:
-                        raise RuntimeError(f"gRPC pull delivered {stats.num_bytes} of {nbytes} bytes")
-                    chunk_counts.append(stats.num_chunks)
+                def pull_with(c: KVTransferClient, transport: str) -> None:
+                    stats = c.pull_into(dest, list(range(n)), lease_id=info["lease_id"])
+                    if stats.num_bytes != nbytes or stats.transport != transport:
+                        raise RuntimeError(f"{transport} pull delivered {stats.num_bytes} of {nbytes} bytes by "
+                                           f"{stats.transport}")  # fmt: skip
+                    if transport == "grpc":
+                        chunk_counts.append(stats.num_chunks)
 
-                methods = [Method("raw", lambda: raw_pull(info["raw_port"], dest)), Method("ours", ours),
-                           Method("bare", lambda: bare_pull(channel, chunk, dest))]  # fmt: skip
+                methods = [Method("raw", lambda: raw_pull(info["raw_port"], dest)),
+                           Method("ours", lambda: pull_with(client, "grpc")),
+                           Method("bare", lambda: bare_pull(channel, chunk, dest)),
+                           Method("shm", lambda: pull_with(shm_client, "shm")),
+                           Method("memcpy", lambda: memcpy(source, dest))]  # fmt: skip
                 for m in methods:  # one untimed round: connections, first-touch of buffers
                     m.pull()
                 for _ in range(repeats):
@@ -231,13 +254,16 @@ def bench_layout(num_layers: int, chunks: list[int], total_bytes: int, repeats: 
                         m.run(holder.pid)
                         if tensor_digest(dest) != info["digest"]:
                             raise RuntimeError(f"{m.name} delivered wrong bytes")
-            raw, grpc_pull, bare = methods
+            raw, grpc_pull, bare, shm, copy = methods
             per_round = lambda a, b: statistics.median(x / y for x, y in zip(a.seconds, b.seconds))  # noqa: E731
+            transports = {name: {**m.summary(nbytes), "over_raw": per_round(raw, m), "over_memcpy": per_round(copy, m)}
+                          for name, m in (("grpc", grpc_pull), ("shm", shm))}  # fmt: skip
             rows.append({
                 "block_nbytes": layout.block_nbytes, "chunk_bytes": chunk, "num_blocks": n, "total_bytes": nbytes,
-                "num_chunks": chunk_counts[-1], "raw_tcp": raw.summary(nbytes), "grpc": grpc_pull.summary(nbytes),
-                "bare_grpc": bare.summary(nbytes), "grpc_over_raw": per_round(raw, grpc_pull),
-                "bare_grpc_over_raw": per_round(raw, bare), "grpc_over_bare": per_round(bare, grpc_pull),
+                "num_chunks": chunk_counts[-1], "raw_tcp": raw.summary(nbytes), "grpc": transports["grpc"],
+                "bare_grpc": bare.summary(nbytes), "memcpy": copy.summary(nbytes), "transports": transports,
+                "grpc_over_raw": per_round(raw, grpc_pull), "bare_grpc_over_raw": per_round(raw, bare),
+                "grpc_over_bare": per_round(bare, grpc_pull), "shm_over_raw": per_round(raw, shm),
             })  # fmt: skip
         return rows
     finally:
@@ -281,10 +307,13 @@ def main(argv: list[str] | None = None) -> int:
         [
             (
                 f"block {r['block_nbytes'] // 1024} KiB, chunk {r['chunk_bytes'] / MiB:g} MiB, {r['total_bytes'] / MiB:.0f} MiB",
-                f"gRPC {r['grpc']['gbps']:.2f} GB/s | raw TCP {r['raw_tcp']['gbps']:.2f} | bare gRPC"
-                f" {r['bare_grpc']['gbps']:.2f} | ours/raw {r['grpc_over_raw']:.2f} bare/raw {r['bare_grpc_over_raw']:.2f}"
+                f"gRPC {r['grpc']['gbps']:.2f} GB/s | shm {r['transports']['shm']['gbps']:.2f} | raw TCP"
+                f" {r['raw_tcp']['gbps']:.2f} | bare gRPC {r['bare_grpc']['gbps']:.2f}"
+                f" | memcpy {r['memcpy']['gbps']:.2f}"
+                f" | ours/raw {r['grpc_over_raw']:.2f} shm/raw {r['shm_over_raw']:.2f}"
+                f" shm/memcpy {r['transports']['shm']['over_memcpy']:.2f} bare/raw {r['bare_grpc_over_raw']:.2f}"
                 f" ours/bare {r['grpc_over_bare']:.2f} | CPU s/GB holder/puller: ours {_cpu(r['grpc'])}"
-                f" raw {_cpu(r['raw_tcp'])} bare {_cpu(r['bare_grpc'])}",
+                f" shm {_cpu(r['transports']['shm'])} raw {_cpu(r['raw_tcp'])} bare {_cpu(r['bare_grpc'])}",
             )
             for r in rows
         ],

@@ -79,7 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 BENCHMARKS = {
     "kvcache": ("pdserve.benchmarks.kvcache", "block hashing vs raw xxh3, BlockPool operations per second"),
     "engine": ("pdserve.benchmarks.engine", "offline batch throughput vs transformers, paged-KV memory use"),
-    "transfer": ("pdserve.benchmarks.transfer", "KV pull over gRPC vs a raw TCP socket"),
+    "transfer": ("pdserve.benchmarks.transfer", "KV pull over gRPC and shared memory vs a raw TCP socket"),
     "prefix": ("pdserve.benchmarks.prefix", "TTFT with a cached long prefix vs cold"),
     "serve": ("pdserve.benchmarks.serve", "open-loop load on 1P+1D vs monolithic; --http: via the OpenAI API"),
     "kvquant": ("pdserve.benchmarks.kv_quant", "FP8 KV cache vs unquantized: perplexity, greedy agreement, bytes"),
@@ -87,6 +87,7 @@ BENCHMARKS = {
     "soak": ("pdserve.benchmarks.soak", "a long run with clients leaving mid-stream: outcomes, latency, RSS, leaks"),
     "mla": ("pdserve.benchmarks.mla", "MLA: KV bytes per token vs GQA/MHA, decode absorbed vs naive"),
     "links": ("pdserve.benchmarks.links", "KV pull vs recompute vs auto policy on fast, slow and thin simulated links"),
+    "outside": ("pdserve.benchmarks.outside", "guidellm (an outside load generator) against pdserve up's OpenAI API"),
 }
 
 
@@ -204,9 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens each worker computes in one step (default 2048)")
     p.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", type=human_int, default=None, metavar="SIZE",
                    help="KV cache of each worker in bytes: 8GiB, 512MiB, 4G (= 4GiB), 4g or 4GB (= 4*10^9) "
-                        "(default 256MiB)")
+                        "(default: on a GPU, --gpu-memory-utilization of it; on the CPU, room for one request of "
+                        "--max-model-len, at least 256MiB); refused at start when it cannot hold one request of "
+                        "--max-model-len")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
-                   help="not supported (refused): pdserve does not profile GPU memory; use --kv-cache-memory-bytes")
+                   help="on a GPU without --kv-cache-memory-bytes: the fraction of its memory a worker may use, "
+                        "the model and activations included; the rest of it is the KV cache (default 0.9; no "
+                        "effect on the CPU)")
     p.add_argument("--seed", type=_seed, default=None,
                    help="seed of each engine's random generator at start, which requests without a seed of "
                         "their own sample from (default: not seeded)")

@@ -129,7 +129,7 @@ class DecodeCall:
                 client = rt.client(prefill.address)
                 used.append(client)
                 pulled = pull_kv(client, rt.engine.handover.kv_tensor, load, lease_id=prefill.lease_id)
-                rt.metrics.transfer_done(pulled.num_bytes, pulled.num_blocks, pulled.seconds)
+                rt.metrics.transfer_done(pulled.num_bytes, pulled.num_blocks, pulled.seconds, pulled.transport)
                 self.pulled_bytes = pulled.num_bytes
                 ok = True
                 return client

@@ -16,11 +16,21 @@ every failure raises a ``TransferError`` subclass:
 
 A failed pull leaves the destination blocks partly written; the caller frees them
 (the engine does, at ``finish_load(ok=False)``) and recomputes.
+
+Transports: the bytes of a pull come over the gRPC stream, or, from a holder on this host, in a
+sealed memfd (``kvtransfer.shm``): used when ``config.shm`` is on and the holder's last
+``metadata()`` answer (``check_compatible`` fetches it) names this host and a Unix socket that
+exists. A failure of that path before any byte is written (socket refused, ticket expired or
+refused, no memfd received) falls back to the gRPC stream for the same pull; the returned
+``PullStats.transport`` says which carried the bytes.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -37,8 +47,16 @@ from pdserve.kvtransfer.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from pdserve.kvtransfer.protoconv import WireFormatError, decode_chunk, layout_to_proto, metadata_from_proto
+from pdserve.kvtransfer.protoconv import (
+    WireFormatError,
+    decode_chunk,
+    layout_to_proto,
+    metadata_from_proto,
+    offer_from_proto,
+)
 from pdserve.kvtransfer.receiver import BlockReceiver
+from pdserve.kvtransfer.shm import ShmUnavailable, host_id, mapped_chunk
+from pdserve.kvtransfer.shm_socket import fetch_region
 from pdserve.kvtransfer.wire import (
     MISSING_HASHES_KEY,
     Chunk,
@@ -47,8 +65,12 @@ from pdserve.kvtransfer.wire import (
     TransferMetadata,
     describe_mismatch,
 )
+from pdserve.ratelog import RateLimitFilter
 from pdserve.security import ClusterAuth
 from pdserve.v1 import kvtransfer_pb2 as pb
+
+logger = logging.getLogger(__name__)
+logger.addFilter(RateLimitFilter())  # a peer that keeps refusing must not flood the log
 
 _SERVICE = "/pdserve.v1.KVTransfer/"
 
@@ -86,8 +108,11 @@ class KVTransferClient:
                                             response_deserializer=pb.GetMetadataResponse.FromString)  # fmt: skip
         self._release = ch.unary_unary(_SERVICE + "Release", response_deserializer=pb.ReleaseResponse.FromString)
         self._pull = ch.unary_stream(_SERVICE + "Pull")
+        self._pull_shm = ch.unary_unary(_SERVICE + "PullShm", response_deserializer=pb.PullShmResponse.FromString)
         self._auth = ClusterAuth(c.cluster_secret, caller=caller) if c.cluster_secret else None
         self._pull_slots = threading.BoundedSemaphore(c.max_pulls_per_peer)
+        self._holder: TransferMetadata | None = None  # the last metadata() answer
+        self._dead_socket: str | None = None  # a holder socket that could not be used
 
     def _signed(self, method: str, request: Message) -> tuple[bytes, tuple[tuple[str, str], ...]]:
         """``request``'s bytes and the metadata signing exactly them for one call of ``method``."""
@@ -111,7 +136,8 @@ class KVTransferClient:
             msg = self._get_metadata(body, timeout=timeout_s or self.config.metadata_timeout_s, metadata=metadata)
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
-        return metadata_from_proto(msg)
+        self._holder = meta = metadata_from_proto(msg)
+        return meta
 
     def check_compatible(self, local_layout: KVLayout, fingerprint: str, timeout_s: float | None = None) -> TransferMetadata:
         """Fetch the holder's metadata; raise ``LayoutMismatchError`` naming every field
@@ -149,7 +175,8 @@ class KVTransferClient:
         Name the blocks by ``lease_id`` (the lease's blocks from ``first_block`` on; the
         lease must have exactly ``len(dest_block_ids)`` of them left) or by
         ``block_hashes`` (one per destination block). The holder checks the local layout.
-        Returns the stats; raises a ``TransferError`` on any failure (module docstring).
+        Returns the stats (``transport``: what carried the bytes); raises a ``TransferError`` on
+        any failure (module docstring).
         """
         if (lease_id is None) == (block_hashes is None):
             raise InvalidPullError("pass exactly one of lease_id and block_hashes")
@@ -170,10 +197,22 @@ class KVTransferClient:
         timeout = timeout_s or self.config.pull_timeout_s
         if not self._pull_slots.acquire(timeout=timeout):
             raise TransferTimeoutError(f"no pull slot to {self.address} within {timeout}s", peer=self.address)
+        deadline = time.monotonic() + timeout  # both transports' tries together
         call = None
         try:
+            socket_path = self._shm_socket()
+            if socket_path is not None:
+                try:
+                    return self._pull_by_shm(socket_path, request, receiver, deadline)
+                except ShmUnavailable as exc:  # nothing written yet: the same pull over gRPC
+                    if exc.permanent:
+                        self._dead_socket = socket_path
+                        logger.warning("shared-memory pulls from %s off until it advertises another socket: %s",
+                                       self.address, exc)  # fmt: skip
+                    else:
+                        logger.info("shared-memory pull from %s fell back to gRPC: %s", self.address, exc)
             body, metadata = self._signed("Pull", request)
-            call = self._pull(body, timeout=timeout, metadata=metadata)
+            call = self._pull(body, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
             for data in call:
                 receiver.accept(_decode(data))
             return receiver.finish()
@@ -188,6 +227,40 @@ class KVTransferClient:
             if call is not None:
                 call.cancel()  # no-op once the stream completed; frees the holder's pins otherwise
             self._pull_slots.release()
+
+    # -- same-host transport --------------------------------------------------------------
+    def _shm_socket(self) -> str | None:
+        """The holder's Unix socket when its bytes may come by shared memory (module docstring)."""
+        holder = self._holder
+        if not self.config.shm or holder is None or not holder.shm_socket or holder.shm_socket == self._dead_socket:
+            return None
+        if not holder.host_id or holder.host_id != host_id() or not os.path.exists(holder.shm_socket):
+            return None
+        return holder.shm_socket
+
+    def _pull_by_shm(self, socket_path: str, request: pb.PullRequest, receiver: BlockReceiver,
+                     deadline: float) -> PullStats:  # fmt: skip
+        """PullShm for a ticket, the region from the socket, its blocks through ``receiver``.
+        Raises ``ShmUnavailable`` before any write, a ``grpc.RpcError`` or ``TransferError`` as Pull."""
+        body, metadata = self._signed("PullShm", pb.PullShmRequest(pull=request, host_id=host_id()))
+        try:
+            msg = self._pull_shm(body, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
+        except grpc.RpcError as exc:
+            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise ShmUnavailable("the holder has no PullShm", permanent=True) from exc
+            raise
+        offer = offer_from_proto(msg)
+        if offer.refused:
+            raise ShmUnavailable(f"the holder refused: {offer.refused}")
+        fd = fetch_region(socket_path, offer.ticket, deadline - time.monotonic())
+        try:
+            with mapped_chunk(fd, offer) as chunk:
+                receiver.accept(chunk)
+        finally:
+            os.close(fd)
+        stats = receiver.finish()
+        stats.transport = "shm"
+        return stats
 
     # -- errors ---------------------------------------------------------------------------
     def _error(self, exc: grpc.RpcError) -> TransferError:

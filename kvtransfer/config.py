@@ -42,6 +42,13 @@ class TransferConfig:
     (a puller keeps to the same number on its side), a stream that cannot send its next chunk
     for ``stall_timeout_s`` or runs past ``pull_timeout_s`` is cancelled, and calls beyond
     ``server_threads`` are refused (``RESOURCE_EXHAUSTED``) instead of queued.
+
+    Same-host transport (``kvtransfer/shm.py``, docs/kv-wire.md): with ``shm`` a holder also serves
+    pulls through sealed memfds handed over its Unix socket (in a fresh 0700 directory under
+    ``shm_dir``; None: ``$XDG_RUNTIME_DIR`` when it is the user's own, else the temp directory),
+    and a puller uses them for holders on its own kernel and user, gRPC otherwise and as the
+    fallback. A staged region waits at most ``shm_ticket_ttl_s`` for its puller, and at most
+    ``max_pulls_per_peer`` of them per peer host.
     """
 
     chunk_bytes: int = 2 * MiB  # 1-2 MiB measured fastest over loopback (benchmarks/transfer.py, README)
@@ -61,9 +68,16 @@ class TransferConfig:
     # Where a worker's transfer server listens: "LO-HI" (the first free port of the range, so a
     # firewall can name them); None: any free port.
     port_range: str | None = None
+    shm: bool = True
+    shm_dir: str | None = None
+    shm_ticket_ttl_s: float = 5.0
 
     def __post_init__(self) -> None:
         self.ports()  # validates port_range
+        if not isinstance(self.shm, bool):
+            raise ValueError(f"shm must be true or false, got {self.shm!r}")
+        if self.shm_dir is not None and (not isinstance(self.shm_dir, str) or not self.shm_dir):
+            raise ValueError(f"shm_dir must be a non-empty path or None, got {self.shm_dir!r}")
         if not isinstance(self.chunk_bytes, int) or not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be an integer in [1, {MAX_CHUNK_BYTES}], got {self.chunk_bytes!r}")
         if not isinstance(self.max_blocks_per_chunk, int) or not 1 <= self.max_blocks_per_chunk <= 1 << 20:
@@ -73,7 +87,7 @@ class TransferConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         check_secret(self.cluster_secret)
         for name in ("lease_ttl_s", "reap_interval_s", "metadata_timeout_s", "pull_timeout_s", "release_timeout_s",
-                     "stall_timeout_s"):
+                     "stall_timeout_s", "shm_ticket_ttl_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from pdserve.kvtransfer.shm import ShmBlock, ShmOffer
 from pdserve.kvtransfer.wire import Chunk, LayoutSpec, Piece, TransferMetadata
 from pdserve.v1 import kvtransfer_pb2 as pb
 
@@ -45,6 +46,8 @@ def metadata_to_proto(meta: TransferMetadata) -> pb.GetMetadataResponse:
         layout=layout_to_proto(meta.layout),
         worker_id=meta.worker_id,
         max_chunk_bytes=meta.max_chunk_bytes,
+        host_id=meta.host_id,
+        shm_socket=meta.shm_socket,
     )
 
 
@@ -54,6 +57,36 @@ def metadata_from_proto(msg: pb.GetMetadataResponse) -> TransferMetadata:
         layout=layout_from_proto(msg.layout),
         worker_id=msg.worker_id,
         max_chunk_bytes=msg.max_chunk_bytes,
+        host_id=msg.host_id,  # empty from a holder that predates the same-host transport
+        shm_socket=msg.shm_socket,
+    )
+
+
+def offer_to_proto(offer: ShmOffer) -> pb.PullShmResponse:
+    return pb.PullShmResponse(
+        refused=offer.refused,
+        ticket=offer.ticket,
+        ticket_ttl_ms=round(offer.ticket_ttl_s * 1000),
+        region_bytes=offer.region_bytes,
+        block_nbytes=offer.block_nbytes,
+        total_tokens=offer.total_tokens,
+        blocks=[
+            pb.ShmBlock(index=b.index, block_hash=b.block_hash, num_tokens=b.num_tokens, offset=b.offset,
+                        checksum=b.checksum)
+            for b in offer.blocks
+        ],  # fmt: skip
+    )
+
+
+def offer_from_proto(msg: pb.PullShmResponse) -> ShmOffer:
+    return ShmOffer(
+        refused=msg.refused,
+        ticket=msg.ticket,
+        ticket_ttl_s=msg.ticket_ttl_ms / 1000,
+        region_bytes=msg.region_bytes,
+        block_nbytes=msg.block_nbytes,
+        total_tokens=msg.total_tokens,
+        blocks=tuple(ShmBlock(b.index, b.block_hash, b.num_tokens, b.offset, b.checksum) for b in msg.blocks),
     )
 
 

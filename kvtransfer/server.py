@@ -14,14 +14,20 @@ stream is cancelled. With ``config.cluster_secret`` every call must carry a toke
 member signed for that very call (method, request bytes, fresh nonce; ``pdserve.security``): the
 ``AuthInterceptor`` wraps every registered handler, so each is checked before its request is even
 deserialized and no servicer method can skip it. With ``config.tls`` the port speaks TLS only.
+
+Same-host pulls (``config.shm``): ``PullShm`` takes the same path as ``Pull`` (authentication,
+per-peer admission, layout, lease and hash checks, the same status codes), then stages the blocks
+in a sealed memfd and answers with a one-time ticket that the puller redeems on the holder's
+Unix socket (``kvtransfer.shm_server.ShmExporter``, started and stopped with the server).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
+from dataclasses import replace
 from typing import NoReturn
 
 import grpc
@@ -29,7 +35,9 @@ import grpc
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.errors import BlockNotFoundError, InvalidPullError, LayoutMismatchError, TransferError
 from pdserve.kvtransfer.guard import PullGuard
-from pdserve.kvtransfer.protoconv import encode_chunk, layout_from_proto, metadata_to_proto
+from pdserve.kvtransfer.protoconv import encode_chunk, layout_from_proto, metadata_to_proto, offer_to_proto
+from pdserve.kvtransfer.shm import ShmOffer, StagedRegion, stage
+from pdserve.kvtransfer.shm_server import ShmExporter
 from pdserve.kvtransfer.source import BlockSource, PinnedBlocks
 from pdserve.kvtransfer.wire import MISSING_HASHES_KEY, Chunk
 from pdserve.security import AuthInterceptor, ClusterAuth
@@ -47,6 +55,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
     ``Pull`` yields ``kvtransfer.wire.Chunk``s, not protos: ``add_servicer_to_server``
     registers ``protoconv.encode_chunk`` as its serializer (the PullChunk wire format,
     written with one copy of the payload; see there why not ``SerializeToString``).
+    ``shm`` (set by ``start_transfer_server``; None: no same-host transport) serves PullShm.
     """
 
     def __init__(self, source: BlockSource, config: TransferConfig | None = None) -> None:
@@ -54,9 +63,13 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         self.config = config or source.config
         c = self.config
         self.guard = PullGuard(c.max_pulls_per_peer, c.stall_timeout_s, c.pull_timeout_s)
+        self.shm: ShmExporter | None = None
 
     def GetMetadata(self, request: pb.GetMetadataRequest, context: grpc.ServicerContext) -> pb.GetMetadataResponse:
-        return metadata_to_proto(self.source.metadata())
+        meta = self.source.metadata()
+        if self.shm is not None:
+            meta = replace(meta, host_id=self.shm.host_id, shm_socket=self.shm.socket_path)
+        return metadata_to_proto(meta)
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=self.source.release(request.lease_id))
@@ -86,6 +99,39 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         finally:
             ticket.close()
 
+    def PullShm(self, request: pb.PullShmRequest, context: grpc.ServicerContext) -> pb.PullShmResponse:
+        shm = self.shm
+        if shm is None:
+            return offer_to_proto(ShmOffer(refused="this holder offers no shared-memory transport"))
+        if request.host_id != shm.host_id:
+            return offer_to_proto(ShmOffer(refused="the puller runs on another host"))
+        ticket = self.guard.admit(context.peer(), context.cancel)
+        if ticket is None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"too many pulls from this peer at once (at most {self.guard.max_per_peer})")
+        try:
+            try:
+                pinned = self._open(request.pull)
+            except TransferError as exc:
+                _abort(context, exc)
+            with pinned:  # unpinned once copied: the region is the pull's own copy
+                try:
+                    region = self._stage(pinned, ticket.progress)
+                except OSError as exc:  # no memory or descriptors: the puller streams instead
+                    logger.warning("cannot stage a shared-memory pull: %s", exc)
+                    return offer_to_proto(ShmOffer(refused=f"cannot stage: {exc}"))
+            if not context.is_active():  # cancelled meanwhile (deadline, watchdog): nobody will redeem it
+                region.close()
+                context.abort(grpc.StatusCode.CANCELLED, "the pull ended while its blocks were staged")
+            return offer_to_proto(shm.offer(region, context.peer()))
+        finally:
+            ticket.close()
+
+    def _stage(self, pinned: PinnedBlocks, progress: Callable[[], None]) -> StagedRegion:
+        """The pinned blocks copied into a sealed memfd (a test holder overrides it to corrupt one)."""
+        nbytes = self.source.layout.block_nbytes
+        return stage(pinned, nbytes, lambda block_id: self.source.read(block_id, 0, nbytes), progress)
+
     def _open(self, request: pb.PullRequest) -> PinnedBlocks:
         if request.HasField("expected_layout"):
             self.source.check_layout(layout_from_proto(request.expected_layout))
@@ -110,6 +156,11 @@ def add_servicer_to_server(servicer: KVTransferServicer, server: grpc.Server) ->
         ),
         "Pull": grpc.unary_stream_rpc_method_handler(
             servicer.Pull, request_deserializer=pb.PullRequest.FromString, response_serializer=encode_chunk
+        ),
+        "PullShm": grpc.unary_unary_rpc_method_handler(
+            servicer.PullShm,
+            request_deserializer=pb.PullShmRequest.FromString,
+            response_serializer=pb.PullShmResponse.SerializeToString,
         ),
         "Release": grpc.unary_unary_rpc_method_handler(
             servicer.Release,
@@ -143,7 +194,7 @@ def _abort(context: grpc.ServicerContext, exc: TransferError) -> NoReturn:
 
 
 class TransferServer:
-    """A running KV transfer server plus its lease reaper thread."""
+    """A running KV transfer server plus its reaper thread (leases, expired shm tickets)."""
 
     def __init__(
         self, server: grpc.Server, host: str, port: int, source: BlockSource, config: TransferConfig,
@@ -156,6 +207,7 @@ class TransferServer:
         self.port = port
         self.source = source
         self.config = config
+        self.shm = servicer.shm  # None: no same-host transport
         self._stopped = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name=f"kv-lease-reaper:{port}", daemon=True)
         self._reaper.start()
@@ -169,17 +221,22 @@ class TransferServer:
         while not self._stopped.wait(self.config.reap_interval_s):
             try:
                 self.source.leases.reap()
+                if self.shm is not None:
+                    self.shm.reap()  # closes the regions of tickets nobody redeemed in time
             except Exception:  # the reaper must outlive any one bad lease
                 logger.exception("lease reaper failed")
 
     def stop(self, grace_s: float | None = None, release_leases: bool = True) -> None:
-        """Stop serving (in-flight pulls get ``grace_s``), stop the reaper, and by default end every lease."""
+        """Stop serving (in-flight pulls get ``grace_s``), stop the reaper, close the shm socket
+        (its directory and every staged region go), and by default end every lease."""
         if self._stopped.is_set():
             return
         self._stopped.set()
         self.server.stop(self.config.shutdown_grace_s if grace_s is None else grace_s).wait()
         self._reaper.join()
         self.servicer.guard.close()
+        if self.shm is not None:
+            self.shm.close()
         if release_leases:
             self.source.close()
 
@@ -200,10 +257,14 @@ def start_transfer_server(
     """Serve ``source`` on ``host:port`` (``port=0``: any free port, see ``.port``).
 
     ``servicer`` replaces the default ``KVTransferServicer(source, config)`` (tests wrap it).
+    With ``config.shm`` the same-host transport's socket starts too; where it cannot (no boot
+    id, no usable directory) the server runs without it and says so in the log.
     Raises ``OSError`` if the address cannot be bound.
     """
     config = config or source.config
     servicer = servicer or KVTransferServicer(source, config)
+    if config.shm and servicer.shm is None:
+        servicer.shm = _start_shm(config)
     auth = ClusterAuth(config.cluster_secret, max_nonces=config.auth_max_nonces) if config.cluster_secret else None
     interceptors = [AuthInterceptor(auth)] if auth is not None else []
     server = grpc.server(
@@ -220,10 +281,25 @@ def start_transfer_server(
         else:
             bound = server.add_insecure_port(bind)
     except RuntimeError as exc:  # grpcio raises instead of returning 0 in recent versions
-        servicer.guard.close()
+        _close_unbound(servicer)
         raise OSError(f"cannot bind the KV transfer server to {bind}: {exc}") from exc
     if bound == 0:
-        servicer.guard.close()
+        _close_unbound(servicer)
         raise OSError(f"cannot bind the KV transfer server to {bind}")
     server.start()
     return TransferServer(server, host, bound, source, config, servicer, auth)
+
+
+def _start_shm(config: TransferConfig) -> ShmExporter | None:
+    try:
+        return ShmExporter(config)
+    except OSError as exc:
+        logger.warning("KV transfer without its same-host transport (gRPC only): %s", exc)
+        return None
+
+
+def _close_unbound(servicer: KVTransferServicer) -> None:
+    servicer.guard.close()
+    if servicer.shm is not None:
+        servicer.shm.close()
+        servicer.shm = None

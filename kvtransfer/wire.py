@@ -78,6 +78,8 @@ class TransferMetadata:
     layout: LayoutSpec
     worker_id: str
     max_chunk_bytes: int
+    host_id: str = ""  # "<boot id>/<uid>"; empty: no same-host transport offered
+    shm_socket: str = ""  # the holder's Unix socket for PullShm tickets
 
     def mismatches(self, local_layout: KVLayout, local_fingerprint: str) -> dict[str, tuple[object, object]]:
         """Fields in which this (remote) holder differs from the local worker: ``name -> (local, remote)``."""
@@ -163,7 +165,8 @@ class PulledBlock:
 
 @dataclass
 class PullStats:
-    """What a pull moved; ``blocks`` is in pull order."""
+    """What a pull moved; ``blocks`` is in pull order. ``transport``: what carried the bytes,
+    ``"grpc"`` (the PullChunk stream) or ``"shm"`` (a memfd from a holder on the same host)."""
 
     num_blocks: int = 0
     num_bytes: int = 0
@@ -171,6 +174,7 @@ class PullStats:
     num_chunks: int = 0
     seconds: float = 0.0
     blocks: list[PulledBlock] = field(default_factory=list)
+    transport: str = "grpc"
 
     @property
     def gbps(self) -> float:

@@ -48,6 +48,12 @@ def state_dir() -> str:
     return os.environ.get("PDSERVE_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".pdserve")
 
 
+def runtime_dir() -> str | None:
+    """The user's private runtime directory (``XDG_RUNTIME_DIR``, e.g. ``/run/user/<uid>``): where a
+    worker puts the directory of its KV transfer's Unix socket unless ``transfer.shm_dir`` says."""
+    return os.environ.get("XDG_RUNTIME_DIR") or None
+
+
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET=1``: Triton runs kernels in its CPU interpreter (tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -63,3 +69,15 @@ def hf_hub_offline() -> bool:
     """``HF_HUB_OFFLINE`` (``1``/``true``/``yes``/``on``, as huggingface_hub reads it): a Hub id
     given as a model is looked up in the local Hub cache only, never downloaded."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def cpu_bf16() -> bool | None:
+    """``PDSERVE_CPU_BF16``: whether the CPU counts as having bfloat16 matrix units (AMX-BF16 or
+    AVX512-BF16) when ``dtype`` is auto (``engine/model/dtype.py``). ``1``: yes, ``0``: no; unset
+    or ``auto``: detected (``engine/cpu_features.py``). Any other value is a ValueError."""
+    value = os.environ.get("PDSERVE_CPU_BF16", "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("0", "1"):
+        return value == "1"
+    raise ValueError(f"PDSERVE_CPU_BF16 must be 0, 1 or auto, got {value!r}")

@@ -1,8 +1,9 @@
 """WorkerMetrics: a worker's engine gauges, prefix-cache counters and KV-transfer metrics.
 
 The engine's numbers are read at scrape time (``LLMEngine.stats``), so the serving path does no
-metrics work for them; the transfer metrics are recorded by the pulls. Every series carries the
-``worker`` label. The router gathers these families from every worker for its ``/metrics``.
+metrics work for them; the transfer metrics are recorded by the pulls (bytes, blocks and durations
+per ``transport``: ``grpc`` or ``shm``). Every series carries the ``worker`` label. The router
+gathers these families from every worker for its ``/metrics``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from pdserve.engine.engine import EngineStats
 from pdserve.metrics import TRANSFER_BUCKETS, redis_outages
+
+TRANSPORTS = ("grpc", "shm")  # what can carry a pull's bytes (PullStats.transport)
 
 
 class _EngineCollector:
@@ -67,19 +70,24 @@ class WorkerMetrics:
         self._outages = outages
         self.registry = r = CollectorRegistry(auto_describe=True)
         r.register(_EngineCollector(worker_id, role, stats))  # type: ignore[arg-type]
-        self._bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes pulled from other workers.", ["worker"],
-                              registry=r).labels(worker=worker_id)  # fmt: skip
-        self._blocks = Counter("pdserve_kv_transfer_blocks", "KV blocks pulled from other workers.", ["worker"],
-                               registry=r).labels(worker=worker_id)  # fmt: skip
-        self._seconds = Histogram("pdserve_kv_transfer_seconds", "Duration of one request's KV pull.", ["worker"],
-                                  buckets=TRANSFER_BUCKETS, registry=r).labels(worker=worker_id)  # fmt: skip
+        by_transport = ["worker", "transport"]
+        bytes_ = Counter("pdserve_kv_transfer_bytes", "KV bytes pulled from other workers.", by_transport, registry=r)
+        blocks = Counter("pdserve_kv_transfer_blocks", "KV blocks pulled from other workers.", by_transport, registry=r)
+        seconds = Histogram("pdserve_kv_transfer_seconds", "Duration of one request's KV pull.", by_transport,
+                            buckets=TRANSFER_BUCKETS, registry=r)  # fmt: skip
+        # One series per transport from the start: a rate over a series that appears late misses its first pulls.
+        self._transfers = {
+            t: tuple(m.labels(worker=worker_id, transport=t) for m in (bytes_, blocks, seconds)) for t in TRANSPORTS
+        }
         self._failures = Counter("pdserve_kv_transfer_failures", "KV pulls that failed (the prompt was recomputed).",
                                  ["worker"], registry=r).labels(worker=worker_id)  # fmt: skip
 
-    def transfer_done(self, num_bytes: int, num_blocks: int, seconds: float) -> None:
-        self._bytes.inc(num_bytes)
-        self._blocks.inc(num_blocks)
-        self._seconds.observe(max(seconds, 0.0))
+    def transfer_done(self, num_bytes: int, num_blocks: int, seconds: float, transport: str = "grpc") -> None:
+        """One pull that landed; ``transport`` carried its bytes (``PullStats.transport``)."""
+        bytes_, blocks, hist = self._transfers[transport]
+        bytes_.inc(num_bytes)
+        blocks.inc(num_blocks)
+        hist.observe(max(seconds, 0.0))
 
     def transfer_failed(self) -> None:
         self._failures.inc()

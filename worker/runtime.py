@@ -97,7 +97,9 @@ class WorkerRuntime:
         self._clients_lock = threading.Lock()  # pulls run in several threads
         self.registry = WorkerRegistry(config.index)
         self.registry.start_heartbeat(config.worker_id, self.info, config.heartbeat_s)
-        logger.info("%s worker %s ready, KV transfer at %s", config.role, config.worker_id, self.address)
+        shm = self.server.shm  # same-host pulls: a Unix socket in a private directory, removed at close
+        logger.info("%s worker %s ready, KV transfer at %s%s", config.role, config.worker_id, self.address,
+                    f" (same host: {shm.socket_path})" if shm is not None else "")  # fmt: skip
 
     def _redis_outages(self) -> list[tuple[str, int]]:
         clients = [("events", self.publisher), ("stats", self.stats), ("registry", getattr(self, "registry", None))]

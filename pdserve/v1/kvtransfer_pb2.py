@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/kvtransfer.proto\x12\npdserve.v1\"\xb6\x01\n\x0cKVLayoutSpec\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x14\n\x0c\x62lock_nbytes\x18\x06 \x01(\x04\x12\x11\n\tkv_scales\x18\x07 \x03(\x01\x12\x0c\n\x04kind\x18\x08 \x01(\t\x12\x10\n\x08rope_dim\x18\t \x01(\r\"\x14\n\x12GetMetadataRequest\"\x86\x01\n\x13GetMetadataResponse\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12(\n\x06layout\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.KVLayoutSpec\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\x04\"\x1d\n\x0b\x42lockHashes\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"\xdb\x01\n\x0bPullRequest\x12\x12\n\x08lease_id\x18\x01 \x01(\tH\x00\x12/\n\x0c\x62lock_hashes\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.BlockHashesH\x00\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x31\n\x0f\x65xpected_layout\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.KVLayoutSpec\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\x04\x12\x1c\n\x14max_blocks_per_chunk\x18\x06 \x01(\rB\x08\n\x06source\"s\n\nBlockPiece\x12\r\n\x05index\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x06\"\x82\x01\n\tPullChunk\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_nbytes\x18\x04 \x01(\x04\x12&\n\x06pieces\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.BlockPiece\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xda\x01\n\nKVTransfer\x12N\n\x0bGetMetadata\x12\x1e.pdserve.v1.GetMetadataRequest\x1a\x1f.pdserve.v1.GetMetadataResponse\x12\x38\n\x04Pull\x12\x17.pdserve.v1.PullRequest\x1a\x15.pdserve.v1.PullChunk0\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/kvtransfer.proto\x12\npdserve.v1\"\xb6\x01\n\x0cKVLayoutSpec\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x14\n\x0c\x62lock_nbytes\x18\x06 \x01(\x04\x12\x11\n\tkv_scales\x18\x07 \x03(\x01\x12\x0c\n\x04kind\x18\x08 \x01(\t\x12\x10\n\x08rope_dim\x18\t \x01(\r\"\x14\n\x12GetMetadataRequest\"\xab\x01\n\x13GetMetadataResponse\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12(\n\x06layout\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.KVLayoutSpec\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07host_id\x18\x05 \x01(\t\x12\x12\n\nshm_socket\x18\x06 \x01(\t\"\x1d\n\x0b\x42lockHashes\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"\xdb\x01\n\x0bPullRequest\x12\x12\n\x08lease_id\x18\x01 \x01(\tH\x00\x12/\n\x0c\x62lock_hashes\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.BlockHashesH\x00\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x31\n\x0f\x65xpected_layout\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.KVLayoutSpec\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\x04\x12\x1c\n\x14max_blocks_per_chunk\x18\x06 \x01(\rB\x08\n\x06source\"s\n\nBlockPiece\x12\r\n\x05index\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x06\"\x82\x01\n\tPullChunk\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_nbytes\x18\x04 \x01(\x04\x12&\n\x06pieces\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.BlockPiece\"H\n\x0ePullShmRequest\x12%\n\x04pull\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.PullRequest\x12\x0f\n\x07host_id\x18\x02 \x01(\t\"c\n\x08ShmBlock\x12\r\n\x05index\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x06\"\xb1\x01\n\x0fPullShmResponse\x12\x0f\n\x07refused\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\x12\x15\n\rticket_ttl_ms\x18\x03 \x01(\r\x12\x14\n\x0cregion_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x62lock_nbytes\x18\x05 \x01(\x04\x12\x14\n\x0ctotal_tokens\x18\x06 \x01(\x04\x12$\n\x06\x62locks\x18\x07 \x03(\x0b\x32\x14.pdserve.v1.ShmBlock\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x9e\x02\n\nKVTransfer\x12N\n\x0bGetMetadata\x12\x1e.pdserve.v1.GetMetadataRequest\x1a\x1f.pdserve.v1.GetMetadataResponse\x12\x38\n\x04Pull\x12\x17.pdserve.v1.PullRequest\x1a\x15.pdserve.v1.PullChunk0\x01\x12\x42\n\x07PullShm\x12\x1a.pdserve.v1.PullShmRequest\x1a\x1b.pdserve.v1.PullShmResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,19 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMETADATAREQUEST']._serialized_start=228
   _globals['_GETMETADATAREQUEST']._serialized_end=248
   _globals['_GETMETADATARESPONSE']._serialized_start=251
-  _globals['_GETMETADATARESPONSE']._serialized_end=385
-  _globals['_BLOCKHASHES']._serialized_start=387
-  _globals['_BLOCKHASHES']._serialized_end=416
-  _globals['_PULLREQUEST']._serialized_start=419
-  _globals['_PULLREQUEST']._serialized_end=638
-  _globals['_BLOCKPIECE']._serialized_start=640
-  _globals['_BLOCKPIECE']._serialized_end=755
-  _globals['_PULLCHUNK']._serialized_start=758
-  _globals['_PULLCHUNK']._serialized_end=888
-  _globals['_RELEASEREQUEST']._serialized_start=890
-  _globals['_RELEASEREQUEST']._serialized_end=924
-  _globals['_RELEASERESPONSE']._serialized_start=926
-  _globals['_RELEASERESPONSE']._serialized_end=961
-  _globals['_KVTRANSFER']._serialized_start=964
-  _globals['_KVTRANSFER']._serialized_end=1182
+  _globals['_GETMETADATARESPONSE']._serialized_end=422
+  _globals['_BLOCKHASHES']._serialized_start=424
+  _globals['_BLOCKHASHES']._serialized_end=453
+  _globals['_PULLREQUEST']._serialized_start=456
+  _globals['_PULLREQUEST']._serialized_end=675
+  _globals['_BLOCKPIECE']._serialized_start=677
+  _globals['_BLOCKPIECE']._serialized_end=792
+  _globals['_PULLCHUNK']._serialized_start=795
+  _globals['_PULLCHUNK']._serialized_end=925
+  _globals['_PULLSHMREQUEST']._serialized_start=927
+  _globals['_PULLSHMREQUEST']._serialized_end=999
+  _globals['_SHMBLOCK']._serialized_start=1001
+  _globals['_SHMBLOCK']._serialized_end=1100
+  _globals['_PULLSHMRESPONSE']._serialized_start=1103
+  _globals['_PULLSHMRESPONSE']._serialized_end=1280
+  _globals['_RELEASEREQUEST']._serialized_start=1282
+  _globals['_RELEASEREQUEST']._serialized_end=1316
+  _globals['_RELEASERESPONSE']._serialized_start=1318
+  _globals['_RELEASERESPONSE']._serialized_end=1353
+  _globals['_KVTRANSFER']._serialized_start=1356
+  _globals['_KVTRANSFER']._serialized_end=1642
 # @@protoc_insertion_point(module_scope)

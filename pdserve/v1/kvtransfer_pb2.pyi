@@ -33,16 +33,20 @@ class GetMetadataRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetMetadataResponse(_message.Message):
-    __slots__ = ("model_fingerprint", "layout", "worker_id", "max_chunk_bytes")
+    __slots__ = ("model_fingerprint", "layout", "worker_id", "max_chunk_bytes", "host_id", "shm_socket")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     layout: KVLayoutSpec
     worker_id: str
     max_chunk_bytes: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[KVLayoutSpec, _Mapping]] = ..., worker_id: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    host_id: str
+    shm_socket: str
+    def __init__(self, model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[KVLayoutSpec, _Mapping]] = ..., worker_id: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., shm_socket: _Optional[str] = ...) -> None: ...
 
 class BlockHashes(_message.Message):
     __slots__ = ("hashes",)
@@ -95,6 +99,46 @@ class PullChunk(_message.Message):
     block_nbytes: int
     pieces: _containers.RepeatedCompositeFieldContainer[BlockPiece]
     def __init__(self, seq: _Optional[int] = ..., total_blocks: _Optional[int] = ..., total_tokens: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[BlockPiece, _Mapping]]] = ...) -> None: ...
+
+class PullShmRequest(_message.Message):
+    __slots__ = ("pull", "host_id")
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    pull: PullRequest
+    host_id: str
+    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., host_id: _Optional[str] = ...) -> None: ...
+
+class ShmBlock(_message.Message):
+    __slots__ = ("index", "block_hash", "num_tokens", "offset", "checksum")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    block_hash: bytes
+    num_tokens: int
+    offset: int
+    checksum: int
+    def __init__(self, index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., offset: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class PullShmResponse(_message.Message):
+    __slots__ = ("refused", "ticket", "ticket_ttl_ms", "region_bytes", "block_nbytes", "total_tokens", "blocks")
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TICKET_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    refused: str
+    ticket: bytes
+    ticket_ttl_ms: int
+    region_bytes: int
+    block_nbytes: int
+    total_tokens: int
+    blocks: _containers.RepeatedCompositeFieldContainer[ShmBlock]
+    def __init__(self, refused: _Optional[str] = ..., ticket: _Optional[bytes] = ..., ticket_ttl_ms: _Optional[int] = ..., region_bytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., total_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[ShmBlock, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -45,6 +45,11 @@ class KVTransferStub:
                 request_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullChunk.FromString,
                 _registered_method=True)
+        self.PullShm = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/PullShm',
+                request_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullShmRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullShmResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdserve.v1.KVTransfer/Release',
                 request_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.ReleaseRequest.SerializeToString,
@@ -74,6 +79,18 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullShm(self, request, context):
+        """Same-host pulls: the holder copies the named blocks into a fresh sealed memfd and answers with
+        their places in it and a one-time ticket; the puller redeems the ticket on the holder's Unix
+        socket (GetMetadataResponse.shm_socket) and receives the memfd itself (SCM_RIGHTS). The same
+        authentication, limits, checks and status codes as Pull; a holder that will not stage this
+        pull (shm off, another host, too many staged for this peer, no memory) answers `refused` and
+        the puller uses Pull.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Drops a lease. Its blocks are freed as soon as no pull of it is streaming.
         Idempotent: releasing an unknown lease answers released=false.
@@ -94,6 +111,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullChunk.SerializeToString,
+            ),
+            'PullShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullShm,
+                    request_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullShmRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullShmResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -156,6 +178,33 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/Pull',
             pdserve_dot_v1_dot_kvtransfer__pb2.PullRequest.SerializeToString,
             pdserve_dot_v1_dot_kvtransfer__pb2.PullChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/PullShm',
+            pdserve_dot_v1_dot_kvtransfer__pb2.PullShmRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvtransfer__pb2.PullShmResponse.FromString,
             options,
             channel_credentials,
             insecure,

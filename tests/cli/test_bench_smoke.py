@@ -46,16 +46,19 @@ def test_mla_bench_reports_bytes_and_both_forms() -> None:
         assert min(d["step_absorbed"], d["step_naive"], d["attn_absorbed"], d["attn_naive"]) > 0
 
 
-def test_transfer_bench_moves_the_bytes_three_ways() -> None:
+def test_transfer_bench_moves_the_bytes_every_way() -> None:
     out = bench("transfer", "--total-mb", "4", "--layers", "4", "--chunk-mb", "0.5,1", "--repeats", "2")
     rows = out["results"]
     assert [r["chunk_bytes"] for r in rows] == [512 * 1024, 1024 * 1024]
     for r in rows:  # every pulled tensor was checked against the holder's digest inside the benchmark
         assert r["total_bytes"] == 16 * 256 * 1024 and r["num_chunks"] == r["total_bytes"] // r["chunk_bytes"]
-        for method in ("raw_tcp", "grpc", "bare_grpc"):
+        for method in ("raw_tcp", "grpc", "bare_grpc", "memcpy"):
             assert len(r[method]["seconds"]) == 2 and r[method]["gbps"] > 0
             assert r[method]["puller_cpu_s_per_gb"] >= 0 and r[method]["puller_page_faults_per_gb"] >= 0  # /proc ticks
         assert r["grpc_over_raw"] > 0 and r["bare_grpc_over_raw"] > 0 and r["grpc_over_bare"] > 0
+        assert set(r["transports"]) == {"grpc", "shm"}  # the same holder and puller, by gRPC and shared memory
+        for t in r["transports"].values():
+            assert t["gbps"] > 0 and t["over_raw"] > 0 and t["over_memcpy"] > 0
 
 
 def test_serve_bench_tenant_salts_are_new_each_run_unless_fixed() -> None:
@@ -148,3 +151,72 @@ def test_links_bench_measures_every_policy_on_every_profile() -> None:
         assert set(out["verdict"][profile]) == kinds
         for v in out["verdict"][profile].values():
             assert v["best_fixed"] in ("pull", "recompute") and isinstance(v["auto_as_good"], bool)
+
+
+@pytest.mark.parametrize("http", [True, False], ids=["http", "grpc"])
+def test_serve_bench_load_sends_the_api_key(http: bool) -> None:
+    """`bench serve --api-key` (or PDSERVE_API_KEY): the load client sends the key as the router asks
+    for it, `Authorization: Bearer KEY` over HTTP (on /v1/models too) and the metadata `authorization:
+    Bearer KEY` over gRPC; without a key, no such header. Against fakes of the two edges."""
+    import asyncio
+    import threading
+    from concurrent import futures
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import grpc
+
+    from pdserve.benchmarks.serve_load import BenchRequest, _run_load
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.v1 import router_pb2 as pb
+    from pdserve.v1 import router_pb2_grpc as pb_grpc
+
+    seen: list[str | None] = []
+
+    class Http(BaseHTTPRequestHandler):
+        def _reply(self, body: bytes, content_type: str) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            seen.append(self.headers.get("Authorization"))
+            self._reply(json.dumps({"data": [{"id": "m"}]}).encode(), "application/json")
+
+        def do_POST(self) -> None:  # noqa: N802
+            seen.append(self.headers.get("Authorization"))
+            self.rfile.read(int(self.headers["Content-Length"]))
+            chunk = {"choices": [{"text": "a", "finish_reason": "length"}],
+                     "usage": {"prompt_tokens": 3, "completion_tokens": 1}}  # fmt: skip
+            self._reply(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode(), "text/event-stream")
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    class Grpc(pb_grpc.RouterServicer):
+        def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):  # noqa: N802
+            seen.append(dict(context.invocation_metadata()).get("authorization"))
+            yield pb.GenerateResponse(token_ids=[1], finished=True, finish_reason="length",
+                                      usage=pb.Usage(prompt_tokens=3, completion_tokens=1))  # fmt: skip
+
+    if http:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Http)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        address, stop = f"127.0.0.1:{server.server_address[1]}", server.shutdown
+    else:
+        gserver = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        pb_grpc.add_RouterServicer_to_server(Grpc(), gserver)
+        address = f"127.0.0.1:{gserver.add_insecure_port('127.0.0.1:0')}"
+        gserver.start()
+        stop = lambda: gserver.stop(None)  # noqa: E731
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    try:
+        for key in ("k3y", None):
+            seen.clear()
+            records, _ = asyncio.run(_run_load(address, [BenchRequest(0, 0.0, "t", (1, 2, 3))], params, 10.0, None,
+                                               http=http, api_key=key))  # fmt: skip
+            assert records[0].error is None, records[0].error
+            assert seen == [f"Bearer {key}" if key else None] * (2 if http else 1)
+    finally:
+        stop()

@@ -154,9 +154,10 @@ def test_one_scrape_shows_the_router_and_every_worker(service: Service, client: 
     hits = delta("pdserve_prefix_cache_hits_total", worker="prefill-0", role="prefill")
     assert hits >= 144 and hits == delta("pdserve_request_cached_tokens_total")
     assert delta("pdserve_prefix_cache_queries_total", worker="prefill-0", role="prefill") == prompt
-    # Both prompts' KV went to the decode worker over the transfer plane.
-    assert delta("pdserve_kv_transfer_seconds_count", worker="decode-0") == 2
-    assert delta("pdserve_kv_transfer_bytes_total", worker="decode-0") > 0
+    # Both prompts' KV went to the decode worker over the transfer plane: by shared memory (one host).
+    assert delta("pdserve_kv_transfer_seconds_count", worker="decode-0", transport="shm") == 2
+    assert delta("pdserve_kv_transfer_bytes_total", worker="decode-0", transport="shm") > 0
+    assert delta("pdserve_kv_transfer_seconds_count", worker="decode-0", transport="grpc") == 0
     assert delta("pdserve_kv_transfer_failures_total", worker="decode-0") == 0
     for w, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
         assert after[("pdserve_worker_up", (("worker", w),))] == 1

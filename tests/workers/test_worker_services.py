@@ -36,8 +36,9 @@ def runtime(model: str, url: str, ns: str, wid: str, role: str, block_size: int 
                                       bind_host="127.0.0.1"))  # fmt: skip
 
 
-def metric(rt: WorkerRuntime, sample: str) -> float:
-    return sum(s.value for f in rt.metrics.families() for s in f.samples if s.name == sample)
+def metric(rt: WorkerRuntime, sample: str, **labels: str) -> float:
+    return sum(s.value for f in rt.metrics.families() for s in f.samples
+               if s.name == sample and labels.items() <= s.labels.items())  # fmt: skip
 
 
 def test_transfer_servers_take_ports_from_the_configured_range(tiny_model: str, redis_server) -> None:
@@ -147,6 +148,9 @@ def test_handover_between_services_matches_one_engine(tiny_model: str, redis_ser
         first, events = asyncio.run(run())
         assert [first] + [t for ev in events for t in ev.token_ids] == expected
         assert events[-1].num_transferred_tokens == 37 and events[-1].num_recomputed_tokens == 0
+        # Both workers run on this host: the bytes came through shared memory.
+        assert metric(drt, "pdserve_kv_transfer_bytes_total", transport="shm") > 0
+        assert metric(drt, "pdserve_kv_transfer_bytes_total", transport="grpc") == 0
         for rt in (prt, drt):
             assert wait_until(lambda rt=rt: rt.pool_state() == {**rt.pool_state(), "leases": 0, "requests": 0,
                                                                 "free_blocks": rt.pool_state()["num_blocks"]})
