@@ -88,6 +88,7 @@ BENCHMARKS = {
     "mla": ("pdserve.benchmarks.mla", "MLA: KV bytes per token vs GQA/MHA, decode absorbed vs naive"),
     "links": ("pdserve.benchmarks.links", "KV pull vs recompute vs auto policy on fast, slow and thin simulated links"),
     "outside": ("pdserve.benchmarks.outside", "guidellm (an outside load generator) against pdserve up's OpenAI API"),
+    "grammar": ("pdserve.benchmarks.grammar", "structured outputs: xgrammar vs llguidance, compile and per-token mask"),
 }
 
 
