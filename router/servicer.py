@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
@@ -15,6 +16,8 @@ from google.protobuf.message import DecodeError, Message
 
 from pdserve.engine.limits import RequestLimits
 from pdserve.engine.sampling_params import TokenLogprobs
+from pdserve.engine.structured import ConstraintError, StructuredOutputsParams, check_tokenizer
+from pdserve.engine.structured.request_fields import from_request
 from pdserve.engine.tokenizer import ModelTokenizer
 from pdserve.router.admission import Draining, Overloaded
 from pdserve.router.core import RouterCore, WorkerUnavailableError
@@ -93,8 +96,29 @@ def to_spec(req: pb.GenerateRequest, tokenizer: ModelTokenizer, limits: RequestL
         ignore_eos=s.ignore_eos,
         stop=tuple(s.stop),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        structured_outputs=_constraint(s.structured_outputs, tokenizer),
     )
     return prepare(prompt, params, req.cache_salt, tokenizer, limits)
+
+
+def _constraint(text: str, tokenizer: ModelTokenizer) -> StructuredOutputsParams | None:
+    """``SamplingOptions.structured_outputs`` (vLLM's object as JSON text) checked as the HTTP edge
+    checks it; InvalidRequest names what is wrong."""
+    if not text:
+        return None
+    if (why := check_tokenizer(tokenizer)) is not None:
+        raise InvalidRequest(f"sampling.structured_outputs: {why}")
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise InvalidRequest(f"sampling.structured_outputs: not JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequest("sampling.structured_outputs: must be a JSON object, e.g. {\"regex\": \"[0-9]+\"}")
+    try:
+        found = from_request(None, obj, {})
+    except ConstraintError as e:
+        raise InvalidRequest(f"sampling.{e.kind}: {e.reason}") from None
+    return None if found is None else found[1]
 
 
 def _logprobs_pb(lps: list[TokenLogprobs]) -> list[pb.TokenLogprob]:

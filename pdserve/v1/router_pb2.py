@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x99\x02\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"1\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xa5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12 \n\x04\x63hat\x18\x07 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x1c\n\x14split_special_tokens\x18\x06 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\"l\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x1a\n\x12transferred_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xcf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob2Q\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xb5\x02\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x1a\n\x12structured_outputs\x18\n \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"1\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xa5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12 \n\x04\x63hat\x18\x07 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x1c\n\x14split_special_tokens\x18\x06 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\"l\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x1a\n\x12transferred_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xcf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob2Q\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=39
   _globals['_TOKENIDS']._serialized_end=62
   _globals['_SAMPLINGOPTIONS']._serialized_start=65
-  _globals['_SAMPLINGOPTIONS']._serialized_end=346
-  _globals['_CHATMESSAGE']._serialized_start=348
-  _globals['_CHATMESSAGE']._serialized_end=392
-  _globals['_CHAT']._serialized_start=394
-  _globals['_CHAT']._serialized_end=443
-  _globals['_GENERATEREQUEST']._serialized_start=446
-  _globals['_GENERATEREQUEST']._serialized_end=739
-  _globals['_USAGE']._serialized_start=741
-  _globals['_USAGE']._serialized_end=849
-  _globals['_TOPLOGPROB']._serialized_start=851
-  _globals['_TOPLOGPROB']._serialized_end=898
-  _globals['_TOKENLOGPROB']._serialized_start=900
-  _globals['_TOKENLOGPROB']._serialized_end=986
-  _globals['_GENERATERESPONSE']._serialized_start=989
-  _globals['_GENERATERESPONSE']._serialized_end=1196
-  _globals['_ROUTER']._serialized_start=1198
-  _globals['_ROUTER']._serialized_end=1279
+  _globals['_SAMPLINGOPTIONS']._serialized_end=374
+  _globals['_CHATMESSAGE']._serialized_start=376
+  _globals['_CHATMESSAGE']._serialized_end=420
+  _globals['_CHAT']._serialized_start=422
+  _globals['_CHAT']._serialized_end=471
+  _globals['_GENERATEREQUEST']._serialized_start=474
+  _globals['_GENERATEREQUEST']._serialized_end=767
+  _globals['_USAGE']._serialized_start=769
+  _globals['_USAGE']._serialized_end=877
+  _globals['_TOPLOGPROB']._serialized_start=879
+  _globals['_TOPLOGPROB']._serialized_end=926
+  _globals['_TOKENLOGPROB']._serialized_start=928
+  _globals['_TOKENLOGPROB']._serialized_end=1014
+  _globals['_GENERATERESPONSE']._serialized_start=1017
+  _globals['_GENERATERESPONSE']._serialized_end=1224
+  _globals['_ROUTER']._serialized_start=1226
+  _globals['_ROUTER']._serialized_end=1307
 # @@protoc_insertion_point(module_scope)

@@ -69,3 +69,29 @@ def test_constraints_follow_requests_from_the_prefill_to_the_decode_worker(servi
                                     logprobs=1, extra_body={"structured_outputs": {"regex": regex}})  # fmt: skip
     assert re.fullmatch(regex, out.choices[0].text) and out.choices[0].finish_reason == "stop"
     assert len(out.choices[0].logprobs.tokens) == out.usage.completion_tokens
+
+
+def test_the_grpc_edge_takes_the_same_constraints(service: Service, tiny_model: str) -> None:
+    """``SamplingOptions.structured_outputs``: vLLM's object as JSON text, checked as the HTTP edge
+    checks it; the output is the offline engine's under the same constraint."""
+    import grpc
+
+    from pdserve.cli.client import build_request, generate
+    from pdserve.v1 import router_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.RouterStub(grpc.insecure_channel(f"127.0.0.1:{service.port}"))
+    regex = r"[0-9]{2}:[0-9]{2} (am|pm)"
+    req = build_request("The time is now", SamplingParams(max_tokens=16))
+    req.sampling.structured_outputs = json.dumps({"regex": regex})
+    out = generate(stub, req)
+    offline = LLM(tiny_model, num_blocks=256).generate(
+        ["The time is now"], SamplingParams(max_tokens=16, structured_outputs=StructuredOutputsParams(regex=regex)))
+    assert re.fullmatch(regex, out.text) and out.finish_reason == "stop"
+    assert out.token_ids == offline[0].token_ids
+    for bad, needle in [('{"regex": "(unclosed"}', "sampling.structured_outputs.regex"),
+                        ('{"regex": "a", "choice": ["b"]}', "one structured-output constraint"),
+                        ("[1]", "must be a JSON object"), ("{", "not JSON")]:  # fmt: skip
+        req.sampling.structured_outputs = bad
+        with pytest.raises(grpc.RpcError) as err:
+            generate(stub, req)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details(), bad
