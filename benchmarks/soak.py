@@ -43,7 +43,7 @@ def _percentiles(xs: list[float]) -> dict[str, float | None]:
 
 
 async def _run_clients(args: argparse.Namespace, where: str, model_name: str, memory: ProcessMemory,
-                       ) -> tuple[Counter[str], list[float], list[float]]:  # fmt: skip
+                       api_key: str | None = None) -> tuple[Counter[str], list[float], list[float]]:  # fmt: skip
     outcomes: Counter[str] = Counter()
     ttfts: list[float] = []
     e2es: list[float] = []
@@ -62,7 +62,7 @@ async def _run_clients(args: argparse.Namespace, where: str, model_name: str, me
             leave_after = rng.randrange(0, 11) if rng.random() < args.cancel else None
             rst = leave_after is not None and rng.random() < 1 / 3
             result = await one(where, model_name, text, f"soak-{run}-{n % TENANTS}", rng.randrange(16, args.max_tokens + 1),
-                               leave_after, rst, args.timeout)  # fmt: skip
+                               leave_after, rst, args.timeout, api_key)  # fmt: skip
             outcomes[result.outcome] += 1
             if result.outcome == "completed":
                 ttfts.append(result.ttft_ms)
@@ -105,7 +105,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log(f"{args.duration:.0f}s, {args.concurrency} clients over {'HTTP' if args.http else 'gRPC'}, "
                 f"{args.cancel:.0%} leave mid-stream")  # fmt: skip
             t0 = time.perf_counter()
-            outcomes, ttfts, e2es = asyncio.run(_run_clients(args, where, Path(model).name, memory))
+            # The service's router takes PDSERVE_API_KEY when it is set: its clients present that key.
+            outcomes, ttfts, e2es = asyncio.run(_run_clients(args, where, Path(model).name, memory,
+                                                             config.router.api_key))  # fmt: skip
             elapsed = time.perf_counter() - t0
             time.sleep(SETTLE_S)  # what the pools hold this long after the last request
             pools = {wid: ray.get(h.pool_state.remote(), timeout=60)

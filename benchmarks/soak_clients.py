@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.cli.client import build_request
+from pdserve.cli.client import auth_metadata, build_request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.v1 import router_pb2_grpc as pb_grpc
 
@@ -30,9 +30,9 @@ def _body(model: str, text: str, salt: str, max_tokens: int) -> bytes:
 
 
 async def http_client(where: str, model: str, text: str, salt: str, max_tokens: int, leave_after: int | None,
-                      rst: bool, timeout_s: float) -> SoakResult:  # fmt: skip
+                      rst: bool, timeout_s: float, api_key: str | None = None) -> SoakResult:  # fmt: skip
     """POST /v1/completions with ``stream``; ``leave_after``: hang up after that many events
-    (``rst``: with a TCP reset)."""
+    (``rst``: with a TCP reset); ``api_key``: sent as ``Authorization: Bearer KEY``."""
     host, port = where.rsplit(":", 1)
     t0 = time.perf_counter()
     try:
@@ -41,7 +41,8 @@ async def http_client(where: str, model: str, text: str, salt: str, max_tokens: 
         return SoakResult("connection_error")
     try:
         body = _body(model, text, salt, max_tokens)
-        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {where}\r\nContent-Type: application/json\r\n"
+        auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {where}\r\nContent-Type: application/json\r\n{auth}"
                      f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)  # fmt: skip
         return await asyncio.wait_for(_read_events(reader, leave_after, t0), timeout_s)
     except asyncio.TimeoutError:
@@ -81,14 +82,14 @@ async def _read_events(reader: asyncio.StreamReader, leave_after: int | None, t0
 
 
 async def grpc_client(where: str, model: str, text: str, salt: str, max_tokens: int, leave_after: int | None,
-                      rst: bool, timeout_s: float) -> SoakResult:  # fmt: skip
+                      rst: bool, timeout_s: float, api_key: str | None = None) -> SoakResult:  # fmt: skip
     """Router/Generate; ``leave_after``: cancel after that many messages (``rst`` has no gRPC
-    meaning: a cancel is a RST_STREAM either way)."""
+    meaning: a cancel is a RST_STREAM either way); ``api_key``: sent as ``authorization`` metadata."""
     del model, rst
     t0 = time.perf_counter()
     request = build_request(text, SamplingParams(max_tokens=max_tokens, ignore_eos=True), cache_salt=salt)
     async with grpc.aio.insecure_channel(where) as channel:
-        call = pb_grpc.RouterStub(channel).Generate(request, timeout=timeout_s)
+        call = pb_grpc.RouterStub(channel).Generate(request, timeout=timeout_s, metadata=auth_metadata(api_key))
         events = 0
         ttft = 0.0
         if leave_after == 0:  # gone before the first token
