@@ -55,8 +55,10 @@ class DecodeService:
                 else:
                     call.settle_lease(pulled=None)  # recomputed here: the prefill worker's blocks are of no use
                     computes_prompt = True
+            pending: RequestOutput | BaseException | None = None
             while True:
-                out = await queue.get()
+                out = pending if pending is not None else await queue.get()
+                pending = None
                 if isinstance(out, BaseException):
                     raise out
                 if computes_prompt:
@@ -69,10 +71,22 @@ class DecodeService:
                         recomputed = computed
                         rt.stats.record({"recomputed_tokens": recomputed}, spec.cache_salt)
                     computes_prompt = False
-                if out.new_token_ids or out.finished:
+                # Steps the engine finished while this loop waited (a busy event loop, a slow consumer)
+                # go out as one event: one message to the router for several tokens, not one each.
+                tokens, logprobs = list(out.new_token_ids), None if out.logprobs is None else list(out.logprobs)
+                while not out.finished and not queue.empty():
+                    nxt = queue.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        pending = nxt
+                        break
+                    tokens += nxt.new_token_ids
+                    if logprobs is not None and nxt.logprobs is not None:
+                        logprobs += nxt.logprobs
+                    out = nxt
+                if tokens or out.finished:
                     yield DecodeEvent(
-                        spec.request_id, tuple(out.new_token_ids), out.finished, out.finish_reason,
-                        local_hit, transferred, recomputed, None if out.logprobs is None else tuple(out.logprobs),
+                        spec.request_id, tuple(tokens), out.finished, out.finish_reason,
+                        local_hit, transferred, recomputed, None if logprobs is None else tuple(logprobs),
                         pull_bytes=call.pulled_bytes,
                     )  # fmt: skip
                 if out.finished:

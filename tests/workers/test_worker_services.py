@@ -265,3 +265,26 @@ def test_prefill_cancelled_right_after_the_handoff_holds_nothing(tiny_model: str
         prt.engine.make_request([1, 2, 3], SamplingParams(), "r1")  # the id is free again
     finally:
         prt.close()
+
+
+def test_steps_finished_while_the_consumer_waits_go_out_as_one_event(tiny_model: str, redis_server) -> None:
+    """A slow consumer gets what the engine produced meanwhile in one event (one message to the
+    router for many tokens), the same tokens as one engine alone."""
+    drt = runtime(tiny_model, redis_server.url, unique_namespace(), "decode-0", "decode")
+    prompt = tuple(range(1, 30))
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1)
+    expected = LLM(tiny_model, num_blocks=64).generate([list(prompt)], params)[0].token_ids
+
+    async def run() -> list:
+        gen = DecodeService(drt).generate(RequestSpec("slow", prompt, params), None)
+        events = [await anext(gen)]
+        # The engine runs the request to its end while nobody reads the stream.
+        assert await wait_until_async(lambda: drt.pool_state()["requests"] == 0, timeout=60)
+        events += [ev async for ev in gen]
+        return events
+
+    events = asyncio.run(run())
+    assert [t for ev in events for t in ev.token_ids] == expected
+    assert len(events) == 2 and events[-1].finished and len(events[-1].token_ids) == 12 - len(events[0].token_ids)
+    assert all(len(ev.logprobs) == len(ev.token_ids) for ev in events)
+    drt.close()
