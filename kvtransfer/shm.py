@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve import envs
 from pdserve.kvtransfer.errors import InvalidPullError
 from pdserve.kvtransfer.source import PinnedBlocks
 from pdserve.kvtransfer.wire import Chunk, Piece, checksum
@@ -54,7 +55,11 @@ class ShmUnavailable(Exception):
 @functools.cache
 def host_id() -> str:
     """``"<boot id>/<euid>"``: equal for two processes of one user on one running kernel (in any
-    network namespace); empty where the kernel's boot id cannot be read (no same-host transport)."""
+    network namespace); empty where the kernel's boot id cannot be read (no same-host transport).
+    ``PDSERVE_HOST_ID`` replaces the boot id: a simulated cluster gives each of its nodes its own,
+    so that they are separate hosts to this transport as their namespaces are to the network."""
+    if override := envs.host_id():
+        return f"{override}/{os.geteuid()}"
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:

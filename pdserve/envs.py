@@ -81,3 +81,9 @@ def cpu_bf16() -> bool | None:
     if value in ("0", "1"):
         return value == "1"
     raise ValueError(f"PDSERVE_CPU_BF16 must be 0, 1 or auto, got {value!r}")
+
+
+def host_id() -> str | None:
+    """``PDSERVE_HOST_ID``: this host's identity for the same-host KV transport in place of the
+    kernel's boot id (``kvtransfer/shm.py``); a simulated cluster sets one per node."""
+    return os.environ.get("PDSERVE_HOST_ID") or None

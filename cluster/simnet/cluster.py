@@ -238,6 +238,9 @@ class SimCluster:
             "SIMNET_NODE": node.name,
             "SIMNET_NODE_IP": node.address,
             "SIMNET_PREFIX": self.prefix,
+            # Each node is its own host to pdserve's same-host KV transport (shared memory), as it is
+            # to the network: without it, workers on two nodes of one kernel would skip the link.
+            "PDSERVE_HOST_ID": f"{self.prefix}-{node.name}",
         }
 
     def run(
