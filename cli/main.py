@@ -89,6 +89,7 @@ BENCHMARKS = {
     "links": ("pdserve.benchmarks.links", "KV pull vs recompute vs auto policy on fast, slow and thin simulated links"),
     "outside": ("pdserve.benchmarks.outside", "guidellm (an outside load generator) against pdserve up's OpenAI API"),
     "grammar": ("pdserve.benchmarks.grammar", "structured outputs: xgrammar vs llguidance, compile and per-token mask"),
+    "structured": ("pdserve.benchmarks.structured_steps", "a decode step free vs half vs all requests constrained"),
 }
 
 
