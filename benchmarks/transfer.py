@@ -4,8 +4,9 @@ A holder process (this module with ``--serve``) fills a KV tensor of at least
 ``--total-mb`` MiB, leases all of its blocks and serves them over the KV wire, and also
 sends the same bytes over a plain TCP socket (``sendall`` of the whole tensor). This
 process pulls them with ``KVTransferClient.pull_into`` into its own KV tensor, once with the
-gRPC stream and once by the same-host transport (``shm``: the holder stages the blocks in a
-sealed memfd, the puller maps it and copies them in), and with ``recv_into`` straight into a
+gRPC stream and once by the same-host transport (``shm``: through the puller's staging region for
+the holder, a ring of slots the holder fills while the puller checks and copies the previous one;
+``--shm-region-mb`` and ``--shm-slot-mb`` size it), and with ``recv_into`` straight into a
 tensor (the best a socket can do), over loopback; ``memcpy`` is one copy of the same bytes
 between two tensors of this process (a single-threaded slice assignment: what no transport that
 copies the bytes can beat). Each round
@@ -200,9 +201,11 @@ class Method:
         return out
 
 
-def bench_layout(num_layers: int, chunks: list[int], total_bytes: int, repeats: int) -> list[dict]:
+def bench_layout(num_layers: int, chunks: list[int], total_bytes: int, repeats: int,
+                 shm_config: TransferConfig | None = None) -> list[dict]:  # fmt: skip
     """For each chunk size: ``repeats`` rounds of raw TCP, our gRPC pull, bare gRPC, our shm pull
-    and memcpy, one after the other in each round, so that every ratio compares pulls made moments apart."""
+    and memcpy, one after the other in each round, so that every ratio compares pulls made moments apart.
+    ``shm_config``: the puller's ``shm_*`` settings (default: ``TransferConfig``'s)."""
     layout = layout_for(num_layers)
     cmd = [sys.executable, "-m", "pdserve.benchmarks.transfer", "--serve", "--num-layers", str(num_layers),
            "--total-mb", str(total_bytes // MiB), "--chunk-bytes", ",".join(map(str, chunks))]  # fmt: skip
@@ -221,7 +224,7 @@ def bench_layout(num_layers: int, chunks: list[int], total_bytes: int, repeats: 
         source.host_bytes()[:] = dest.host_bytes()
         rows = []
         for chunk in chunks:
-            config = TransferConfig(chunk_bytes=chunk, pull_timeout_s=600.0)
+            config = replace(shm_config or TransferConfig(), chunk_bytes=chunk, pull_timeout_s=600.0)
             opts = [("grpc.max_receive_message_length", chunk + MiB)]
             address = f"127.0.0.1:{info['grpc_port']}"
             with KVTransferClient(address, replace(config, shm=False)) as client, \
@@ -285,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", default="4,32", help="comma-separated num_layers; blocks are layers * 64 KiB")
     ap.add_argument("--chunk-mb", default="1,4,16", help="comma-separated chunk sizes in MiB")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shm-region-mb", type=float, default=TransferConfig.shm_region_bytes / MiB,
+                    help="the puller's staging region per holder (transfer.shm_region_bytes)")
+    ap.add_argument("--shm-slot-mb", type=float, default=TransferConfig.shm_slot_bytes / MiB,
+                    help="the region's ring slots (transfer.shm_slot_bytes)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--malloc-defaults", action="store_true",
                     help="keep glibc's malloc defaults in both processes (workers raise its thresholds)")
@@ -300,9 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.malloc_defaults:
         os.environ["PDSERVE_MALLOC_TUNING"] = "0"  # the holder inherits it
     malloc_tuned = tune_malloc()
-    rows = [r for layers in (int(x) for x in args.layers.split(",")) for r in bench_layout(layers, chunks, total, args.repeats)]
+    shm = TransferConfig(shm_region_bytes=int(args.shm_region_mb * MiB), shm_slot_bytes=int(args.shm_slot_mb * MiB))
+    rows = [r for layers in (int(x) for x in args.layers.split(","))
+            for r in bench_layout(layers, chunks, total, args.repeats, shm)]  # fmt: skip
     emit(
-        {"benchmark": "transfer", "repeats": args.repeats, "malloc_tuned": malloc_tuned, "results": rows},
+        {"benchmark": "transfer", "repeats": args.repeats, "malloc_tuned": malloc_tuned,
+         "shm_region_bytes": shm.shm_region_bytes, "shm_slot_bytes": shm.shm_slot_bytes, "results": rows},
         args.json,
         [
             (

@@ -17,12 +17,14 @@ every failure raises a ``TransferError`` subclass:
 A failed pull leaves the destination blocks partly written; the caller frees them
 (the engine does, at ``finish_load(ok=False)``) and recomputes.
 
-Transports: the bytes of a pull come over the gRPC stream, or, from a holder on this host, in a
-sealed memfd (``kvtransfer.shm``): used when ``config.shm`` is on and the holder's last
-``metadata()`` answer (``check_compatible`` fetches it) names this host and a Unix socket that
-exists. A failure of that path before any byte is written (socket refused, ticket expired or
-refused, no memfd received) falls back to the gRPC stream for the same pull; the returned
-``PullStats.transport`` says which carried the bytes.
+Transports: the bytes of a pull come over the gRPC stream, or, from a holder on this host, through
+one of this client's staging regions for it (``kvtransfer.shm_pool``, ``kvtransfer.shm_ring``): used
+when ``config.shm`` is on and the holder's last ``metadata()`` answer (``check_compatible`` fetches
+it) names this host and a Unix socket that exists. A failure of that path before any byte is written
+(socket refused, a region or ticket refused or expired, every region in use) falls back to the gRPC
+stream for the same pull; one after (a checksum, a stall, the holder's failure) fails the pull and
+ends the region it used. The returned ``PullStats.transport`` says which carried the bytes.
+``close()`` ends the regions too (both processes unmap them).
 """
 
 from __future__ import annotations
@@ -47,16 +49,10 @@ from pdserve.kvtransfer.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from pdserve.kvtransfer.protoconv import (
-    WireFormatError,
-    decode_chunk,
-    layout_to_proto,
-    metadata_from_proto,
-    offer_from_proto,
-)
+from pdserve.kvtransfer.protoconv import WireFormatError, decode_chunk, layout_to_proto, metadata_from_proto
 from pdserve.kvtransfer.receiver import BlockReceiver
-from pdserve.kvtransfer.shm import ShmUnavailable, host_id, mapped_chunk
-from pdserve.kvtransfer.shm_socket import fetch_region
+from pdserve.kvtransfer.shm import ShmUnavailable, host_id
+from pdserve.kvtransfer.shm_client import RegionsBusy, ShmPuller
 from pdserve.kvtransfer.wire import (
     MISSING_HASHES_KEY,
     Chunk,
@@ -108,11 +104,11 @@ class KVTransferClient:
                                             response_deserializer=pb.GetMetadataResponse.FromString)  # fmt: skip
         self._release = ch.unary_unary(_SERVICE + "Release", response_deserializer=pb.ReleaseResponse.FromString)
         self._pull = ch.unary_stream(_SERVICE + "Pull")
-        self._pull_shm = ch.unary_unary(_SERVICE + "PullShm", response_deserializer=pb.PullShmResponse.FromString)
         self._auth = ClusterAuth(c.cluster_secret, caller=caller) if c.cluster_secret else None
         self._pull_slots = threading.BoundedSemaphore(c.max_pulls_per_peer)
         self._holder: TransferMetadata | None = None  # the last metadata() answer
         self._dead_socket: str | None = None  # a holder socket that could not be used
+        self.shm = ShmPuller(c, ch, self._signed, _SERVICE)  # the same-host path and its regions
 
     def _signed(self, method: str, request: Message) -> tuple[bytes, tuple[tuple[str, str], ...]]:
         """``request``'s bytes and the metadata signing exactly them for one call of ``method``."""
@@ -120,6 +116,8 @@ class KVTransferClient:
         return body, (self._auth.metadata(_SERVICE + method, body) if self._auth else ())
 
     def close(self) -> None:
+        """Close the channel and end the staging regions (in-use ones as their pulls end)."""
+        self.shm.close()
         self._channel.close()
 
     def __enter__(self) -> KVTransferClient:
@@ -203,14 +201,16 @@ class KVTransferClient:
             socket_path = self._shm_socket()
             if socket_path is not None:
                 try:
-                    return self._pull_by_shm(socket_path, request, receiver, deadline)
+                    return self.shm.pull(socket_path, request, receiver, deadline)
                 except ShmUnavailable as exc:  # nothing written yet: the same pull over gRPC
+                    # The log gets the message, not the exception, whose frames may hold views of a region.
                     if exc.permanent:
                         self._dead_socket = socket_path
                         logger.warning("shared-memory pulls from %s off until it advertises another socket: %s",
-                                       self.address, exc)  # fmt: skip
+                                       self.address, str(exc))  # fmt: skip
                     else:
-                        logger.info("shared-memory pull from %s fell back to gRPC: %s", self.address, exc)
+                        level = logging.DEBUG if isinstance(exc, RegionsBusy) else logging.INFO
+                        logger.log(level, "shared-memory pull from %s fell back to gRPC: %s", self.address, str(exc))
             body, metadata = self._signed("Pull", request)
             call = self._pull(body, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
             for data in call:
@@ -237,30 +237,6 @@ class KVTransferClient:
         if not holder.host_id or holder.host_id != host_id() or not os.path.exists(holder.shm_socket):
             return None
         return holder.shm_socket
-
-    def _pull_by_shm(self, socket_path: str, request: pb.PullRequest, receiver: BlockReceiver,
-                     deadline: float) -> PullStats:  # fmt: skip
-        """PullShm for a ticket, the region from the socket, its blocks through ``receiver``.
-        Raises ``ShmUnavailable`` before any write, a ``grpc.RpcError`` or ``TransferError`` as Pull."""
-        body, metadata = self._signed("PullShm", pb.PullShmRequest(pull=request, host_id=host_id()))
-        try:
-            msg = self._pull_shm(body, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
-        except grpc.RpcError as exc:
-            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                raise ShmUnavailable("the holder has no PullShm", permanent=True) from exc
-            raise
-        offer = offer_from_proto(msg)
-        if offer.refused:
-            raise ShmUnavailable(f"the holder refused: {offer.refused}")
-        fd = fetch_region(socket_path, offer.ticket, deadline - time.monotonic())
-        try:
-            with mapped_chunk(fd, offer) as chunk:
-                receiver.accept(chunk)
-        finally:
-            os.close(fd)
-        stats = receiver.finish()
-        stats.transport = "shm"
-        return stats
 
     # -- errors ---------------------------------------------------------------------------
     def _error(self, exc: grpc.RpcError) -> TransferError:

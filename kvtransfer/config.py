@@ -9,6 +9,9 @@ from pdserve import envs
 from pdserve.security import DEFAULT_MAX_NONCES, TLSConfig, check_secret
 
 MiB = 1 << 20
+# The sizes a region may have (a page up to 1 GiB): kvtransfer.shm imports them from here.
+MIN_REGION_BYTES = 4096
+MAX_REGION_BYTES = 1 << 30
 
 # Upper bound of the protobuf framing of one BlockPiece inside a PullChunk, data excluded:
 # index/num_tokens/offset varints, a hash of <= MAX_HASH_BYTES, the fixed64 checksum,
@@ -44,11 +47,13 @@ class TransferConfig:
     ``server_threads`` are refused (``RESOURCE_EXHAUSTED``) instead of queued.
 
     Same-host transport (``kvtransfer/shm.py``, docs/kv-wire.md): with ``shm`` a holder also serves
-    pulls through sealed memfds handed over its Unix socket (in a fresh 0700 directory under
-    ``shm_dir``; None: ``$XDG_RUNTIME_DIR`` when it is the user's own, else the temp directory),
-    and a puller uses them for holders on its own kernel and user, gRPC otherwise and as the
-    fallback. A staged region waits at most ``shm_ticket_ttl_s`` for its puller, and at most
-    ``max_pulls_per_peer`` of them per peer host.
+    pulls into staging regions that its pullers hand it over its Unix socket (in a fresh 0700
+    directory under ``shm_dir``; None: ``$XDG_RUNTIME_DIR`` when it is the user's own, else the temp
+    directory), and a puller uses them for holders on its own kernel and user, gRPC otherwise and as
+    the fallback. A puller keeps up to ``shm_regions`` regions of ``shm_region_bytes`` per holder
+    (made on demand, one per concurrent pull; a pull finding all in use goes over gRPC), each a ring
+    of ``shm_slot_bytes`` slots; a holder maps at most ``shm_max_regions`` regions of all its
+    pullers. Attach and pull tickets are good for ``shm_ticket_ttl_s``.
     """
 
     chunk_bytes: int = 2 * MiB  # 1-2 MiB measured fastest over loopback (benchmarks/transfer.py, README)
@@ -71,6 +76,10 @@ class TransferConfig:
     shm: bool = True
     shm_dir: str | None = None
     shm_ticket_ttl_s: float = 5.0
+    shm_region_bytes: int = 32 * MiB
+    shm_slot_bytes: int = 4 * MiB
+    shm_regions: int = 4
+    shm_max_regions: int = 64
 
     def __post_init__(self) -> None:
         self.ports()  # validates port_range
@@ -82,7 +91,13 @@ class TransferConfig:
             raise ValueError(f"chunk_bytes must be an integer in [1, {MAX_CHUNK_BYTES}], got {self.chunk_bytes!r}")
         if not isinstance(self.max_blocks_per_chunk, int) or not 1 <= self.max_blocks_per_chunk <= 1 << 20:
             raise ValueError(f"max_blocks_per_chunk must be an integer in [1, 2**20], got {self.max_blocks_per_chunk!r}")
-        for name in ("server_threads", "max_pulls_per_peer", "auth_max_nonces"):
+        region = self.shm_region_bytes
+        if not isinstance(region, int) or not MIN_REGION_BYTES <= region <= MAX_REGION_BYTES:
+            bounds = f"[{MIN_REGION_BYTES}, {MAX_REGION_BYTES}]"
+            raise ValueError(f"shm_region_bytes must be an integer in {bounds}, got {region!r}")
+        if not isinstance(self.shm_slot_bytes, int) or not 1 <= self.shm_slot_bytes <= self.shm_region_bytes:
+            raise ValueError(f"shm_slot_bytes must be an integer in [1, shm_region_bytes], got {self.shm_slot_bytes!r}")
+        for name in ("server_threads", "max_pulls_per_peer", "auth_max_nonces", "shm_regions", "shm_max_regions"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         check_secret(self.cluster_secret)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from pdserve.kvtransfer.shm import ShmBlock, ShmOffer
+from pdserve.kvtransfer.shm import PullOffer, RegionBlock
 from pdserve.kvtransfer.wire import Chunk, LayoutSpec, Piece, TransferMetadata
 from pdserve.v1 import kvtransfer_pb2 as pb
 
@@ -62,31 +62,25 @@ def metadata_from_proto(msg: pb.GetMetadataResponse) -> TransferMetadata:
     )
 
 
-def offer_to_proto(offer: ShmOffer) -> pb.PullShmResponse:
-    return pb.PullShmResponse(
+def pull_offer_to_proto(offer: PullOffer) -> pb.PullRegionResponse:
+    return pb.PullRegionResponse(
         refused=offer.refused,
         ticket=offer.ticket,
         ticket_ttl_ms=round(offer.ticket_ttl_s * 1000),
-        region_bytes=offer.region_bytes,
         block_nbytes=offer.block_nbytes,
         total_tokens=offer.total_tokens,
-        blocks=[
-            pb.ShmBlock(index=b.index, block_hash=b.block_hash, num_tokens=b.num_tokens, offset=b.offset,
-                        checksum=b.checksum)
-            for b in offer.blocks
-        ],  # fmt: skip
+        blocks=[pb.RegionBlock(index=b.index, block_hash=b.block_hash, num_tokens=b.num_tokens) for b in offer.blocks],
     )
 
 
-def offer_from_proto(msg: pb.PullShmResponse) -> ShmOffer:
-    return ShmOffer(
+def pull_offer_from_proto(msg: pb.PullRegionResponse) -> PullOffer:
+    return PullOffer(
         refused=msg.refused,
         ticket=msg.ticket,
         ticket_ttl_s=msg.ticket_ttl_ms / 1000,
-        region_bytes=msg.region_bytes,
         block_nbytes=msg.block_nbytes,
         total_tokens=msg.total_tokens,
-        blocks=tuple(ShmBlock(b.index, b.block_hash, b.num_tokens, b.offset, b.checksum) for b in msg.blocks),
+        blocks=tuple(RegionBlock(b.index, b.block_hash, b.num_tokens) for b in msg.blocks),
     )
 
 

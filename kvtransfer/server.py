@@ -15,47 +15,44 @@ member signed for that very call (method, request bytes, fresh nonce; ``pdserve.
 ``AuthInterceptor`` wraps every registered handler, so each is checked before its request is even
 deserialized and no servicer method can skip it. With ``config.tls`` the port speaks TLS only.
 
-Same-host pulls (``config.shm``): ``PullShm`` takes the same path as ``Pull`` (authentication,
-per-peer admission, layout, lease and hash checks, the same status codes), then stages the blocks
-in a sealed memfd and answers with a one-time ticket that the puller redeems on the holder's
-Unix socket (``kvtransfer.shm_server.ShmExporter``, started and stopped with the server).
+Same-host pulls (``config.shm``): ``AttachRegion`` and ``PullRegion`` (``kvtransfer.shm_service``)
+through the ``kvtransfer.shm_server.ShmExporter``, started and stopped with the server.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import replace
-from typing import NoReturn
 
 import grpc
 
 from pdserve.kvtransfer.config import TransferConfig
-from pdserve.kvtransfer.errors import BlockNotFoundError, InvalidPullError, LayoutMismatchError, TransferError
+from pdserve.kvtransfer.errors import InvalidPullError, TransferError
 from pdserve.kvtransfer.guard import PullGuard
-from pdserve.kvtransfer.protoconv import encode_chunk, layout_from_proto, metadata_to_proto, offer_to_proto
-from pdserve.kvtransfer.shm import ShmOffer, StagedRegion, stage
+from pdserve.kvtransfer.protoconv import encode_chunk, layout_from_proto, metadata_to_proto
 from pdserve.kvtransfer.shm_server import ShmExporter
+from pdserve.kvtransfer.shm_service import RegionServicer
 from pdserve.kvtransfer.source import BlockSource, PinnedBlocks
-from pdserve.kvtransfer.wire import MISSING_HASHES_KEY, Chunk
+from pdserve.kvtransfer.status import abort, clamp
+from pdserve.kvtransfer.wire import Chunk
 from pdserve.security import AuthInterceptor, ClusterAuth
 from pdserve.v1 import kvtransfer_pb2 as pb
 from pdserve.v1 import kvtransfer_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-_MAX_MISSING_IN_METADATA = 64  # keeps the trailer far below gRPC's header size limit
 
-
-class KVTransferServicer(pb_grpc.KVTransferServicer):
+class KVTransferServicer(RegionServicer, pb_grpc.KVTransferServicer):
     """Converts protos to calls on a ``BlockSource`` and its errors to status codes.
 
     ``Pull`` yields ``kvtransfer.wire.Chunk``s, not protos: ``add_servicer_to_server``
     registers ``protoconv.encode_chunk`` as its serializer (the PullChunk wire format,
     written with one copy of the payload; see there why not ``SerializeToString``).
-    ``shm`` (set by ``start_transfer_server``; None: no same-host transport) serves PullShm.
+    ``shm`` (set by ``start_transfer_server``; None: no same-host transport) serves AttachRegion and
+    PullRegion; PullShm (a holder-made memfd per pull, superseded) answers UNIMPLEMENTED.
     """
 
     def __init__(self, source: BlockSource, config: TransferConfig | None = None) -> None:
@@ -83,14 +80,14 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             try:
                 pinned = self._open(request)
             except TransferError as exc:
-                _abort(context, exc)
+                abort(context, exc)
             # Unpin on cancel/deadline too: gRPC may never resume this generator then.
             if not context.add_callback(pinned.close):
                 pinned.close()  # the RPC is already over
                 return
             with pinned:
-                chunk_bytes = _clamp(request.max_chunk_bytes, self.config.chunk_bytes)
-                max_pieces = _clamp(request.max_blocks_per_chunk, self.config.max_blocks_per_chunk)
+                chunk_bytes = clamp(request.max_chunk_bytes, self.config.chunk_bytes)
+                max_pieces = clamp(request.max_blocks_per_chunk, self.config.max_blocks_per_chunk)
                 for chunk in self.source.chunks(pinned, chunk_bytes, max_pieces):
                     if not context.is_active():
                         return
@@ -98,39 +95,6 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
                     ticket.progress()  # the previous chunk was taken: the puller is reading
         finally:
             ticket.close()
-
-    def PullShm(self, request: pb.PullShmRequest, context: grpc.ServicerContext) -> pb.PullShmResponse:
-        shm = self.shm
-        if shm is None:
-            return offer_to_proto(ShmOffer(refused="this holder offers no shared-memory transport"))
-        if request.host_id != shm.host_id:
-            return offer_to_proto(ShmOffer(refused="the puller runs on another host"))
-        ticket = self.guard.admit(context.peer(), context.cancel)
-        if ticket is None:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"too many pulls from this peer at once (at most {self.guard.max_per_peer})")
-        try:
-            try:
-                pinned = self._open(request.pull)
-            except TransferError as exc:
-                _abort(context, exc)
-            with pinned:  # unpinned once copied: the region is the pull's own copy
-                try:
-                    region = self._stage(pinned, ticket.progress)
-                except OSError as exc:  # no memory or descriptors: the puller streams instead
-                    logger.warning("cannot stage a shared-memory pull: %s", exc)
-                    return offer_to_proto(ShmOffer(refused=f"cannot stage: {exc}"))
-            if not context.is_active():  # cancelled meanwhile (deadline, watchdog): nobody will redeem it
-                region.close()
-                context.abort(grpc.StatusCode.CANCELLED, "the pull ended while its blocks were staged")
-            return offer_to_proto(shm.offer(region, context.peer()))
-        finally:
-            ticket.close()
-
-    def _stage(self, pinned: PinnedBlocks, progress: Callable[[], None]) -> StagedRegion:
-        """The pinned blocks copied into a sealed memfd (a test holder overrides it to corrupt one)."""
-        nbytes = self.source.layout.block_nbytes
-        return stage(pinned, nbytes, lambda block_id: self.source.read(block_id, 0, nbytes), progress)
 
     def _open(self, request: pb.PullRequest) -> PinnedBlocks:
         if request.HasField("expected_layout"):
@@ -157,10 +121,15 @@ def add_servicer_to_server(servicer: KVTransferServicer, server: grpc.Server) ->
         "Pull": grpc.unary_stream_rpc_method_handler(
             servicer.Pull, request_deserializer=pb.PullRequest.FromString, response_serializer=encode_chunk
         ),
-        "PullShm": grpc.unary_unary_rpc_method_handler(
-            servicer.PullShm,
-            request_deserializer=pb.PullShmRequest.FromString,
-            response_serializer=pb.PullShmResponse.SerializeToString,
+        "AttachRegion": grpc.unary_unary_rpc_method_handler(
+            servicer.AttachRegion,
+            request_deserializer=pb.AttachRegionRequest.FromString,
+            response_serializer=pb.AttachRegionResponse.SerializeToString,
+        ),
+        "PullRegion": grpc.unary_unary_rpc_method_handler(
+            servicer.PullRegion,
+            request_deserializer=pb.PullRegionRequest.FromString,
+            response_serializer=pb.PullRegionResponse.SerializeToString,
         ),
         "Release": grpc.unary_unary_rpc_method_handler(
             servicer.Release,
@@ -170,27 +139,6 @@ def add_servicer_to_server(servicer: KVTransferServicer, server: grpc.Server) ->
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)  # as the generated code does (faster dispatch)
-
-
-def _clamp(requested: int, own: int) -> int:
-    return min(requested, own) if requested > 0 else own
-
-
-def _abort(context: grpc.ServicerContext, exc: TransferError) -> NoReturn:
-    """Abort the RPC with the status matching ``exc`` (raises)."""
-    if isinstance(exc, BlockNotFoundError):
-        if exc.missing_hashes:
-            shown = exc.missing_hashes[:_MAX_MISSING_IN_METADATA]
-            context.set_trailing_metadata(((MISSING_HASHES_KEY, ",".join(h.hex() for h in shown)),))
-        code = grpc.StatusCode.NOT_FOUND
-    elif isinstance(exc, LayoutMismatchError):
-        code = grpc.StatusCode.FAILED_PRECONDITION
-    elif isinstance(exc, InvalidPullError):
-        code = grpc.StatusCode.INVALID_ARGUMENT
-    else:
-        code = grpc.StatusCode.INTERNAL
-    context.abort(code, str(exc))
-    raise AssertionError("unreachable: context.abort raises")
 
 
 class TransferServer:
@@ -222,13 +170,14 @@ class TransferServer:
             try:
                 self.source.leases.reap()
                 if self.shm is not None:
-                    self.shm.reap()  # closes the regions of tickets nobody redeemed in time
+                    self.shm.reap()  # ends the attach and pull tickets nobody redeemed in time
             except Exception:  # the reaper must outlive any one bad lease
                 logger.exception("lease reaper failed")
 
     def stop(self, grace_s: float | None = None, release_leases: bool = True) -> None:
         """Stop serving (in-flight pulls get ``grace_s``), stop the reaper, close the shm socket
-        (its directory and every staged region go), and by default end every lease."""
+        (its directory goes, every region's channel ends and its mapping with it), and by default
+        end every lease."""
         if self._stopped.is_set():
             return
         self._stopped.set()

@@ -1,14 +1,16 @@
-"""The Unix socket that hands staged regions (``kvtransfer.shm``) to their pullers: both ends.
+"""The holder's Unix socket, through which pullers hand it their regions (``kvtransfer.shm``): both ends.
 
-Protocol, one exchange per connection: the puller connects to the holder's socket and sends
-its ticket (``TICKET_BYTES`` bytes, from the holder's PullShm answer); the holder answers one
-status byte, ``0x00`` with the region's memfd attached (SCM_RIGHTS), or ``0x01`` followed by
-a reason, and closes. Both ends check the other with SO_PEERCRED: the same effective uid, or
-the connection is dropped (holder) / the socket is not used (puller).
+One connection per region: the puller connects, sends ATTACH (``kvtransfer.shm_frames``) with an
+attach ticket from the holder's AttachRegion answer and the region's memfd (SCM_RIGHTS), and the
+holder answers ATTACHED with the region's id or REFUSED. The connection then stays open as the
+region's channel (its pulls' GO, SLOT and ACK frames) until either end closes it, which ends the
+region on both. Both ends check the other with SO_PEERCRED: the same effective uid, or the
+connection is dropped (holder) / the socket is not used (puller).
 
 Who can connect: the socket lives in a fresh directory of mode 0700 (``private_dir``), so only
-the worker's own user (and root) can reach it at all; the ticket then names one staged pull,
-once. The server is one thread; each connection gets ``io_timeout_s`` to send its ticket.
+the worker's own user (and root) can reach it at all; the ticket then admits one region, once.
+The server accepts on one thread and serves each connection on a thread of its own (at most
+``max_connections`` at once; more are closed at once).
 
 A worker that is killed outright leaves its directory behind; the next one to start under the
 same base directory removes those of its user whose socket refuses connections (``sweep_stale``).
@@ -26,7 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pdserve import envs
-from pdserve.kvtransfer.shm import TICKET_BYTES, ShmUnavailable, StagedRegion
+from pdserve.kvtransfer.shm import REGION_ID_BYTES, ShmUnavailable
+from pdserve.kvtransfer.shm_frames import ATTACH, ATTACHED, REFUSED, encode_attach, recv_frame, send_frame
 from pdserve.ratelog import RateLimitFilter
 
 logger = logging.getLogger(__name__)
@@ -34,7 +37,6 @@ logger.addFilter(RateLimitFilter())  # connections of another user must not floo
 
 SOCKET_NAME = "kv.sock"
 DIR_PREFIX = "pdserve-kv-"
-_OK, _REFUSED = b"\x00", b"\x01"
 _MAX_SUN_PATH = 107  # sockaddr_un.sun_path holds 108 bytes, NUL included
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -107,17 +109,19 @@ def peer_uid(sock: socket.socket) -> int:
     return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[1]
 
 
-class FdServer:
-    """Hands out regions on ``<directory>/kv.sock``: ``redeem(ticket)`` gives the region a ticket
-    names (once) or None. The region's descriptor is closed here as soon as it is sent, or
-    refused. ``close()`` stops the thread and removes the socket and ``directory``."""
+class RegionServer:
+    """Accepts region channels on ``<directory>/kv.sock``: ``serve(conn)`` runs on a thread of its
+    own for each connection of this user and owns it (closes it when done). ``close()`` stops
+    accepting, shuts every live connection down (their ``serve`` calls see the end of the stream),
+    waits for them, and removes the socket and ``directory``."""
 
-    def __init__(self, directory: str, redeem: Callable[[bytes], StagedRegion | None],
-                 io_timeout_s: float = 1.0) -> None:  # fmt: skip
+    def __init__(self, directory: str, serve: Callable[[socket.socket], None], max_connections: int) -> None:
         self.directory = directory
         self.path = os.path.join(directory, SOCKET_NAME)
-        self._redeem = redeem
-        self._io_timeout_s = io_timeout_s
+        self._serve_one = serve
+        self._max_connections = max_connections
+        self._lock = threading.Lock()
+        self._live: dict[socket.socket, threading.Thread] = {}
         self._closed = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         binding = self.path + ".new"  # named kv.sock only once it listens (see sweep_stale)
@@ -130,10 +134,10 @@ class FdServer:
             self._sock.close()
             Path(binding).unlink(missing_ok=True)
             raise
-        self._thread = threading.Thread(target=self._serve, name="kv-shm-fds", daemon=True)
+        self._thread = threading.Thread(target=self._accept_loop, name="kv-shm-accept", daemon=True)
         self._thread.start()
 
-    def _serve(self) -> None:
+    def _accept_loop(self) -> None:
         while True:
             try:
                 conn, _ = self._sock.accept()
@@ -142,34 +146,46 @@ class FdServer:
                     return
                 logger.exception("accept on %s failed", self.path)
                 continue
-            with conn:
+            try:
+                uid = peer_uid(conn)
+            except OSError:
+                conn.close()
+                continue
+            with self._lock:
+                refused = self._closed or uid != os.geteuid() or len(self._live) >= self._max_connections
+                if not refused:
+                    thread = threading.Thread(target=self._run, args=(conn,), name="kv-shm-region", daemon=True)
+                    self._live[conn] = thread
+            if refused:
+                if uid != os.geteuid():
+                    logger.warning("refused a connection to %s from uid %d", self.path, uid)
+                conn.close()
                 if self._closed:
                     return
-                try:
-                    self._handle(conn)
-                except OSError as exc:  # the puller went away mid-exchange: its ticket is spent
-                    logger.debug("shm exchange on %s failed: %s", self.path, exc)
+                continue
+            thread.start()
 
-    def _handle(self, conn: socket.socket) -> None:
-        conn.settimeout(self._io_timeout_s)
-        uid = peer_uid(conn)
-        if uid != os.geteuid():
-            logger.warning("refused a connection to %s from uid %d", self.path, uid)
-            return
-        ticket = _recv_exact(conn, TICKET_BYTES)
-        region = self._redeem(ticket) if ticket is not None else None
-        if region is None:
-            conn.sendall(_REFUSED + b"unknown, used or expired ticket")
-            return
+    def _run(self, conn: socket.socket) -> None:
         try:
-            socket.send_fds(conn, [_OK], [region.fd])
+            self._serve_one(conn)
+        except Exception:  # one region's failure must not end the others
+            logger.exception("region channel on %s failed", self.path)
         finally:
-            region.close()  # the descriptor in flight keeps the memfd alive for the puller
+            with self._lock:
+                self._live.pop(conn, None)
+            conn.close()
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._live)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            live = dict(self._live)
         try:  # wake the accept() with a connection of our own
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(1.0)
@@ -178,6 +194,12 @@ class FdServer:
             pass
         self._thread.join(5)
         self._sock.close()
+        for conn, thread in live.items():
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:  # closed meanwhile
+                pass
+            thread.join(5)
         Path(self.path).unlink(missing_ok=True)
         try:
             os.rmdir(self.directory)
@@ -185,21 +207,13 @@ class FdServer:
             logger.warning("could not remove %s: %s", self.directory, exc)
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        part = conn.recv(n - len(buf))
-        if not part:
-            return None
-        buf += part
-    return bytes(buf)
-
-
-def fetch_region(path: str, ticket: bytes, timeout_s: float) -> int:
-    """Redeem ``ticket`` on the holder's socket at ``path``; the received memfd (the caller closes it).
+def attach_region(path: str, ticket: bytes, fd: int, nbytes: int, timeout_s: float) -> tuple[socket.socket, bytes]:
+    """Hand region ``fd`` of ``nbytes`` to the holder listening at ``path`` with an attach ticket:
+    the region's channel (a connected socket, the caller's) and the id the holder gave the region.
+    ``fd`` stays the caller's.
 
     Raises ``ShmUnavailable``: ``permanent`` when the socket cannot be used at all (missing,
-    refused, another user's), else for this ticket alone (refused, expired, connection lost).
+    refused, another user's), else for this region alone (refused, expired, connection lost).
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(max(timeout_s, 0.001))
@@ -208,19 +222,19 @@ def fetch_region(path: str, ticket: bytes, timeout_s: float) -> int:
             sock.connect(path)
         except OSError as exc:
             raise ShmUnavailable(f"cannot connect to {path}: {exc}", permanent=True) from exc
-        try:
-            uid = peer_uid(sock)
-            if uid != os.geteuid():
-                raise ShmUnavailable(f"{path} is served by uid {uid}, not this user", permanent=True)
-            sock.sendall(ticket)
-            msg, fds, flags, _ = socket.recv_fds(sock, 512, 1, socket.MSG_CMSG_CLOEXEC)
-        except OSError as exc:
-            raise ShmUnavailable(f"exchange on {path} failed: {exc}") from exc
-    finally:
+        uid = peer_uid(sock)
+        if uid != os.geteuid():
+            raise ShmUnavailable(f"{path} is served by uid {uid}, not this user", permanent=True)
+        send_frame(sock, ATTACH, encode_attach(ticket, nbytes), (fd,))
+        kind, payload, _ = recv_frame(sock)
+    except OSError as exc:  # FrameError (a ConnectionError) included
         sock.close()
-    if msg[:1] == _OK and len(fds) == 1 and not flags & socket.MSG_CTRUNC:
-        return fds[0]
-    for fd in fds:
-        os.close(fd)
-    reason = msg[1:].decode(errors="replace") if msg[:1] == _REFUSED else f"malformed answer {msg[:16]!r}"
-    raise ShmUnavailable(f"holder refused the ticket: {reason}")
+        raise ShmUnavailable(f"attaching a region on {path} failed: {exc}") from exc
+    except BaseException:
+        sock.close()
+        raise
+    if kind == ATTACHED and len(payload) == REGION_ID_BYTES:
+        return sock, payload
+    sock.close()
+    reason = payload.decode(errors="replace") if kind == REFUSED else f"unexpected frame {kind}"
+    raise ShmUnavailable(f"holder refused the region: {reason}")

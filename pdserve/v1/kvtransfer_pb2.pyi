@@ -140,6 +140,62 @@ class PullShmResponse(_message.Message):
     blocks: _containers.RepeatedCompositeFieldContainer[ShmBlock]
     def __init__(self, refused: _Optional[str] = ..., ticket: _Optional[bytes] = ..., ticket_ttl_ms: _Optional[int] = ..., region_bytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., total_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[ShmBlock, _Mapping]]] = ...) -> None: ...
 
+class AttachRegionRequest(_message.Message):
+    __slots__ = ("host_id", "region_bytes")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    region_bytes: int
+    def __init__(self, host_id: _Optional[str] = ..., region_bytes: _Optional[int] = ...) -> None: ...
+
+class AttachRegionResponse(_message.Message):
+    __slots__ = ("refused", "ticket", "ticket_ttl_ms")
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TICKET_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    refused: str
+    ticket: bytes
+    ticket_ttl_ms: int
+    def __init__(self, refused: _Optional[str] = ..., ticket: _Optional[bytes] = ..., ticket_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class PullRegionRequest(_message.Message):
+    __slots__ = ("pull", "host_id", "region_id", "slot_bytes")
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    pull: PullRequest
+    host_id: str
+    region_id: bytes
+    slot_bytes: int
+    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., host_id: _Optional[str] = ..., region_id: _Optional[bytes] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+
+class RegionBlock(_message.Message):
+    __slots__ = ("index", "block_hash", "num_tokens")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    block_hash: bytes
+    num_tokens: int
+    def __init__(self, index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class PullRegionResponse(_message.Message):
+    __slots__ = ("refused", "ticket", "ticket_ttl_ms", "block_nbytes", "total_tokens", "blocks")
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TICKET_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    refused: str
+    ticket: bytes
+    ticket_ttl_ms: int
+    block_nbytes: int
+    total_tokens: int
+    blocks: _containers.RepeatedCompositeFieldContainer[RegionBlock]
+    def __init__(self, refused: _Optional[str] = ..., ticket: _Optional[bytes] = ..., ticket_ttl_ms: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., total_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[RegionBlock, _Mapping]]] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,16 @@ class KVTransferStub:
                 request_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullShmRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullShmResponse.FromString,
                 _registered_method=True)
+        self.AttachRegion = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/AttachRegion',
+                request_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.AttachRegionRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.AttachRegionResponse.FromString,
+                _registered_method=True)
+        self.PullRegion = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/PullRegion',
+                request_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullRegionRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullRegionResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdserve.v1.KVTransfer/Release',
                 request_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.ReleaseRequest.SerializeToString,
@@ -91,6 +101,27 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachRegion(self, request, context):
+        """Same-host pulls through staging regions the puller owns (superseding PullShm, which holders
+        since AttachRegion answer UNIMPLEMENTED). AttachRegion grants a one-time ticket for handing one
+        region (a sealed memfd the puller made) to this holder over its Unix socket; the connection that
+        hands it over stays open as that region's channel. A holder that will not take a region (shm off,
+        another host, too many regions, a bad size) answers `refused`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullRegion(self, request, context):
+        """One pull into an attached region: the same authentication, limits, checks and status codes as
+        Pull; answers the blocks and a one-time ticket that the puller presents on the region's channel,
+        after which the holder writes the blocks into the region's ring of slots, slot by slot, each
+        announced on that channel with its pieces' checksums. `refused`: pull with Pull instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Drops a lease. Its blocks are freed as soon as no pull of it is streaming.
         Idempotent: releasing an unknown lease answers released=false.
@@ -116,6 +147,16 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.PullShm,
                     request_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullShmRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullShmResponse.SerializeToString,
+            ),
+            'AttachRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachRegion,
+                    request_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.AttachRegionRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.AttachRegionResponse.SerializeToString,
+            ),
+            'PullRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullRegion,
+                    request_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullRegionRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullRegionResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -205,6 +246,60 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/PullShm',
             pdserve_dot_v1_dot_kvtransfer__pb2.PullShmRequest.SerializeToString,
             pdserve_dot_v1_dot_kvtransfer__pb2.PullShmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/AttachRegion',
+            pdserve_dot_v1_dot_kvtransfer__pb2.AttachRegionRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvtransfer__pb2.AttachRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/PullRegion',
+            pdserve_dot_v1_dot_kvtransfer__pb2.PullRegionRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvtransfer__pb2.PullRegionResponse.FromString,
             options,
             channel_credentials,
             insecure,
