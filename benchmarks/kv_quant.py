@@ -33,7 +33,8 @@ from pdserve.engine.sampling_params import SamplingParams
 
 # (label, kv_cache_dtype, model dtype). The last is a control: the same model run in bfloat16 (as
 # on a GPU) with an unquantized cache, to show how far any numerical change moves greedy answers.
-RUNS = (("auto", "auto", None), ("fp8", "fp8", None), ("fp8_e5m2", "fp8_e5m2", None),
+# The model in float32 (auto would run the Q4_1 file in bfloat16 on a CPU with bf16 units), then the control.
+RUNS = (("auto", "auto", "float32"), ("fp8", "fp8", "float32"), ("fp8_e5m2", "fp8_e5m2", "float32"),
         ("bf16 model, auto", "auto", "bfloat16"))  # fmt: skip
 CHUNK = 32
 TEXT = (

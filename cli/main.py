@@ -90,6 +90,7 @@ BENCHMARKS = {
     "outside": ("pdserve.benchmarks.outside", "guidellm (an outside load generator) against pdserve up's OpenAI API"),
     "grammar": ("pdserve.benchmarks.grammar", "structured outputs: xgrammar vs llguidance, compile and per-token mask"),
     "structured": ("pdserve.benchmarks.structured_steps", "a decode step free vs half vs all requests constrained"),
+    "gemm": ("pdserve.benchmarks.gemm", "projection GEMMs fp32 vs bf16 at a model's shapes (AMX), engine tok/s in each"),
 }
 
 
@@ -196,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None,
                    help="the router's bind address, gRPC and HTTP (default 127.0.0.1; 0.0.0.0: every interface)")
     p.add_argument("--dtype", default=None, choices=("auto", "half", "float16", "bfloat16", "float", "float32"),
-                   help="weights and activations (default auto: float32 on CPU, bfloat16 on GPU; half = float16, "
-                        "float = float32)")
+                   help="weights and activations (default auto: bfloat16 on GPU; on a CPU with AMX or "
+                        "AVX512-BF16, bfloat16 for a checkpoint stored in bfloat16, float16 or a quantized GGUF "
+                        "type, else float32; half = float16, float = float32)")
     p.add_argument("--max-model-len", type=human_int, default=None, metavar="N",
                    help="longest sequence, prompt + output (default: the model's context length; 4k = 4000, "
                         "4K = 4096)")

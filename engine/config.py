@@ -91,14 +91,17 @@ class EngineConfig:
     """
 
     model: str | None = None
-    # "float32" | "bfloat16" | "float16"; None: float32 on CPU, bfloat16 on CUDA. vLLM's spellings are
-    # accepted and stored in these words: "auto" (None), "half" (float16), "float" (float32).
+    # "float32" | "bfloat16" | "float16"; None (auto): bfloat16 on CUDA; on the CPU bfloat16 for a
+    # checkpoint stored in bfloat16/float16 (or a GGUF file with tensors other than F32) where the CPU
+    # has AMX-BF16 or AVX512-BF16, else float32 (engine/model/dtype.py has the rule). vLLM's spellings
+    # are accepted and stored in these words: "auto" (None), "half" (float16), "float" (float32).
     dtype: str | None = None
     device: str | None = field(default_factory=envs.device)  # None: CUDA if available, else CPU
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # CPU float32 only: projections on 8+ rows run through oneDNN (engine/model/linear.py).
-    # Costs a second copy of the linear weights; False keeps torch's F.linear everywhere.
+    # CPU float32 and bfloat16: projections run through oneDNN (engine/model/linear.py; float32 on 8+
+    # rows, bfloat16 on every row count, on prepacked weights). Costs a second copy of the linear
+    # weights; False keeps torch's F.linear everywhere.
     cpu_onednn: bool = True
     # vLLM's --revision / --download-dir: which revision of a Hugging Face Hub id ``model`` names
     # (a branch, tag or commit; None: "main") and the Hub cache to use (None: $HF_HOME/hub).

@@ -29,6 +29,7 @@ from pdserve.engine.kvcache.events import EventSink
 from pdserve.engine.kvcache.manager import KVCacheManager
 from pdserve.engine.limits import RequestLimits
 from pdserve.engine.model import ModelConfig, load_model, load_tokenizer
+from pdserve.engine.model.dtype import resolve_dtype
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
@@ -36,8 +37,6 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -131,17 +130,20 @@ class LLMEngine:
             raise ValueError("EngineConfig.model: no model given")
         self.config = config
         self.device = resolve_device(config.device)
-        dtype = _DTYPES[config.dtype] if config.dtype else None
         self.model_config = mc = ModelConfig.from_path(config.model)
+        # auto: bfloat16 on CUDA, and on a CPU with bfloat16 matrix units for a reduced-precision checkpoint.
+        self.dtype_choice = resolve_dtype(config.dtype, config.model, mc, self.device)
         self.tokenizer = load_tokenizer(config.model, config.chat_template)
         if config.seed is not None:  # vLLM's --seed: requests without a seed of their own draw from this
             torch.manual_seed(config.seed)
         # EOS: the model config's, and generation_config.json's where it names more (Llama 3 instruct).
         self.eos_token_ids = tuple(dict.fromkeys(
             (*mc.eos_token_ids, *self.tokenizer.info.generation_eos_token_ids)))  # fmt: skip
-        self.model = load_model(config.model, dtype=dtype, device=self.device)
+        self.model = load_model(config.model, dtype=self.dtype_choice.dtype, device=self.device)
         self.dtype = next(self.model.parameters()).dtype
         self.onednn = config.cpu_onednn and self.model.pack_onednn()
+        logger.info("dtype %s (%s)%s", self.dtype_choice.name, self.dtype_choice.why,
+                    "; projections through oneDNN" if self.onednn else "")  # fmt: skip
         cc = config.cache
         # An FP8 cache stores one byte per value (KV_CACHE_DTYPES), read back with per-layer scales.
         cache_dtype = KV_CACHE_DTYPES[cc.kv_cache_dtype] or self.dtype

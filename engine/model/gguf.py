@@ -98,6 +98,11 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
     }
 
 
+def tensor_types(path: str | Path) -> frozenset[str]:
+    """The GGML types the file's tensors are stored in, by name (``"F32"``, ``"F16"``, ``"Q4_1"``...)."""
+    return frozenset(t.tensor_type.name for t in _reader(str(path)).tensors)
+
+
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's rotary interleave of a q/k projection (rows grouped by head)."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

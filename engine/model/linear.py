@@ -1,11 +1,18 @@
 """Linear layers with an optional oneDNN path for CPU serving.
 
-On x86 CPUs torch's float32 ``F.linear`` goes through a BLAS whose kernels for
-skinny inputs (a decode batch of 8-64 rows) reach roughly half of what oneDNN
-(torch's ``mkldnn_linear``) does on the same cores; on some CPUs oneDNN is also ~1.3x
-faster on 2k-row prefill GEMMs. Single-row inputs are the exception: oneDNN's
-per-call conversions cost more than they save there. So a packed layer keeps both
-copies of its weight and picks per call by the number of input rows.
+float32: on x86 CPUs torch's ``F.linear`` goes through a BLAS whose kernels for skinny inputs (a
+decode batch of 8-64 rows) have reached about half of what oneDNN (torch's ``mkldnn_linear``)
+does on the same cores on some machines. Single-row inputs are the exception: oneDNN's per-call
+conversions cost more than they save there. So a packed float32 layer keeps both copies of its
+weight and picks per call by the number of input rows (``ONEDNN_MIN_ROWS``).
+
+bfloat16: torch's ``F.linear`` already reaches oneDNN's AMX / AVX512-BF16 kernels, but hands
+them the weight in its plain layout, which the kernel re-blocks on every call. The packed copy is
+the weight reordered once into the blocked layout those kernels read
+(``torch.ops.mkldnn._reorder_linear_weight``, as torch's Inductor packs bf16 linears) and run
+through ``torch.ops.mkldnn._linear_pointwise``, which takes and returns dense tensors: no per-call
+conversion, so every row count uses it. Results are bfloat16 like ``F.linear``'s (float32
+accumulation inside the kernel); ``pdserve bench gemm`` measures both.
 
 oneDNN compiles and caches a kernel per input shape (torch's ideep cache and oneDNN's primitive
 cache, up to 1,024 entries each, a few hundred KiB apiece), and a serving worker sees a new row
@@ -22,8 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Inputs with fewer rows stay on F.linear (oneDNN's conversions dominate below ~8 rows).
+# float32 inputs with fewer rows stay on F.linear (oneDNN's conversions dominate below ~8 rows).
 ONEDNN_MIN_ROWS = 8
+# bfloat16 inputs of any row count use the packed weight (no conversion to amortise).
+ONEDNN_MIN_ROWS_BF16 = 1
 # Row counts up to this run as they are (decode batches: few distinct shapes); larger ones in buckets.
 ONEDNN_MIN_BUCKET = 64
 
@@ -38,37 +47,53 @@ def bucket_rows(rows: int) -> int:
 
 
 def onednn_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """True where the oneDNN path can serve: CPU, float32, torch built with oneDNN."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """True where the oneDNN path can serve: CPU, torch built with oneDNN, float32, or bfloat16
+    where oneDNN has bfloat16 kernels for this CPU (AVX512 and newer)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 class OneDNNWeights:
-    """A oneDNN copy of one linear map (weight ``[out, in]`` and optional bias).
+    """A oneDNN copy of one linear map (weight ``[out, in]`` and optional bias), float32 or bfloat16.
 
     Not an ``nn.Module`` on purpose: the copy is derived state, never saved, moved or
     cast with the model; its owner rebuilds it from the dense weight when needed.
+    ``min_rows``: the fewest input rows worth sending through it (``project``).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight = weight.detach().to_mkldnn()
-        self.bias = None if bias is None else bias.detach().to_mkldnn()
+        self.bf16 = weight.dtype == torch.bfloat16
+        self.min_rows = ONEDNN_MIN_ROWS_BF16 if self.bf16 else ONEDNN_MIN_ROWS
+        if self.bf16:  # blocked once for the AMX / AVX512-BF16 kernels; the bias stays dense
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            self.bias = None if bias is None else bias.detach()
+        else:
+            self.weight = weight.detach().to_mkldnn()
+            self.bias = None if bias is None else bias.detach().to_mkldnn()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T + bias`` for a 2-D float32 CPU ``x``; a dense result. Rows run padded to
-        ``bucket_rows`` (each output row depends on its input row alone: the padding is dropped)."""
+        """``x @ weight.T + bias`` for a 2-D CPU ``x`` of the weight's dtype; a dense result. Rows run
+        padded to ``bucket_rows`` (each output row depends on its input row alone: the padding is
+        dropped)."""
         rows = x.shape[0]
         padded = bucket_rows(rows)
         if padded != rows:
             x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-        out = torch.ops.aten.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight, self.bias).to_dense()
+        if self.bf16:
+            out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        else:
+            out = torch.ops.aten.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight, self.bias).to_dense()
         return out if padded == rows else out[:rows]
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             onednn: OneDNNWeights | None) -> torch.Tensor:
-    """``x @ weight.T + bias``: through ``onednn`` for 2-D inputs of ``ONEDNN_MIN_ROWS``+ rows
+    """``x @ weight.T + bias``: through ``onednn`` for 2-D inputs of at least its ``min_rows`` rows
     when a copy is given, else ``F.linear``."""
-    if onednn is not None and x.dim() == 2 and x.shape[0] >= ONEDNN_MIN_ROWS:
+    if onednn is not None and x.dim() == 2 and x.shape[0] >= onednn.min_rows:
         return onednn(x)
     return F.linear(x, weight, bias)
 
@@ -76,9 +101,10 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) that may run large inputs through oneDNN.
 
-    After :meth:`pack`, 2-D inputs of at least ``ONEDNN_MIN_ROWS`` rows use the oneDNN
-    copy; everything else (and every unpacked layer) is plain ``F.linear``. Results
-    agree with ``F.linear`` to float32 rounding (the summation order differs).
+    After :meth:`pack`, 2-D inputs of at least ``ONEDNN_MIN_ROWS`` rows (float32) or of any
+    row count (bfloat16) use the oneDNN copy; everything else (and every unpacked layer) is
+    plain ``F.linear``. Results agree with ``F.linear`` to the dtype's rounding (the summation
+    order may differ).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
@@ -92,8 +118,8 @@ class Linear(nn.Linear):
         ``weight``/``bias`` are not seen by the copy (call ``pack`` again).
         """
         if not onednn_supported(self.weight.dtype, self.weight.device):
-            raise ValueError(f"oneDNN linear needs float32 CPU weights, got {self.weight.dtype} on "
-                             f"{self.weight.device}")
+            raise ValueError(f"oneDNN linear needs float32 or bfloat16 CPU weights (bfloat16: a CPU oneDNN has "
+                             f"bfloat16 kernels for), got {self.weight.dtype} on {self.weight.device}")
         self._onednn = OneDNNWeights(self.weight, self.bias)
 
     def unpack(self) -> None:

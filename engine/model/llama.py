@@ -215,7 +215,8 @@ class LlamaForCausalLM(nn.Module):
         """Give every projection and the LM head a oneDNN copy (see :mod:`engine.model.linear`).
 
         Call once the weights are loaded. Returns False (and changes nothing) where the
-        path is unsupported: not float32, not on the CPU, or torch without oneDNN.
+        path is unsupported: not float32 or bfloat16 (bfloat16: without oneDNN's bfloat16
+        kernels for this CPU), not on the CPU, or torch without oneDNN.
         """
         weight = self._head_weight()
         if not onednn_supported(weight.dtype, weight.device):

@@ -26,7 +26,9 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """float32 on CPU (bf16 matmuls are slow there), bfloat16 on accelerators."""
+    """float32 on CPU, bfloat16 on accelerators: what ``load_model`` uses when given no dtype. The
+    engine's auto dtype (``engine/model/dtype.py``) also picks bfloat16 on CPUs with bfloat16
+    matrix units for reduced-precision checkpoints, and passes its choice here explicitly."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 

@@ -23,7 +23,9 @@ SYSTEM = ("You are a concise geography tutor for a class of curious students. An
 def smollm2_service():
     path = smollm2_path()
     config = ServiceConfig.load(
-        port=0, http_port=0, engine__model=str(path), engine__cache__kv_cache_memory_bytes=128 * 1024**2,
+        # float32, as the reference: the file is Q4_1, which auto runs in bfloat16 on a CPU with bf16 units.
+        port=0, http_port=0, engine__model=str(path), engine__dtype="float32",
+        engine__cache__kv_cache_memory_bytes=128 * 1024**2,
         engine__scheduler__max_model_len=2048, router__local_prefill_threshold=8,
     )  # fmt: skip
     svc = Service(config, progress=lambda _m: None)

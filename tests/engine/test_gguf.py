@@ -58,7 +58,8 @@ def test_tiny_gguf_matches_transformers(tiny_gguf: Path) -> None:
         assert ours_tok.encode(text) == hf_tok(text).input_ids
     for chat in CHATS:
         assert ours_tok.render_chat(chat) == hf_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    llm, ref = LLM(str(tiny_gguf), num_blocks=64, block_size=8), hf_model(d, name)
+    # float32: the file has Q8_0 tensors, which auto would run in bfloat16 on a CPU with bf16 units.
+    llm, ref = LLM(str(tiny_gguf), num_blocks=64, block_size=8, dtype="float32"), hf_model(d, name)
     prompts = [ours_tok.encode(t) for t in TEXTS]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     for p, o in zip(prompts, outs):
@@ -85,7 +86,7 @@ def test_sentencepiece_gguf_matches_transformers(spm_gguf: Path) -> None:
         assert ids == hf(text).input_ids, text
         assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
     assert ours.encode("the") == [1, 274]  # <s> ▁the: ▁+t, then h+e, then ▁t+he, best score first
-    llm, ref = LLM(str(spm_gguf), num_blocks=64, block_size=8), hf_model(d, name)
+    llm, ref = LLM(str(spm_gguf), num_blocks=64, block_size=8, dtype="float32"), hf_model(d, name)
     prompts = [ours.encode(t) for t in SPM_TEXTS[:4]]
     for p, o in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))):
         assert o.token_ids == hf_greedy(ref, p, 10)
@@ -100,7 +101,7 @@ def test_llama3_rope_scaling_from_rope_freqs_matches_the_checkpoint(tmp_path: Pa
     path = write_gguf(hf_dir, tmp_path / "llama3.gguf", quantize=())
     cfg = ModelConfig.from_path(path)
     assert cfg.rope_freq_factors is not None and max(cfg.rope_freq_factors) == 8.0 and min(cfg.rope_freq_factors) == 1
-    llm, ref = LLM(str(path), num_blocks=64, block_size=8), load_hf_reference(hf_dir)
+    llm, ref = LLM(str(path), num_blocks=64, block_size=8, dtype="float32"), load_hf_reference(hf_dir)
     prompts = [[5, 6, 7] * 15, list(range(40, 100))]  # past the original 32-token context
     for p, o in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))):
         assert o.token_ids == hf_greedy(ref, p, 16)
@@ -135,7 +136,7 @@ def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2: Path) -
 
 @pytest.mark.slow
 def test_smollm2_greedy_chat_matches_transformers(smollm2: Path) -> None:
-    llm = LLM(str(smollm2), num_blocks=256, block_size=16)
+    llm = LLM(str(smollm2), num_blocks=256, block_size=16, dtype="float32")  # Q4_1: auto could pick bfloat16
     ref = hf_model(smollm2.parent, smollm2.name)
     outs = llm.chat(CHATS, SamplingParams(max_tokens=24))
     for chat, o in zip(CHATS, outs):

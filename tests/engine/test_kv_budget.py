@@ -66,8 +66,8 @@ def test_a_budget_too_small_for_max_model_len_is_refused_with_the_way_out(tiny_m
 
 
 def test_the_shipped_model_gets_room_for_its_whole_context_by_default() -> None:
-    engine = LLM(str(smollm2_path())).engine
+    engine = LLM(str(smollm2_path()), dtype="float32").engine  # the sizes below are float32 KV
     assert engine.max_model_len == 8192
     assert engine.limits.usable_len == 8192  # what /v1/models advertises: all of it
     with pytest.raises(KVBudgetError, match=r"max_model_len=8192 .*--kv-cache-memory-bytes 360MiB"):
-        LLM(str(smollm2_path()), kv_cache_memory_bytes=256 * MiB)
+        LLM(str(smollm2_path()), kv_cache_memory_bytes=256 * MiB, dtype="float32")

@@ -54,11 +54,35 @@ def test_non_contiguous_input() -> None:
 
 
 def test_unsupported_dtype_refused() -> None:
-    assert not onednn_supported(torch.bfloat16, torch.device("cpu"))
+    assert not onednn_supported(torch.float16, torch.device("cpu"))
     assert not onednn_supported(torch.float32, torch.device("cuda"))
-    layer = make_linear(16, 16, False, seed=2).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="float32 CPU"):
+    assert not onednn_supported(torch.bfloat16, torch.device("cuda"))
+    layer = make_linear(16, 16, False, seed=2).to(torch.float16)
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU"):
         layer.pack()
+
+
+needs_bf16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                reason="oneDNN has no bfloat16 kernels for this CPU")  # fmt: skip
+
+
+@needs_bf16
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, ONEDNN_MIN_BUCKET, ONEDNN_MIN_BUCKET + 1, 300])
+def test_packed_bf16_matches_f_linear(rows: int, bias: bool) -> None:
+    """bfloat16 goes through the prepacked weight at every row count (padded rows included) and
+    gives F.linear's bfloat16 result to within one bfloat16 rounding."""
+    layer = make_linear(96, 160, bias, seed=rows).to(torch.bfloat16)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    ref = F.linear(x, layer.weight, layer.bias)
+    assert onednn_supported(torch.bfloat16, torch.device("cpu"))
+    layer.pack()
+    layer.weight.mul_(2)  # the packed copy does not see in-place changes: proof the copy served
+    out = layer(x)
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
+    torch.testing.assert_close(out, ref)  # bfloat16's default tolerance: rtol 1.6e-2
+    layer.pack()
+    torch.testing.assert_close(layer(x.t().contiguous().t()), F.linear(x, layer.weight, layer.bias))
 
 
 def test_row_buckets_bound_the_shapes_onednn_compiles_for() -> None:

@@ -94,8 +94,9 @@ def copy_tiny_tokenizer(dst: Path) -> None:
     shutil.rmtree(tmp)
 
 
-def make_hf_checkpoint(out_dir: str | Path, variant: str, seed: int = 0) -> Path:
-    """Save a seeded random transformers model of ``variant`` (see HF_VARIANTS) to ``out_dir``."""
+def make_hf_checkpoint(out_dir: str | Path, variant: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """Save a seeded random transformers model of ``variant`` (see HF_VARIANTS) to ``out_dir``, its
+    weights stored in ``dtype`` (randomised in float32, then cast; config.json names ``dtype``)."""
     from transformers import LlamaForCausalLM as HFLlama
     from transformers import MistralForCausalLM as HFMistral
     from transformers import Qwen2ForCausalLM as HFQwen2
@@ -109,6 +110,7 @@ def make_hf_checkpoint(out_dir: str | Path, variant: str, seed: int = 0) -> Path
     randomise(model, seed)
     if config.tie_word_embeddings:
         model.tie_weights()
+    model = model.to(dtype)
     shard = "60KB" if variant == "sharded" else "50GB"
     model.save_pretrained(out, max_shard_size=shard)
     copy_tiny_tokenizer(out)

@@ -1,0 +1,29 @@
+"""``python -m pdserve.benchmarks.gemm`` runs and reports what it claims (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.support import REPO
+
+
+def test_gemm_bench_reports_every_shape_both_dtypes_and_the_engine(tiny_model: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "pdserve.benchmarks.gemm", "--quick", "--json", "--model", tiny_model],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    shapes = {(t["shape"], t["rows"]) for t in out["gemm"]}
+    assert shapes == {(s, rows) for s in ("qkv", "o", "gate_up", "down", "lm_head") for rows in (1, 32)} | {
+        ("large", 2048)}
+    for t in out["gemm"]:
+        keys = {"float32_engine", "bfloat16_engine"} | (set() if t["shape"] == "large" else
+                                                        {"float32_f_linear", "bfloat16_f_linear"})  # fmt: skip
+        assert set(t["tflops"]) == keys and all(v > 0 for v in t["tflops"].values())
+    eng = out["engine"]
+    assert eng["prompts"] == 4 and eng["max_tokens"] == 8 and eng["read_gb_per_s"] > 0
+    for d in ("float32", "bfloat16"):
+        e = eng[d]
+        assert e["output_tok_per_s"] > 0 and e["median_step_ms"] > 0 and 0 < e["projection_share"] < 1
+        assert e["weight_read_floor_ms"] > 0
