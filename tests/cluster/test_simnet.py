@@ -75,7 +75,7 @@ def where():
 
 names = json.loads(os.environ["NODE_NAMES"])
 out = {n: ray.get(where.options(resources={f"node_{n}": 1}).remote(), timeout=90) for n in names}
-print(json.dumps({"driver_ip": ray.util.get_node_ip_address(), "nodes": out}))
+print("@@" + json.dumps({"driver_ip": ray.util.get_node_ip_address(), "nodes": out}), flush=True)
 """
 
 
@@ -165,10 +165,12 @@ def test_a_partitioned_node_is_silent_until_healed(net: SimCluster) -> None:
 
 
 def run_driver(sim: SimCluster) -> dict:
-    """DRIVER on the head node; its report (the last line: Ray may print notices to a driver's stdout)."""
+    """DRIVER on the head node; its report (the line marked ``@@``: Ray prints notices to a driver's
+    stdout, such as a node declared dead, before and after it)."""
     env = {"NODE_NAMES": json.dumps(list(sim.nodes))}
     out = sim.check_output("head", [sys.executable, "-c", DRIVER], env, timeout=150)
-    return json.loads(out.strip().splitlines()[-1])
+    [report] = [line[2:] for line in out.splitlines() if line.startswith("@@")]
+    return json.loads(report)
 
 
 # The GCS declares a killed node dead after missing this many health checks (Ray's default: 5 of 3 s).
