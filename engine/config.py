@@ -83,6 +83,30 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism inside one worker (engine/parallel/): ``tensor_parallel_size`` ranks, each
+    holding 1/N of every layer's heads and MLP columns, stepped together from the driver's plan.
+
+    ``collective_timeout_s``: how long one step's collective waits for a rank before the step fails
+    (a rank that died fails it at once: its sockets close). ``start_timeout_s``: how long the
+    driver waits for every rank to load its shard and report ready.
+    """
+
+    tensor_parallel_size: int = 1
+    collective_timeout_s: float = 60.0
+    start_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 64:
+            raise ValueError(f"tensor_parallel_size must be an integer in [1, 64], got {tp!r}")
+        for name in ("collective_timeout_s", "start_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What one engine instance loads and how it runs.
 
@@ -99,6 +123,7 @@ class EngineConfig:
     device: str | None = field(default_factory=envs.device)  # None: CUDA if available, else CPU
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # CPU float32 and bfloat16: projections run through oneDNN (engine/model/linear.py; float32 on 8+
     # rows, bfloat16 on every row count, on prepacked weights). Costs a second copy of the linear
     # weights; False keeps torch's F.linear everywhere.

@@ -31,6 +31,8 @@ from pdserve.engine.limits import RequestLimits
 from pdserve.engine.model import ModelConfig, load_model, load_tokenizer
 from pdserve.engine.model.dtype import resolve_dtype
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.parallel.ranks import RankProcesses
+from pdserve.engine.parallel.shard import TPShard
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.engine.scheduler import Scheduler
@@ -139,7 +141,12 @@ class LLMEngine:
         # EOS: the model config's, and generation_config.json's where it names more (Llama 3 instruct).
         self.eos_token_ids = tuple(dict.fromkeys(
             (*mc.eos_token_ids, *self.tokenizer.info.generation_eos_token_ids)))  # fmt: skip
-        self.model = load_model(config.model, dtype=self.dtype_choice.dtype, device=self.device)
+        tp = config.parallel.tensor_parallel_size
+        if tp > 1 and self.device.type != "cpu":
+            raise ValueError(f"tensor_parallel_size={tp}: tensor parallelism runs on the CPU (gloo) in this version; "
+                             f"use tensor_parallel_size=1 on {self.device}")  # fmt: skip
+        self.model = load_model(config.model, dtype=self.dtype_choice.dtype, device=self.device,
+                                shard=TPShard(0, tp))  # fmt: skip
         self.dtype = next(self.model.parameters()).dtype
         self.onednn = config.cpu_onednn and self.model.pack_onednn()
         logger.info("dtype %s (%s)%s", self.dtype_choice.name, self.dtype_choice.why,
@@ -157,7 +164,8 @@ class LLMEngine:
         num_blocks = self._plan_pool(layout)
         self.limits = RequestLimits.for_engine(mc, config, num_blocks)
         self.max_model_len = self.limits.max_model_len
-        self.kv_tensor = KVTensor(layout, num_blocks, self.device)
+        self.kv_tensor = KVTensor(layout, num_blocks, self.device, shared=tp > 1)
+        self.ranks = self._start_ranks(layout, num_blocks) if tp > 1 else None
         medium = "GPU" if self.device.type == "cuda" else "CPU"
         self.kv_manager = KVCacheManager(
             num_blocks, cc.block_size, cc.enable_prefix_caching, medium, event_sink, mc.sliding_window
@@ -172,7 +180,7 @@ class LLMEngine:
 
             self.kv_manager.pool.eviction_sink = offload
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.runner = ModelRunner(self.model, self.kv_tensor, cc.block_size)
+        self.runner = ModelRunner(self.model, self.kv_tensor, cc.block_size, self.ranks)
         # Compiles structured-output constraints (once each) on the first request that has one.
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.lock = threading.RLock()
@@ -374,6 +382,32 @@ class LLMEngine:
         with self.lock:
             if self.tier is not None:
                 self.tier.close()
+            if self.ranks is not None:
+                self.ranks.close()
+                self.ranks.fail("the engine was closed", log=False)
+                torch.set_num_threads(self._threads_before)
+
+    def _start_ranks(self, layout: KVLayout, num_blocks: int) -> RankProcesses:
+        """Ranks 1..N-1 of a tensor-parallel engine, each with its shard loaded, joined with this
+        process (rank 0) in one group. The CPU's threads are shared out among the ranks (this
+        process keeps its share)."""
+        parallel = self.config.parallel
+        size = parallel.tensor_parallel_size
+        self._threads_before = torch.get_num_threads()  # given back by close()
+        threads = max(1, self._threads_before // size)
+        torch.set_num_threads(threads)
+        spec = {
+            "model": self.config.model, "dtype": str(self.dtype).removeprefix("torch."), "onednn": self.onednn,
+            "quantized": bool(layout.kv_scales), "threads": threads, "num_blocks": num_blocks,
+            "layout": {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
+                       "head_dim": layout.head_dim, "block_size": layout.block_size,
+                       "dtype": str(layout.dtype).removeprefix("torch."), "kv_scales": list(layout.kv_scales),
+                       "kind": layout.kind, "rope_dim": layout.rope_dim},
+        }  # fmt: skip
+        ranks = RankProcesses(spec, self.kv_tensor, size, parallel.collective_timeout_s, parallel.start_timeout_s)
+        self.model.join(ranks.group)
+        logger.info("tensor parallel: %d ranks, %d CPU thread(s) each", size, threads)
+        return ranks
 
     def _plan_pool(self, layout: KVLayout) -> int:
         """The KV pool's block count (engine/kv_budget.py); KVBudgetError when a budget cannot hold one

@@ -14,6 +14,8 @@ Everything that moves, hashes or counts blocks is the same for both; only the ke
 
 from __future__ import annotations
 
+import mmap
+import os
 from dataclasses import dataclass
 
 import torch
@@ -74,16 +76,40 @@ class KVTensor:
     ``block_bytes(block_id)``.
     """
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu",
+                 shared: bool = False) -> None:  # fmt: skip
+        """``shared``: a CPU cache in an anonymous shared-memory file (``memfd``, owner-only, no
+        name in any file system) that the worker's tensor-parallel ranks map too (:attr:`fd`,
+        :meth:`attach`); otherwise ordinary memory."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
-        self.tensor = torch.zeros(
-            (num_blocks, layout.num_layers, layout.planes, layout.block_size, layout.num_kv_heads, layout.head_dim),
-            dtype=layout.dtype,
-            device=device,
-        )
+        self.fd: int | None = None
+        shape = (num_blocks, *self.block_shape(layout))
+        if not shared:
+            self.tensor = torch.zeros(shape, dtype=layout.dtype, device=device)
+            return
+        if torch.device(device).type != "cpu":
+            raise ValueError("a shared KV cache is a CPU cache")
+        self.fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, num_blocks * layout.block_nbytes)  # a new memfd reads as zeros
+        self.tensor = _map(self.fd, layout, num_blocks)
+
+    @staticmethod
+    def block_shape(layout: KVLayout) -> tuple[int, ...]:
+        return (layout.num_layers, layout.planes, layout.block_size, layout.num_kv_heads, layout.head_dim)
+
+    @classmethod
+    def attach(cls, fd: int, layout: KVLayout, num_blocks: int) -> KVTensor:
+        """The shared cache another process made (``fd`` is that memfd, passed to this process)."""
+        self = cls.__new__(cls)
+        self.layout, self.num_blocks, self.fd = layout, num_blocks, fd
+        if os.fstat(fd).st_size != num_blocks * layout.block_nbytes:
+            raise ValueError(f"shared KV cache: the file holds {os.fstat(fd).st_size} bytes, expected "
+                             f"{num_blocks * layout.block_nbytes}")  # fmt: skip
+        self.tensor = _map(fd, layout, num_blocks)
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -109,3 +135,10 @@ class KVTensor:
         if self.tensor.device.type != "cpu":
             return None
         return memoryview(self.tensor.view(-1).view(torch.uint8).numpy())
+
+
+def _map(fd: int, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    """The cache tensor over a shared mapping of ``fd`` (the mapping lives as long as the tensor)."""
+    region = mmap.mmap(fd, num_blocks * layout.block_nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    flat = torch.frombuffer(region, dtype=torch.uint8)
+    return flat.view(layout.dtype).view(num_blocks, *KVTensor.block_shape(layout))

@@ -7,6 +7,8 @@ import torch
 from pdserve.engine.kernels import plan_attention
 from pdserve.engine.kernels.metadata import AttentionMetadata
 from pdserve.engine.kv_tensor import KVTensor
+from pdserve.engine.parallel.ranks import RankLost, RankProcesses
+from pdserve.engine.parallel.step_plan import StepPlan
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.engine.scheduler import ScheduledRequest
@@ -18,14 +20,20 @@ class ModelRunner:
     ``execute`` guarantees: every scheduled request's new tokens have their K/V written
     into the slots its block table names, and each request with ``samples=True`` gets
     exactly one sampled token back, in scheduling order.
+
+    ``ranks``: the worker's other tensor-parallel ranks (``model`` is then rank 0's shard): each
+    step's plan goes to them before the forward, which they run alongside. A step that loses a rank
+    raises :class:`RankLost`, as does every step after it.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_tensor: KVTensor, block_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, kv_tensor: KVTensor, block_size: int,
+                 ranks: RankProcesses | None = None) -> None:  # fmt: skip
         self.model = model
         self.kv_tensor = kv_tensor
         self.block_size = block_size
         self.device = kv_tensor.device
         self.sampler = Sampler()
+        self.ranks = ranks
 
     def prepare(
         self, scheduled: list[ScheduledRequest], block_ids: list[list[int]]
@@ -78,11 +86,29 @@ class ModelRunner:
         if not scheduled:
             return [], []
         ids, positions, meta, rows = self.prepare(scheduled, block_ids)
-        hidden = self.model(ids, positions, self.kv_tensor.tensor, meta)
-        if not rows:
-            return [], []
-        logits = self.model.compute_logits(hidden[rows])
+        if self.ranks is None:
+            hidden = self.model(ids, positions, self.kv_tensor.tensor, meta)
+            if not rows:
+                return [], []
+            logits = self.model.compute_logits(hidden[rows])
+        else:
+            logits = self._forward_parallel(ids, positions, meta, rows)
+            if logits is None:
+                return [], []
         sampling = [sr for sr in scheduled if sr.samples]
         return self.sampler.sample(
             logits, [sr.request.request_id for sr in sampling], [sr.request.sampling_params for sr in sampling]
         )
+
+    def _forward_parallel(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                          rows: list[int]) -> torch.Tensor | None:  # fmt: skip
+        """The step on every rank: the plan out, then rank 0's part of the forward (the others run
+        theirs from the plan); the logits of ``rows``, or None without any."""
+        assert self.ranks is not None
+        self.ranks.send(StepPlan(ids, positions, meta, rows).encode())
+        try:
+            hidden = self.model(ids, positions, self.kv_tensor.tensor, meta)
+            return self.model.compute_logits(hidden[rows]) if rows else None
+        except Exception as e:  # the ranks are out of step now: a rank died, timed out, or this one failed
+            self.ranks.fail(self.ranks.exited(wait_s=1.0) or f"a tensor-parallel step failed ({e})")
+            raise RankLost(self.ranks.failure) from e

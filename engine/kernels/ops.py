@@ -48,13 +48,20 @@ def _check_same_device(tensors: dict[str, torch.Tensor], device: torch.device) -
             raise ValueError(f"{name} is on {t.device}, expected {device} (same device as the other inputs)")
 
 
-def _check_cache(name: str, cache: torch.Tensor) -> None:
-    """A cache is ``[num_blocks, block_size, num_kv_heads, head_dim]``, inner three dims contiguous."""
+def _check_cache(name: str, cache: torch.Tensor, heads_sliced: bool = False) -> None:
+    """A cache is ``[num_blocks, block_size, num_kv_heads, head_dim]``, inner three dims contiguous;
+    ``heads_sliced`` (the torch and reference paths): or a slice of a cache's heads (a
+    tensor-parallel rank's), whose ``head_dim`` rows alone are contiguous."""
     if cache.dim() != 4:
         raise ValueError(f"{name} must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(cache.shape)}")
     _, block_size, num_kv_heads, head_dim = cache.shape
     if block_size < 1 or num_kv_heads < 1 or head_dim < 1:
         raise ValueError(f"{name} has an empty dimension: {tuple(cache.shape)}")
+    if heads_sliced:
+        if cache.stride(3) != 1 or cache.stride(2) < head_dim or cache.stride(1) < num_kv_heads * head_dim:
+            raise ValueError(f"{name} must be a head slice of a cache with contiguous head_dim rows, got strides "
+                             f"{cache.stride()}")  # fmt: skip
+        return
     expected = (num_kv_heads * head_dim, head_dim, 1)
     if tuple(cache.stride()[1:]) != expected:
         raise ValueError(
@@ -127,8 +134,9 @@ def write_kv(
         raise ValueError(f"key must be 3-D [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}")
     if value.shape != key.shape:
         raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
-    _check_cache("k_cache", k_cache)
-    _check_cache("v_cache", v_cache)
+    sliced = _resolve_impl(impl, k_cache.device) != "triton"  # the Triton kernels read whole-head caches
+    _check_cache("k_cache", k_cache, sliced)
+    _check_cache("v_cache", v_cache, sliced)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
     if key.shape[1:] != k_cache.shape[2:]:
@@ -207,8 +215,9 @@ def paged_attention(
     """
     if q.dim() != 3:
         raise ValueError(f"q must be 3-D [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
-    _check_cache("k_cache", k_cache)
-    _check_cache("v_cache", v_cache)
+    sliced = _resolve_impl(impl, k_cache.device) != "triton"  # the Triton kernels read whole-head caches
+    _check_cache("k_cache", k_cache, sliced)
+    _check_cache("v_cache", v_cache, sliced)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
     num_tokens, num_heads, head_dim = q.shape

@@ -25,6 +25,8 @@ from pdserve.engine.kernels.metadata import AttentionMetadata
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.linear import Linear, OneDNNWeights, onednn_supported, project
 from pdserve.engine.model.rope import RotaryEmbedding, apply_rotary
+from pdserve.engine.model.tp_layers import TPComm, VocabParallelEmbedding
+from pdserve.engine.parallel.shard import TPShard
 
 
 # ----------------------------------------------------------------------------- layers
@@ -42,24 +44,32 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA attention with fused q/k/v projection; K/V go to the paged cache."""
+    """GQA attention with fused q/k/v projection; K/V go to the paged cache.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Under tensor parallelism (``comm``) the layer holds its rank's query heads and KV heads
+    (``TPShard``), reads and writes only those heads' slice of the cache, and sums ``o_proj``'s
+    partial outputs over the ranks (its bias, if any, is held by rank 0 alone).
+    """
+
+    def __init__(self, config: ModelConfig, comm: TPComm | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.qk_size = config.q_size + config.kv_size
-        self.qk_heads = config.num_attention_heads + config.num_key_value_heads
+        shard = comm.shard if comm is not None else TPShard()
+        self.comm = comm
+        _, self.num_heads = shard.split(config.num_attention_heads)
+        kv_start, self.num_kv_heads = shard.kv_heads(config.num_key_value_heads)
+        # The cache's head slice this rank owns (None: all of them, the single-device path).
+        self.kv_slice = slice(kv_start, kv_start + self.num_kv_heads) if shard.size > 1 else None
+        self.head_dim = hd = config.head_dim
+        q_size, kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        self.qk_size = q_size + kv_size
+        self.qk_heads = self.num_heads + self.num_kv_heads
         self.scale = config.head_dim**-0.5
         # An FP8 KV cache's per-tensor scales (set by LlamaForCausalLM.kv_scales); 1.0 otherwise.
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.sliding_window = config.sliding_window
-        self.qkv_proj = Linear(
-            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
-        )
-        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias and shard.rank == 0)
 
     def forward(
         self,
@@ -70,6 +80,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """``layer_kv``: this layer's ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (K, V)."""
+        if self.kv_slice is not None:
+            layer_kv = layer_kv[:, :, :, self.kv_slice]
         k_cache, v_cache = layer_kv.unbind(1)
         n = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -84,38 +96,44 @@ class Attention(nn.Module):
             self.scale, meta.max_query_len, meta.max_seq_len, plan=meta.torch_plan,
             sliding_window=self.sliding_window, k_scale=self.k_scale, v_scale=self.v_scale,
         )
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class MLP(nn.Module):
-    """SwiGLU with fused gate/up projection (gate first, then up)."""
+    """SwiGLU with fused gate/up projection (gate first, then up). Under tensor parallelism
+    (``comm``) it holds its rank's intermediate columns and sums ``down_proj``'s partial outputs."""
 
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, comm: TPComm | None = None) -> None:
         super().__init__()
-        self.inter = inter = intermediate_size or config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
+        self.comm = comm
+        self.inter = inter = inter if comm is None else comm.shard.split(inter)[1]
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False)
         self.down_proj = Linear(inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :])
+        out = self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :])
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0, comm: TPComm | None = None) -> None:
         super().__init__()
+        self.comm = comm  # read by make_attention / make_mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = self.make_attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = self.make_mlp(config, layer_idx)
 
     def make_attention(self, config: ModelConfig) -> nn.Module:
-        return Attention(config)
+        return Attention(config, self.comm)
 
     def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
-        return MLP(config)
+        return MLP(config, comm=self.comm)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor, meta: AttentionMetadata,
@@ -128,10 +146,16 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, decoder stack, final norm and the shared rope tables (HF module names)."""
 
-    def __init__(self, config: ModelConfig, layer_cls: type[nn.Module] = DecoderLayer) -> None:
+    def __init__(self, config: ModelConfig, layer_cls: type[nn.Module] = DecoderLayer, comm: TPComm | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens: nn.Module = (
+            nn.Embedding(config.vocab_size, config.hidden_size) if comm is None
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm)
+        )
+        if comm is None:
+            self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
+        else:
+            self.layers = nn.ModuleList(layer_cls(config, i, comm) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -155,23 +179,31 @@ class LlamaForCausalLM(nn.Module):
     ``kv_cache[:, l, 0]`` (K) and ``kv_cache[:, l, 1]`` (V). Parameter names follow
     HF except the fused ``qkv_proj`` (rows q, k, v) and ``gate_up_proj`` (rows gate,
     up); :meth:`load_weights` maps HF checkpoint names onto them.
+
+    ``shard``: the tensor-parallel rank this instance is (``engine/parallel/shard.py``): it holds
+    and loads only that rank's slice of every split weight, and must :meth:`join` its group
+    before it runs. The KV cache it is given still holds every KV head (the worker's one cache);
+    each layer reads and writes its own heads' slice.
     """
 
     decoder_layer: type[nn.Module] = DecoderLayer
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.decoder_layer)
+        self.shard = shard = shard or TPShard()
+        self.comm = TPComm(shard) if shard.size > 1 else None
+        self.model = LlamaModel(config, self.decoder_layer, self.comm)
         # Tied models reuse the embedding matrix; no separate lm_head parameter.
         self.lm_head = (
             None if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, shard.vocab(config.vocab_size)[1], bias=False)
         )
-        self._shard_sizes = {
-            "qkv_proj": (config.q_size, config.kv_size, config.kv_size),
-            "gate_up_proj": (config.intermediate_size, config.intermediate_size),
-        }
+        hd = config.head_dim
+        q = shard.split(config.num_attention_heads)[1] * hd
+        kv = shard.kv_heads(config.num_key_value_heads)[1] * hd
+        inter = shard.split(config.intermediate_size)[1]
+        self._shard_sizes = {"qkv_proj": (q, kv, kv), "gate_up_proj": (inter, inter)}
         self._head_onednn: OneDNNWeights | None = None
 
     def forward(
@@ -205,8 +237,16 @@ class LlamaForCausalLM(nn.Module):
         return m.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[n, vocab_size]`` for the given hidden rows (select first)."""
-        return project(hidden, self._head_weight(), None, self._head_onednn).float()
+        """float32 logits ``[n, vocab_size]`` for the given hidden rows (select first). Under tensor
+        parallelism every rank must call it with the same rows: the ranks' vocab slices are gathered."""
+        local = project(hidden, self._head_weight(), None, self._head_onednn).float()
+        return local if self.comm is None else self.comm.gather_columns(local, self.config.vocab_size)
+
+    def join(self, group: object) -> None:
+        """Give a tensor-parallel instance the group its collectives run in (``TPGroup``)."""
+        if self.comm is None:
+            raise ValueError("join: this model is not tensor-parallel")
+        self.comm.join(group)  # type: ignore[arg-type]
 
     def _head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -253,9 +293,35 @@ class LlamaForCausalLM(nn.Module):
         (called by the loader after the cast, before the weights are read). None here."""
 
     def skip_weight(self, name: str) -> bool:
-        """Checkpoint weights read and dropped: ``*.rotary_emb.inv_freq`` (old checkpoints) and
-        ``lm_head.weight`` when embeddings are tied (it duplicates the embedding)."""
-        return name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")
+        """Checkpoint weights read and dropped: ``*.rotary_emb.inv_freq`` (old checkpoints),
+        ``lm_head.weight`` when embeddings are tied (it duplicates the embedding), and ``o_proj``'s
+        bias on tensor-parallel ranks other than 0 (rank 0 adds it once)."""
+        return (name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")
+                or (self.shard.rank > 0 and name.endswith("o_proj.bias")))  # fmt: skip
+
+    def weight_shard(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, length) of checkpoint weight ``name`` that this tensor-parallel rank holds;
+        None: all of it (always, on one device)."""
+        if self.shard.size == 1:
+            return None
+        c, shard = self.config, self.shard
+        *_, module, kind = name.split(".")
+        hd = c.head_dim
+        if module == "q_proj":
+            start, count = shard.split(c.num_attention_heads)
+            return 0, start * hd, count * hd
+        if module in ("k_proj", "v_proj"):
+            start, count = shard.kv_heads(c.num_key_value_heads)
+            return 0, start * hd, count * hd
+        if module == "o_proj" and kind == "weight":
+            start, count = shard.split(c.num_attention_heads)
+            return 1, start * hd, count * hd
+        if module in ("gate_proj", "up_proj", "down_proj"):
+            start, count = shard.split(c.intermediate_size)
+            return (1 if module == "down_proj" else 0), start, count
+        if module in ("embed_tokens", "lm_head"):
+            return (0, *shard.vocab(c.vocab_size))
+        return None
 
     def covered_names(self, name: str) -> list[str]:
         """The :meth:`checkpoint_weight_names` a loaded checkpoint weight accounts for."""
@@ -278,8 +344,9 @@ class LlamaForCausalLM(nn.Module):
         return tuple(scales) if quantized else ()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the parameters (casting to their dtype/device).
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | object]]) -> None:
+        """Copy HF-named tensors into the parameters (casting to their dtype/device). A weight may
+        also be a lazy slice (safetensors' ``get_slice``): only this rank's part of it is read.
 
         Drops any oneDNN copies (:meth:`pack_onednn` must be called again after loading).
 
@@ -300,6 +367,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             scale = _KV_SCALE_NAME.fullmatch(name)
             if scale is not None:  # an FP8 checkpoint's KV-cache scales (used with an FP8 cache)
+                tensor = read_shard(tensor, None)
                 if tensor.numel() != 1:
                     raise ValueError(f"{name} must be one value (a per-tensor scale), got shape {tuple(tensor.shape)}")
                 self.checkpoint_kv_scales[(int(scale[1]), scale[2])] = float(tensor.float().item())
@@ -308,6 +376,7 @@ class LlamaForCausalLM(nn.Module):
             if target is None:
                 unexpected.append(name)
                 continue
+            tensor = read_shard(tensor, self.weight_shard(name))
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
@@ -322,6 +391,17 @@ class LlamaForCausalLM(nn.Module):
             if unexpected:
                 parts.append(f"unexpected {len(unexpected)} weight(s): {_preview(sorted(unexpected))}")
             raise ValueError("checkpoint does not match the model: " + "; ".join(parts))
+
+
+def read_shard(source: torch.Tensor | object, spec: tuple[int, int, int] | None) -> torch.Tensor:
+    """``source`` (a tensor, or a lazy checkpoint slice such as safetensors' ``get_slice``) cut to
+    ``spec`` = (dim, start, length), reading only that part of a lazy one; None: all of it."""
+    if isinstance(source, torch.Tensor):
+        return source if spec is None else source.narrow(*spec)
+    if spec is None:
+        return source[:]  # type: ignore[index]
+    dim, start, length = spec
+    return source[(slice(None),) * dim + (slice(start, start + length),)]  # type: ignore[index]
 
 
 _KV_SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k|v)_scale")

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.llama import LlamaForCausalLM
+from pdserve.engine.parallel.shard import TPShard, check_tensor_parallel
 from pdserve.engine.tokenizer import ModelTokenizer
 
 SINGLE_FILE = "model.safetensors"
@@ -58,12 +59,14 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_tensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | object]]:
+    """Every tensor of ``files`` by name; ``lazy``: as slices that read only the part indexed (a
+    tensor-parallel rank reads its shard, never the whole weight)."""
     # One shard open at a time keeps peak host memory near one shard.
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
 
 
 def check_model(path: str | Path) -> None:
@@ -78,6 +81,7 @@ def load_model(
     model_dir: str | Path,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    shard: TPShard | None = None,
 ) -> LlamaForCausalLM:
     """Build the model for ``model_dir`` (a directory or a ``.gguf`` file) and load its weights (strictly).
 
@@ -85,23 +89,28 @@ def load_model(
     are cast to it. Returns the model in eval mode with gradients disabled.
     Raises FileNotFoundError for a missing directory, config.json or weights, and
     ValueError for an unsupported config or missing/unexpected/misshapen tensors.
+
+    ``shard``: build and load only that tensor-parallel rank's slice (ValueError when the model
+    does not split that many ways); a safetensors checkpoint is read shard by shard, never whole.
     """
     model_dir = Path(model_dir)
     gguf = model_dir.suffix == ".gguf"
     if not gguf and not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     config = ModelConfig.from_path(model_dir)
+    shard = shard or TPShard()
+    check_tensor_parallel(config, shard.size)
     if gguf:
         from pdserve.engine.model.gguf import iter_gguf_tensors
 
         weights = iter_gguf_tensors(model_dir)
     else:
-        weights = _iter_tensors(weight_files(model_dir))
+        weights = _iter_tensors(weight_files(model_dir), lazy=shard.size > 1)
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     # Build on the meta device so no time is spent on random init that gets overwritten.
     with torch.device("meta"):
-        model = model_class(config)(config)
+        model = model_class(config)(config, shard)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.keep_float32()
     model.model.rotary_emb.rebuild()

@@ -1,0 +1,71 @@
+"""Which slice of a model one tensor-parallel rank holds (Megatron-style).
+
+Attention heads, KV heads and MLP columns split evenly across ranks; with fewer KV heads than ranks
+each KV head is replicated on ``size / num_kv_heads`` consecutive ranks (as vLLM does), and only the
+first of them writes the head's K/V. The vocabulary splits in ``ceil(V / size)`` rows per rank (the
+last rank may hold fewer). Block ids, block tables and block hashes do not depend on any of this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Rank ``rank`` of ``size``; ``size == 1`` is the whole model."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} outside [0, {self.size})")
+
+    def split(self, total: int) -> tuple[int, int]:
+        """(start, count) of an evenly divisible dimension (heads, MLP columns)."""
+        if total % self.size:
+            raise ValueError(f"{total} does not divide by tensor_parallel_size {self.size}")
+        count = total // self.size
+        return self.rank * count, count
+
+    def kv_heads(self, total: int) -> tuple[int, int]:
+        """(start, count) of the KV heads this rank attends with (replicated when ``total < size``)."""
+        if total >= self.size:
+            return self.split(total)
+        return self.rank * total // self.size, 1
+
+    def writes_kv(self, total: int) -> bool:
+        """Whether this rank writes its KV heads' K/V: always, except a replica that is not the first."""
+        return total >= self.size or self.rank % (self.size // total) == 0
+
+    def vocab(self, vocab_size: int) -> tuple[int, int]:
+        """(start, count) of this rank's embedding / LM-head rows; every rank's padded width is
+        :meth:`vocab_width`."""
+        width = self.vocab_width(vocab_size)
+        start = min(self.rank * width, vocab_size)
+        return start, min(width, vocab_size - start)
+
+    def vocab_width(self, vocab_size: int) -> int:
+        return -(-vocab_size // self.size)
+
+
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+    """ValueError, naming the sizes, when ``config`` cannot be split ``size`` ways."""
+    if size == 1:
+        return
+    name = config.architecture
+    if config.mla is not None or config.moe is not None:
+        raise ValueError(f"{name}: tensor_parallel_size > 1 is supported for the Llama family (Llama, Mistral, "
+                         "Qwen2) only; DeepSeek's MLA and MoE layers run on one device")  # fmt: skip
+    heads, kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    if heads % size:
+        raise ValueError(f"{name}: num_attention_heads={heads} does not divide by tensor_parallel_size={size}; "
+                         f"use a size that divides {heads}")  # fmt: skip
+    if kv % size and size % kv:
+        raise ValueError(f"{name}: num_key_value_heads={kv} and tensor_parallel_size={size}: one must divide the "
+                         "other (KV heads are split, or replicated when fewer than the ranks)")  # fmt: skip
+    if inter % size:
+        raise ValueError(f"{name}: intermediate_size={inter} does not divide by tensor_parallel_size={size}")
