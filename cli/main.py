@@ -223,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Jinja chat template replacing the checkpoint's: a file, or the template itself")
     p.add_argument("--print-config", action="store_true",
                    help="print the service config these flags and --config give (JSON, secrets hidden) and exit")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                   help="tensor-parallel ranks of every worker (default 1; CPU: ranks are processes joined by "
+                        "gloo); the model's heads must divide by N")
+    p.add_argument("--prefill-tensor-parallel-size", "--prefill-tp", dest="prefill_tp", type=int, default=None,
+                   metavar="N", help="tensor-parallel ranks of each prefill worker (default --tensor-parallel-size)")
+    p.add_argument("--decode-tensor-parallel-size", "--decode-tp", dest="decode_tp", type=int, default=None,
+                   metavar="N", help="tensor-parallel ranks of each decode worker (default --tensor-parallel-size)")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
     p.add_argument("--prefill-resources", type=_resources, default=None, metavar="JSON",

@@ -66,6 +66,9 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
         # Workers resolve it in their own working directory: make it absolute here.
         engine__cache__kv_offload_disk_dir=os.path.abspath(os.path.expanduser(args.kv_offload_disk_dir))
         if args.kv_offload_disk_dir else None,
+        engine__parallel__tensor_parallel_size=args.tensor_parallel_size,
+        prefill_tensor_parallel_size=args.prefill_tp,
+        decode_tensor_parallel_size=args.decode_tp,
         engine__scheduler__max_model_len=args.max_model_len,
         engine__scheduler__max_num_seqs=args.max_num_seqs,
         engine__scheduler__max_num_batched_tokens=args.max_num_batched_tokens,

@@ -37,7 +37,11 @@ class ServiceConfig:
     prefill: int = 1  # prefill workers
     decode: int = 1  # decode workers
     gpus_per_worker: float = 0.0  # Ray num_gpus of each worker (0 on CPU)
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: float = 1.0  # Ray num_cpus of each worker, per tensor-parallel rank
+    # Tensor parallelism per role (vLLM's tensor_parallel_size, on each side); None: the engine's
+    # ``parallel.tensor_parallel_size``. A worker of size N asks Ray for N * cpus_per_worker CPUs.
+    prefill_tensor_parallel_size: int | None = None
+    decode_tensor_parallel_size: int | None = None
     # Placement: Ray custom resources each prefill / decode worker asks for (a node offers them
     # with `ray start --resources '{"prefill_node": 4}'`); empty: anywhere that has the CPUs/GPUs.
     prefill_resources: dict[str, float] = field(default_factory=dict)
@@ -72,6 +76,10 @@ class ServiceConfig:
             raise ValueError(f"router.served_model_name must be a non-empty name without spaces, got {name!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= value <= 64:
+                raise ValueError(f"{name} must be in [1, 64], got {value}")
         if self.gpus_per_worker < 0 or self.cpus_per_worker < 0:
             raise ValueError("gpus_per_worker and cpus_per_worker must be >= 0")
         for name in ("prefill_resources", "decode_resources"):
@@ -79,6 +87,11 @@ class ServiceConfig:
                 if not res or res in ("CPU", "GPU", "memory", "object_store_memory") or not amount > 0:
                     raise ValueError(f"{name}: {res!r}: {amount!r}: a custom resource name (CPUs and GPUs "
                                      "have fields of their own) and an amount > 0")  # fmt: skip
+
+    def tensor_parallel_size(self, role: str) -> int:
+        """The tensor-parallel size of a ``role`` ("prefill" or "decode") worker."""
+        own = self.prefill_tensor_parallel_size if role == "prefill" else self.decode_tensor_parallel_size
+        return own if own is not None else self.engine.parallel.tensor_parallel_size
 
     @classmethod
     def load(cls, path: str | Path | None = None, **flags: Any) -> ServiceConfig:

@@ -21,7 +21,9 @@ from pdserve.cluster.errors import WorkerStartError
 from pdserve.cluster.logs import configure_text_logging, ray_runtime_env
 from pdserve.cluster.placement import placement_problem
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.loader import check_model
+from pdserve.engine.parallel.shard import check_tensor_parallel
 from pdserve.kvindex.config import IndexConfig, redact_url
 from pdserve.kvindex.embedded import EmbeddedRedis
 from pdserve.worker.config import WorkerConfig
@@ -133,16 +135,21 @@ class Service:
         return WorkerConfig(
             worker_id=wid,
             role=role,
-            engine=self.engine_config(),
+            engine=self.engine_config(role),
             index=self.index_config(),
             transfer=self.transfer,
             bind_host="127.0.0.1" if local else "0.0.0.0",
         )
 
-    def engine_config(self) -> EngineConfig:
-        """The workers' engine config: the service's, with the model and device settled at start."""
+    def engine_config(self, role: str | None = None) -> EngineConfig:
+        """The workers' engine config: the service's, with the model and device settled at start
+        (and, for a ``role``, that role's tensor-parallel size)."""
         device = "cuda" if self.config.gpus_per_worker > 0 else "cpu"
-        return replace(self.config.engine, model=self.model_dir, device=device)
+        engine = replace(self.config.engine, model=self.model_dir, device=device)
+        if role is None:
+            return engine
+        tp = self.config.tensor_parallel_size(role)
+        return replace(engine, parallel=replace(engine.parallel, tensor_parallel_size=tp))
 
     def index_config(self) -> IndexConfig:
         """The index config of every process: the service's, with the Redis URL settled at start."""
@@ -160,6 +167,12 @@ class Service:
         c = self.config
         if self.model_dir is not None:
             check_model(self.model_dir)  # here, not as a worker actor dying during start-up
+            config = ModelConfig.from_path(self.model_dir)
+            for role in ("prefill", "decode"):
+                try:
+                    check_tensor_parallel(config, c.tensor_parallel_size(role))
+                except ValueError as e:
+                    raise ValueError(f"{role} workers: {e}") from None
         if self.model_dir is None:
             from pdserve.engine.model import make_tiny_model
 
@@ -192,7 +205,8 @@ class Service:
                 ray.init(address=c.ray_address, **log_options)
             else:
                 # Ray schedules by logical CPUs: one per worker plus one spare, even on fewer cores.
-                cpus = max(os.cpu_count() or 1, int(workers * c.cpus_per_worker) + 1)
+                ranks = c.prefill * c.tensor_parallel_size("prefill") + c.decode * c.tensor_parallel_size("decode")
+                cpus = max(os.cpu_count() or 1, int(ranks * c.cpus_per_worker) + 1)
                 # Ray starts its workers at nice 15; serving workers must not yield to every other
                 # process on the machine (unless the operator says otherwise).
                 os.environ.setdefault("RAY_worker_niceness", "0")
@@ -216,22 +230,25 @@ class Service:
         from pdserve.decode_worker.actor import DecodeWorker
         from pdserve.prefill_worker.actor import PrefillWorker
 
-        opts = dict(num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker, max_restarts=-1, max_task_retries=0)
+        # A tensor-parallel worker is one actor whose ranks are its child processes (on its node,
+        # by construction): it asks for every rank's CPUs.
+        opts = {role: dict(num_cpus=c.cpus_per_worker * c.tensor_parallel_size(role), num_gpus=c.gpus_per_worker,
+                           max_restarts=-1, max_task_retries=0) for role in ("prefill", "decode")}  # fmt: skip
         roles = {"prefill": c.prefill_resources, "decode": c.decode_resources}
         nodes = ray.nodes()
         for role, custom in roles.items():
-            need = {"CPU": c.cpus_per_worker, "GPU": c.gpus_per_worker, **custom}
+            need = {"CPU": opts[role]["num_cpus"], "GPU": c.gpus_per_worker, **custom}
             if (problem := placement_problem(role, nodes, need)) is not None:
                 raise WorkerStartError(problem)
         for i in range(c.prefill):
             wid = f"prefill-{i}"
             self.prefill[wid] = ray.remote(PrefillWorker).options(
-                name=f"pdserve-{wid}", resources=dict(c.prefill_resources), **opts
+                name=f"pdserve-{wid}", resources=dict(c.prefill_resources), **opts["prefill"]
             ).remote(self._worker_config(wid, "prefill"))
         for i in range(c.decode):
             wid = f"decode-{i}"
             self.decode[wid] = ray.remote(DecodeWorker).options(
-                name=f"pdserve-{wid}", resources=dict(c.decode_resources), **opts
+                name=f"pdserve-{wid}", resources=dict(c.decode_resources), **opts["decode"]
             ).remote(self._worker_config(wid, "decode"))
         pending = {h.ready.remote(): wid for wid, h in {**self.prefill, **self.decode}.items()}
         total, t0 = len(pending), time.monotonic()

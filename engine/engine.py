@@ -14,7 +14,7 @@ import logging
 import operator
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -127,7 +127,10 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, event_sink: EventSink | None = None) -> None:
+    def __init__(self, config: EngineConfig, event_sink: EventSink | None = None,
+                 on_rank_lost: Callable[[str], None] | None = None) -> None:  # fmt: skip
+        """``on_rank_lost``: with tensor parallelism, called once with the reason when one of the
+        engine's other ranks exits (``engine/parallel/ranks.py``); the engine cannot step again."""
         if config.model is None:
             raise ValueError("EngineConfig.model: no model given")
         self.config = config
@@ -142,6 +145,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(dict.fromkeys(
             (*mc.eos_token_ids, *self.tokenizer.info.generation_eos_token_ids)))  # fmt: skip
         tp = config.parallel.tensor_parallel_size
+        self._on_rank_lost = on_rank_lost
         if tp > 1 and self.device.type != "cpu":
             raise ValueError(f"tensor_parallel_size={tp}: tensor parallelism runs on the CPU (gloo) in this version; "
                              f"use tensor_parallel_size=1 on {self.device}")  # fmt: skip
@@ -404,7 +408,8 @@ class LLMEngine:
                        "dtype": str(layout.dtype).removeprefix("torch."), "kv_scales": list(layout.kv_scales),
                        "kind": layout.kind, "rope_dim": layout.rope_dim},
         }  # fmt: skip
-        ranks = RankProcesses(spec, self.kv_tensor, size, parallel.collective_timeout_s, parallel.start_timeout_s)
+        ranks = RankProcesses(spec, self.kv_tensor, size, parallel.collective_timeout_s, parallel.start_timeout_s,
+                              self._on_rank_lost)  # fmt: skip
         self.model.join(ranks.group)
         logger.info("tensor parallel: %d ranks, %d CPU thread(s) each", size, threads)
         return ranks

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.detokenizer import TextStream
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
@@ -15,6 +15,7 @@ Message = Mapping[str, Any]
 
 _CACHE_KEYS = {f for f in CacheConfig.__dataclass_fields__}
 _SCHED_KEYS = {f for f in SchedulerConfig.__dataclass_fields__}
+_PARALLEL_KEYS = {f for f in ParallelConfig.__dataclass_fields__}
 
 
 @dataclass
@@ -33,19 +34,21 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
     """Split flat keyword options into the component configs; unknown names are an error."""
     cache = {k: options.pop(k) for k in list(options) if k in _CACHE_KEYS}
     sched = {k: options.pop(k) for k in list(options) if k in _SCHED_KEYS}
+    parallel = {k: options.pop(k) for k in list(options) if k in _PARALLEL_KEYS}
     engine_keys = {"dtype", "device", "cpu_onednn"}
     unknown = set(options) - engine_keys
     if unknown:
         raise TypeError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
-    return EngineConfig(str(model), cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **options)
+    return EngineConfig(str(model), cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched),
+                        parallel=ParallelConfig(**parallel), **options)  # fmt: skip
 
 
 class LLM:
     """Generates completions for a batch of prompts with continuous batching.
 
     Options are the fields of ``CacheConfig`` (block_size, num_blocks, ...),
-    ``SchedulerConfig`` (max_num_batched_tokens, max_num_seqs, max_model_len) and
-    ``EngineConfig`` (dtype, device, cpu_onednn).
+    ``SchedulerConfig`` (max_num_batched_tokens, max_num_seqs, max_model_len),
+    ``ParallelConfig`` (tensor_parallel_size, ...) and ``EngineConfig`` (dtype, device, cpu_onednn).
     """
 
     def __init__(self, model: str, **options: Any) -> None:
@@ -53,7 +56,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:
-        """Release the engine's disk tier, if it has one (``LLMEngine.close``)."""
+        """Release the engine's disk tier and tensor-parallel ranks, if it has them (``LLMEngine.close``)."""
         self.engine.close()
 
     def encode(self, text: str) -> list[int]:

@@ -9,6 +9,7 @@ Python and testable without Ray.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 
@@ -67,6 +68,15 @@ def _bind_transfer_server(source: BlockSource, config: WorkerConfig) -> Transfer
     raise AssertionError("unreachable")
 
 
+def _end_process(why: str) -> None:
+    """A tensor-parallel rank of this worker is gone: the worker cannot step again. End the whole
+    process (its other ranks follow: their input closes), so that Ray restarts the worker and the
+    router, meanwhile, sends nothing to it."""
+    logger.critical("%s: ending this worker so that it restarts whole", why)
+    logging.shutdown()
+    os._exit(70)
+
+
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -74,7 +84,7 @@ class WorkerRuntime:
         _forget_blocks(config.index, config.worker_id)
         self.publisher = KVEventPublisher(config.index, config.worker_id)
         self.stats = StatsRecorder(config.index, config.worker_id)
-        self.engine = LLMEngine(config.engine, event_sink=self.publisher)
+        self.engine = LLMEngine(config.engine, event_sink=self.publisher, on_rank_lost=_end_process)
         self.trimmer = HeapTrimmer()
         self.loop = EngineLoop(self.engine, on_idle=self.trimmer.maybe_trim)
         self.metrics = WorkerMetrics(config.worker_id, config.role, self.engine.stats, self._redis_outages)

@@ -23,7 +23,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pdserve.engine.kv_tensor import KVTensor
@@ -43,14 +45,20 @@ class RankProcesses:
     ``rank_main``). Returns once every rank has loaded its shard and joined :attr:`group`;
     RuntimeError naming the rank and its error when one fails to, or takes longer than
     ``start_timeout_s`` (every child started is ended first).
+
+    ``on_lost``: called once (from a watcher thread) with the reason when a rank exits before
+    :meth:`close`, even while the worker is idle; a serving worker ends its process there so that
+    its supervisor (Ray) restarts it whole.
     """
 
     def __init__(self, spec: dict[str, Any], kv: KVTensor, size: int, collective_timeout_s: float,
-                 start_timeout_s: float) -> None:  # fmt: skip
+                 start_timeout_s: float, on_lost: Callable[[str], None] | None = None) -> None:  # fmt: skip
         if kv.fd is None:
             raise ValueError("tensor-parallel ranks share the KV cache: make it with KVTensor(shared=True)")
         self.size = size
         self.failure: str | None = None
+        self._closed = threading.Event()
+        self._on_lost = on_lost
         self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")  # mode 0700: the group's rendezvous file
         self._procs: list[subprocess.Popen[bytes]] = []
         store = os.path.join(self._dir, "store")
@@ -63,6 +71,16 @@ class RankProcesses:
         except BaseException:
             self.close()
             raise
+        threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(0.2):
+            why = self.exited()
+            if why is not None:
+                self.fail(why)
+                if self._on_lost is not None and not self._closed.is_set():
+                    self._on_lost(why)
+                return
 
     @staticmethod
     def _spawn(spec: dict[str, Any], fd: int) -> subprocess.Popen[bytes]:
@@ -93,6 +111,11 @@ class RankProcesses:
                 if not message.get("loaded"):
                     why = message.get("error") or f"exited with code {proc.wait(timeout=10)} before loading"
                     raise RuntimeError(f"tensor-parallel rank {rank}: {why}")
+
+    @property
+    def pids(self) -> list[int]:
+        """The rank processes' ids, rank 1 first."""
+        return [p.pid for p in self._procs]
 
     def send(self, frame: bytes) -> None:
         """Hand every rank the next step (RankLost when one is gone)."""
@@ -128,6 +151,7 @@ class RankProcesses:
 
     def close(self) -> None:
         """End every rank (idempotent): closing a rank's input ends it; a kill after 5 s."""
+        self._closed.set()
         for proc in self._procs:
             if proc.stdin is not None:
                 try:
