@@ -91,6 +91,7 @@ BENCHMARKS = {
     "grammar": ("pdserve.benchmarks.grammar", "structured outputs: xgrammar vs llguidance, compile and per-token mask"),
     "structured": ("pdserve.benchmarks.structured_steps", "a decode step free vs half vs all requests constrained"),
     "gemm": ("pdserve.benchmarks.gemm", "projection GEMMs fp32 vs bf16 at a model's shapes (AMX), engine tok/s in each"),
+    "tp": ("pdserve.benchmarks.tp", "tensor parallelism on the CPU: a decode step at TP=N vs TP=1, collective share"),
 }
 
 

@@ -1,0 +1,127 @@
+"""End to end with tensor-parallel workers: real Ray actors whose ranks are real processes joined
+by gloo, real Redis, real gRPC. Prefill and decode workers of different TP sizes exchange blocks
+(TP changes neither block ids, bytes nor hashes) and both sides hit their prefix caches."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from pdserve import SamplingParams
+from pdserve.cli.client import build_request, generate
+from pdserve.cluster.config import ServiceConfig
+from pdserve.cluster.launcher import Service
+from tests.support.polling import wait_until
+from tests.support.service import all_idle, stub_for
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: str):  # noqa: ANN201
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+    def greedy(prompt: list[int]) -> list[int]:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)  # fmt: skip
+        return out[0, len(prompt) :].tolist()
+
+    return greedy
+
+
+def _start(model: str, prefill_tp: int, decode_tp: int) -> Service:
+    config = ServiceConfig.load(
+        port=0, http_port=None, engine__model=model, engine__cache__kv_cache_memory_bytes=8 * 1024**2,
+        router__local_prefill_threshold=8, prefill_tensor_parallel_size=prefill_tp,
+        decode_tensor_parallel_size=decode_tp,
+    )  # fmt: skip
+    svc = Service(config, progress=lambda _m: None)
+    svc.start()
+    return svc
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
+def test_pulls_between_tp_sizes_equal_transformers(tiny_model: str, reference, prefill_tp: int,
+                                                   decode_tp: int) -> None:  # fmt: skip
+    svc = _start(tiny_model, prefill_tp, decode_tp)
+    try:
+        assert svc.port is not None
+        channel, stub = stub_for(f"127.0.0.1:{svc.port}")
+        base = _prompt(100 + prefill_tp * 3 + decode_tp, 70)
+        first = generate(stub, build_request(base, GREEDY))
+        assert first.token_ids == reference(base)
+        assert first.usage["transferred_tokens"] == 70  # every block pulled from the prefill worker
+        tail = base[:64] + _prompt(7, 30)
+        second = generate(stub, build_request(tail, GREEDY))
+        assert second.token_ids == reference(tail)
+        assert second.usage["cached_tokens"] == 64  # the prefill worker's prefix hit
+        assert second.usage["transferred_tokens"] == 30  # the decode worker held the prefix: only the rest moves
+        assert wait_until(lambda: all_idle(svc), timeout=30)
+        channel.close()
+    finally:
+        svc.stop()
+
+
+def _rank_pids(parent: int) -> list[int]:
+    """The tensor-parallel rank processes whose parent is ``parent``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"pdserve.engine.parallel.rank_main" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_a_dead_rank_restarts_its_worker_and_the_service_goes_on(tiny_model: str, reference) -> None:
+    svc = _start(tiny_model, 1, 2)
+    try:
+        assert svc.port is not None
+        channel, stub = stub_for(f"127.0.0.1:{svc.port}")
+        p = _prompt(3, 40)
+        assert generate(stub, build_request(p, GREEDY)).token_ids == reference(p)
+        (handle,) = svc.decode.values()
+        worker_pid = ray.get(handle.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
+        (rank,) = _rank_pids(worker_pid)
+        os.kill(rank, 9)
+
+        def restarted() -> bool:
+            try:
+                pid = ray.get(handle.__ray_call__.remote(lambda _self: os.getpid()), timeout=10)
+            except Exception:  # noqa: BLE001 - still restarting
+                return False
+            return pid != worker_pid and len(_rank_pids(pid)) == 1
+
+        assert wait_until(restarted, timeout=120, interval=0.5)  # the worker ended and Ray started it again
+
+        def serves() -> bool:
+            try:
+                return generate(stub, build_request(p, GREEDY)).token_ids == reference(p)
+            except Exception:  # noqa: BLE001 - the router has not seen it back yet
+                return False
+
+        assert wait_until(serves, timeout=60, interval=0.5)
+        assert wait_until(lambda: all_idle(svc), timeout=30)
+        channel.close()
+    finally:
+        svc.stop()
