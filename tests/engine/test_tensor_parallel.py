@@ -250,3 +250,24 @@ def test_smollm2_three_ranks_equal_one_and_transformers(tmp_path: Path) -> None:
         expected = hf_greedy_ids(ref, ids, 24)
         eos = expected.index(2) + 1 if 2 in expected else len(expected)
         assert got == expected[:eos]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_offload_tier_and_fp8_cache_under_two_ranks(tiny_model: str, kv_cache_dtype: str) -> None:
+    """The tier keeps and restores whole blocks of the shared cache (every rank's heads), FP8 included:
+    eight 6-block prefixes through a 12-block pool come back from it with TP=1's tokens."""
+    from tests.engine.test_kv_offload import PARAMS, prefixes
+
+    prompts = [p + [5] for p in prefixes(8)]
+    expected = [o.token_ids for o in LLM(tiny_model, num_blocks=256, kv_cache_dtype=kv_cache_dtype).generate(
+        prompts, PARAMS)]  # fmt: skip
+    llm = LLM(tiny_model, num_blocks=12, kv_offload_gb=0.01, kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=2)
+    try:
+        first = [llm.generate([p], PARAMS)[0] for p in prompts]
+        again = [llm.generate([p], PARAMS)[0] for p in prompts]
+        assert [o.num_cached_tokens for o in again] == [96] * 8  # restored from the tier, not recomputed
+        assert [o.token_ids for o in first] == [o.token_ids for o in again] == expected
+        assert llm.engine.num_tier_hit_tokens >= 7 * 96
+        _assert_idle(llm)
+    finally:
+        llm.close()
