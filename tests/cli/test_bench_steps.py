@@ -1,0 +1,21 @@
+"""``python -m pdserve.benchmarks.steps`` accounts for a decode step part by part (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.support import REPO
+
+
+def test_steps_bench_parts_add_up_to_the_step(tiny_model: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "pdserve.benchmarks.steps", "--quick", "--json", "--model", tiny_model],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    parts = out["parts_ms"]
+    assert set(parts) == {"schedule", "prepare", "forward", "logits", "sample", "outputs and bookkeeping"}
+    assert all(v >= 0 for v in parts.values()) and parts["forward"] > 0
+    assert sum(parts.values()) >= out["mean_step_ms"] * 0.999  # the remainder closes the sum
+    assert abs(sum(out["forward_op_share"].values()) - 1) < 1e-6
