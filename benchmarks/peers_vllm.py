@@ -59,8 +59,10 @@ def main() -> int:
             elif req["cmd"] == "load":
                 import vllm
 
+                # A KV budget like pdserve's here, not vLLM's CPU default (most of the machine's memory).
                 llms[req["dtype"]] = vllm.LLM(req["model"], dtype=req["dtype"], seed=0,
-                                              max_model_len=req.get("max_model_len", 2048))  # fmt: skip
+                                              max_model_len=req.get("max_model_len", 2048),
+                                              kv_cache_memory_bytes=req.get("kv_cache_memory_bytes", 2 << 30))  # fmt: skip
                 answer({"ok": True, "version": vllm.__version__})
             elif req["cmd"] == "run":
                 import vllm
