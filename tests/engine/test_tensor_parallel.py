@@ -24,7 +24,7 @@ from pdserve.engine.parallel.shard import TPShard, check_tensor_parallel
 from pdserve.engine.parallel.step_plan import StepPlan
 from tests.engine.test_engine import hf_greedy, prompts
 from tests.support.models import PagedRunner, hf_logits, load_hf_reference, make_hf_checkpoint
-from tests.support.polling import wait_until
+from tests.support.polling import process_gone, wait_until
 
 NEW_TOKENS = 16
 
@@ -212,14 +212,7 @@ def test_close_ends_every_rank(checkpoints: dict[str, Path]) -> None:
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     llm.close()
 
-    def gone() -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-    assert wait_until(gone, timeout=10)
+    assert wait_until(lambda: process_gone(pid), timeout=10)
 
 
 @pytest.mark.slow

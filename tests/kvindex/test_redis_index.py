@@ -27,7 +27,7 @@ from pdserve.kvindex.publisher import KVEventPublisher, remove_worker_blocks
 from pdserve.kvindex.registry import WorkerRegistry
 from pdserve.kvindex.stats import STATS_FIELDS, StatsRecorder, read_stats, read_window
 from tests.support import REPO
-from tests.support.polling import wait_until
+from tests.support.polling import process_gone, wait_until
 from tests.support.redis import running_redis, unique_namespace
 
 BS = 16
@@ -196,14 +196,7 @@ def test_embedded_redis_is_stopped_at_interpreter_exit() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
     pid, port = map(int, out.stdout.split())
 
-    def gone() -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-    assert wait_until(gone, timeout=5)
+    assert wait_until(lambda: process_gone(pid), timeout=5)
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -26,3 +27,12 @@ async def wait_until_async(cond: Callable[[], object], timeout: float = 10.0, in
             return True
         await asyncio.sleep(interval)
     return bool(cond())
+
+
+def process_gone(pid: int) -> bool:
+    """True once no process has id ``pid`` (for ``wait_until``; a zombie still counts as there)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
