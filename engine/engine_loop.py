@@ -44,6 +44,7 @@ class EngineLoop:
         self._idle_wait_s = idle_wait_s
         self._on_idle = on_idle
         self._on_idle_after_s = on_idle_after_s
+        self._busy = False  # inside a step or the delivery of its outputs
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -122,6 +123,7 @@ class EngineLoop:
         idle_since: float | None = None  # None: busy, or the idle hook already ran for this idle period
         while not self._stopped:
             if not self.engine.has_unfinished():
+                self._busy = False  # the last step's outputs are all delivered by now
                 if idle_since is not None and time.monotonic() - idle_since >= self._on_idle_after_s:
                     idle_since = None
                     self._idle_hook()
@@ -129,6 +131,7 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             idle_since = time.monotonic()  # from now on until the next step
+            self._busy = True
             try:
                 # Outputs are matched with callbacks under the lock that produced them, so an
                 # abort (and a reuse of the id) right after the step cannot misroute them.
@@ -175,6 +178,11 @@ class EngineLoop:
             self._on_idle()
         except Exception:  # noqa: BLE001 - housekeeping must not stop the engine
             logger.exception("idle hook failed")
+
+    def quiescent(self) -> bool:
+        """True when the engine has no work left and every output it produced has been handed to
+        its callback (for tests and shutdown: nothing more will be delivered until new work)."""
+        return not self._busy and not self.engine.has_unfinished()
 
     def wake(self) -> None:
         """Blocks were freed outside the engine (a lease ended): try to schedule now."""

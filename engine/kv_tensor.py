@@ -92,7 +92,7 @@ class KVTensor:
             return
         if torch.device(device).type != "cpu":
             raise ValueError("a shared KV cache is a CPU cache")
-        self.fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("pdserve-tp-cache", os.MFD_CLOEXEC)  # not the KV wire's "pdserve-kv-staging"
         os.ftruncate(self.fd, num_blocks * layout.block_nbytes)  # a new memfd reads as zeros
         self.tensor = _map(self.fd, layout, num_blocks)
 

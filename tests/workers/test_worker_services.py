@@ -278,8 +278,8 @@ def test_steps_finished_while_the_consumer_waits_go_out_as_one_event(tiny_model:
     async def run() -> list:
         gen = DecodeService(drt).generate(RequestSpec("slow", prompt, params), None)
         events = [await anext(gen)]
-        # The engine runs the request to its end while nobody reads the stream.
-        assert await wait_until_async(lambda: drt.pool_state()["requests"] == 0, timeout=60)
+        # The engine runs the request to its end, and hands over every output, while nobody reads the stream.
+        assert await wait_until_async(lambda: drt.pool_state()["requests"] == 0 and drt.loop.quiescent(), timeout=60)
         events += [ev async for ev in gen]
         return events
 
