@@ -72,6 +72,8 @@ def test_pulls_between_tp_sizes_equal_transformers(tiny_model: str, reference, p
         assert second.usage["cached_tokens"] == 64  # the prefill worker's prefix hit
         assert second.usage["transferred_tokens"] == 30  # the decode worker held the prefix: only the rest moves
         assert wait_until(lambda: all_idle(svc), timeout=30)
+        if decode_tp > 1 and prefill_tp == 1:  # on this service too: a decode rank dies
+            _kill_a_decode_rank_and_recover(svc, stub, reference)
         channel.close()
     finally:
         svc.stop()
@@ -93,35 +95,29 @@ def _rank_pids(parent: int) -> list[int]:
     return pids
 
 
-def test_a_dead_rank_restarts_its_worker_and_the_service_goes_on(tiny_model: str, reference) -> None:
-    svc = _start(tiny_model, 1, 2)
-    try:
-        assert svc.port is not None
-        channel, stub = stub_for(f"127.0.0.1:{svc.port}")
-        p = _prompt(3, 40)
-        assert generate(stub, build_request(p, GREEDY)).token_ids == reference(p)
-        (handle,) = svc.decode.values()
-        worker_pid = ray.get(handle.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
-        (rank,) = _rank_pids(worker_pid)
-        os.kill(rank, 9)
+def _kill_a_decode_rank_and_recover(svc: Service, stub, reference) -> None:  # noqa: ANN001
+    """A decode worker's rank dies: the worker ends, Ray restarts it whole (a new rank with it),
+    and the service serves the reference tokens again."""
+    p = _prompt(3, 40)
+    (handle,) = svc.decode.values()
+    worker_pid = ray.get(handle.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
+    (rank,) = _rank_pids(worker_pid)
+    os.kill(rank, 9)
 
-        def restarted() -> bool:
-            try:
-                pid = ray.get(handle.__ray_call__.remote(lambda _self: os.getpid()), timeout=10)
-            except Exception:  # noqa: BLE001 - still restarting
-                return False
-            return pid != worker_pid and len(_rank_pids(pid)) == 1
+    def restarted() -> bool:
+        try:
+            pid = ray.get(handle.__ray_call__.remote(lambda _self: os.getpid()), timeout=10)
+        except Exception:  # noqa: BLE001 - still restarting
+            return False
+        return pid != worker_pid and len(_rank_pids(pid)) == 1
 
-        assert wait_until(restarted, timeout=120, interval=0.5)  # the worker ended and Ray started it again
+    assert wait_until(restarted, timeout=120, interval=0.5)
 
-        def serves() -> bool:
-            try:
-                return generate(stub, build_request(p, GREEDY)).token_ids == reference(p)
-            except Exception:  # noqa: BLE001 - the router has not seen it back yet
-                return False
+    def serves() -> bool:
+        try:
+            return generate(stub, build_request(p, GREEDY)).token_ids == reference(p)
+        except Exception:  # noqa: BLE001 - the router has not seen it back yet
+            return False
 
-        assert wait_until(serves, timeout=60, interval=0.5)
-        assert wait_until(lambda: all_idle(svc), timeout=30)
-        channel.close()
-    finally:
-        svc.stop()
+    assert wait_until(serves, timeout=60, interval=0.5)
+    assert wait_until(lambda: all_idle(svc), timeout=30)

@@ -216,8 +216,9 @@ def test_close_ends_every_rank(checkpoints: dict[str, Path]) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_three_ranks_equal_one_and_transformers(tmp_path: Path) -> None:
-    """SmolLM2-135M has 9 heads and 3 KV heads: it splits 3 ways (not 2, refused by name)."""
+def test_smollm2_three_ranks_equal_transformers(tmp_path: Path) -> None:
+    """SmolLM2-135M has 9 heads and 3 KV heads: it splits 3 ways (not 2, refused by name). One rank
+    equals transformers on it already (tests/engine/test_gguf.py)."""
     from tests.engine.test_gguf import CHATS, hf_model
     from tests.engine.test_gguf import hf_greedy as hf_greedy_ids
     from tests.support.gguf_files import smollm2_path
@@ -227,20 +228,17 @@ def test_smollm2_three_ranks_equal_one_and_transformers(tmp_path: Path) -> None:
     path = str(tmp_path / src.name)
     with pytest.raises(ValueError, match="num_attention_heads=9 does not divide by tensor_parallel_size=2"):
         LLM(path, num_blocks=64, tensor_parallel_size=2)
-    params = SamplingParams(max_tokens=24)
-    runs = {}
-    for size in (1, 3):
-        llm = LLM(path, num_blocks=256, block_size=16, dtype="float32", tensor_parallel_size=size)
-        try:
-            runs[size] = [o.token_ids for o in llm.chat(CHATS, params)]
-            _assert_idle(llm)
-            prompts_ids = [llm.tokenizer.encode_chat(c) for c in CHATS]
-        finally:
-            llm.close()
-    assert runs[3] == runs[1]
+    llm = LLM(path, num_blocks=256, block_size=16, dtype="float32", tensor_parallel_size=3)
+    try:
+        chats = CHATS[:2]  # three ranks on a 2-core machine: a short check
+        outs = [o.token_ids for o in llm.chat(chats, SamplingParams(max_tokens=12))]
+        _assert_idle(llm)
+        prompts_ids = [llm.tokenizer.encode_chat(c) for c in chats]
+    finally:
+        llm.close()
     ref = hf_model(tmp_path, src.name)
-    for ids, got in zip(prompts_ids, runs[3]):
-        expected = hf_greedy_ids(ref, ids, 24)
+    for ids, got in zip(prompts_ids, outs):
+        expected = hf_greedy_ids(ref, ids, 12)
         eos = expected.index(2) + 1 if 2 in expected else len(expected)
         assert got == expected[:eos]
 
