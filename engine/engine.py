@@ -408,8 +408,12 @@ class LLMEngine:
                        "dtype": str(layout.dtype).removeprefix("torch."), "kv_scales": list(layout.kv_scales),
                        "kind": layout.kind, "rope_dim": layout.rope_dim},
         }  # fmt: skip
-        ranks = RankProcesses(spec, self.kv_tensor, size, parallel.collective_timeout_s, parallel.start_timeout_s,
-                              self._on_rank_lost)  # fmt: skip
+        try:
+            ranks = RankProcesses(spec, self.kv_tensor, size, parallel.collective_timeout_s,
+                                  parallel.start_timeout_s, self._on_rank_lost)  # fmt: skip
+        except BaseException:
+            torch.set_num_threads(self._threads_before)  # no engine: the process keeps its threads
+            raise
         self.model.join(ranks.group)
         logger.info("tensor parallel: %d ranks, %d CPU thread(s) each", size, threads)
         return ranks
