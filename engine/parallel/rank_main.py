@@ -77,6 +77,7 @@ def main() -> int:
     _report({"loaded": True})
     try:
         group = TPGroup(spec["store"], int(spec["rank"]), int(spec["size"]), float(spec["timeout_s"]))
+        group.barrier()  # every rank has joined: the driver removes the rendezvous file after this
         model.join(group)
         return _serve(model, kv, stream, int(spec["layout"]["block_size"]))
     except Exception:  # a peer died or timed out: this rank's worker cannot step any more

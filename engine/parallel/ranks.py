@@ -68,6 +68,10 @@ class RankProcesses:
                                                 "store": store, "timeout_s": collective_timeout_s}, kv.fd))  # fmt: skip
             self._wait_loaded(time.monotonic() + start_timeout_s)
             self.group = TPGroup(store, 0, size, collective_timeout_s)
+            # Past this barrier every rank has joined: the rendezvous file is done with. Removed now, it
+            # is not left behind by a worker that is killed rather than closed.
+            self.group.barrier()
+            shutil.rmtree(self._dir, ignore_errors=True)
         except BaseException:
             self.close()
             raise
