@@ -1,8 +1,8 @@
 """Which slice of a model one tensor-parallel rank holds (Megatron-style).
 
 Attention heads, KV heads and MLP columns split evenly across ranks; with fewer KV heads than ranks
-each KV head is replicated on ``size / num_kv_heads`` consecutive ranks (as vLLM does), and only the
-first of them writes the head's K/V. The vocabulary splits in ``ceil(V / size)`` rows per rank (the
+each KV head is replicated on ``size / num_kv_heads`` consecutive ranks (as vLLM does); each of them
+writes the head's K/V itself (the same bytes), so that what it reads in a step is its own write. The vocabulary splits in ``ceil(V / size)`` rows per rank (the
 last rank may hold fewer). Block ids, block tables and block hashes do not depend on any of this.
 """
 
@@ -36,10 +36,6 @@ class TPShard:
         if total >= self.size:
             return self.split(total)
         return self.rank * total // self.size, 1
-
-    def writes_kv(self, total: int) -> bool:
-        """Whether this rank writes its KV heads' K/V: always, except a replica that is not the first."""
-        return total >= self.size or self.rank % (self.size // total) == 0
 
     def vocab(self, vocab_size: int) -> tuple[int, int]:
         """(start, count) of this rank's embedding / LM-head rows; every rank's padded width is
