@@ -6,13 +6,20 @@ Redis is an embedded ``redis-server`` (never a mock).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
-import pytest
+# Under pytest-xdist (pyproject's addopts) two workers share the machine's cores: each runs torch,
+# and everything it starts (Ray workers, `pdserve up`), on one thread, set before torch is imported.
+# Two workers with a thread per core each, spinning between ops, took 3x as long in CPU-bound tests.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
-from pdserve.engine.model import make_tiny_model
-from pdserve.kvindex.embedded import EmbeddedRedis
-from tests.support.redis import running_redis
+import pytest  # noqa: E402
+
+from pdserve.engine.model import make_tiny_model  # noqa: E402
+from pdserve.kvindex.embedded import EmbeddedRedis  # noqa: E402
+from tests.support.redis import running_redis  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +34,22 @@ def redis_server() -> Iterator[EmbeddedRedis]:
     A test that stops or restarts Redis starts its own (``running_redis()``)."""
     with running_redis() as server:
         yield server
+
+
+# Under pytest-xdist (`--dist loadgroup`), a module's tests stay together on one worker (its
+# module-scoped service starts once), and tests that share a machine-wide resource form one group
+# so that they never run at the same time: network namespaces and their links, and the
+# tensor-parallel rendezvous directories in the temp directory (a test asserts none is left).
+_SHARED_GROUPS = {
+    "netns": ("tests/cluster/test_simnet.py", "tests/e2e/test_multinode.py", "tests/e2e/test_multinode_faults.py",
+              "tests/e2e/test_deploy_scripts.py", "tests/cli/test_bench_smoke.py::test_links_bench"),
+    "tp-rendezvous": ("tests/engine/test_tensor_parallel.py", "tests/e2e/test_service_tp.py",
+                      "tests/cli/test_bench_tp.py"),
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = next((name for name, prefixes in _SHARED_GROUPS.items()
+                      if any(item.nodeid.startswith(p) for p in prefixes)), item.nodeid.split("::")[0])  # fmt: skip
+        item.add_marker(pytest.mark.xdist_group(group))

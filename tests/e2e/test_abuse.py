@@ -108,8 +108,9 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 def test_a_tenant_flooding_the_decode_worker_cannot_starve_another(service: Service) -> None:
     """Tenant A runs more long streams than the decode worker has slots (the router lets them all
-    through); tenant B's short request gets its first token within its prefill plus a few decode
-    steps, and is done while every one of A's streams still runs; then A's streams all finish."""
+    through); tenant B's short request gets its first token within its prefill plus a few dozen
+    decode steps (a place freed by one of A's 400-token streams would take hundreds), and is done while
+    every one of A's streams still runs; then A's streams all finish."""
     assert wait_until(lambda: all_idle(service), timeout=60)
     channel, stub = stub_for(service.grpc_address)
     short = SamplingParams(max_tokens=5, ignore_eos=True)
@@ -137,7 +138,7 @@ def test_a_tenant_flooding_the_decode_worker_cannot_starve_another(service: Serv
         assert all(t.is_alive() for t in threads), "B waited for one of A's streams to end"
         busiest = max(arrivals, key=len)
         step_s = statistics.median(b - a for a, b in zip(busiest, busiest[1:]))
-        bound_ms = 3 * max(alone) + 10 * step_s * 1000
+        bound_ms = 3 * max(alone) + 25 * step_s * 1000  # on a loaded machine B's prefill waits for steps too
         assert quiet.ttft_ms <= bound_ms, (quiet.ttft_ms, max(alone), step_s)
     finally:
         for t in threads:

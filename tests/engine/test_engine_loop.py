@@ -99,12 +99,21 @@ def test_id_reused_after_abort_gets_only_its_own_outputs(loop) -> None:
             resume.wait(10)
 
     old: queue.Queue = queue.Queue()
+    first = threading.Event()
+
+    def x_outputs(out) -> None:
+        # Armed from the loop thread on X's first output (X has 3 tokens): bg's callback then pauses
+        # in this step or the next, while X still runs, however late this test's thread runs.
+        if not first.is_set():
+            first.set()
+            armed.set()
+        old.put(out)
+
     with engine.lock:  # both join the same step
         lp.submit(engine.make_request([1] * 8, params, request_id="bg"), background)
         lp.submit(engine.make_request([9] * 20, SamplingParams(max_tokens=3, ignore_eos=True), request_id="X"),
-                  old.put)
+                  x_outputs)
     old.get(timeout=30)  # X is running
-    armed.set()
     assert paused.wait(30)  # the loop thread now holds an undelivered step that includes X
     assert lp.abort("X")
     new = engine.make_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), request_id="X")
