@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def service(model_dir: str):
-    config = ServiceConfig.load(port=0, http_port=None, engine__model=model_dir,
+    config = ServiceConfig.load(port=0, http_port=0, engine__model=model_dir,
                                 engine__cache__kv_cache_memory_bytes=2 * 1024**2,
                                 router__local_prefill_threshold=8)  # fmt: skip
     svc = Service(config, progress=lambda _m: None)

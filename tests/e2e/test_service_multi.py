@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def test_two_plus_two_workers(tmp_path) -> None:
     model_dir = str(make_tiny_model(tmp_path / "tiny", seed=2))
     config = ServiceConfig.load(
-        prefill=2, decode=2, port=0, http_port=None, cpus_per_worker=0.5, engine__model=model_dir,
+        prefill=2, decode=2, port=0, http_port=0, cpus_per_worker=0.5, engine__model=model_dir,
         engine__cache__kv_cache_memory_bytes=8 * 1024**2, router__local_prefill_threshold=8,
     )  # fmt: skip
     svc = Service(config, progress=lambda _m: None)

@@ -41,7 +41,7 @@ def reference(tiny_model: str):  # noqa: ANN201
 
 def _start(model: str, prefill_tp: int, decode_tp: int) -> Service:
     config = ServiceConfig.load(
-        port=0, http_port=None, engine__model=model, engine__cache__kv_cache_memory_bytes=8 * 1024**2,
+        port=0, http_port=0, engine__model=model, engine__cache__kv_cache_memory_bytes=8 * 1024**2,
         router__local_prefill_threshold=8, prefill_tensor_parallel_size=prefill_tp,
         decode_tensor_parallel_size=decode_tp,
     )  # fmt: skip
