@@ -152,18 +152,20 @@ def test_the_pool_is_freed_when_the_client_closes() -> None:
     with Holder() as holder:
         leases = [holder.lease(f"r{k}", 8) for k in range(2)]
         client = shm_client(holder.address, replace(SHM, shm_regions=2))
-        pool = client.shm.region_pool(holder.shm.socket_path)
-        assert pool is not None
-        deadline = time.monotonic() + 10
-        regions = [pool.take(deadline), pool.take(deadline)]  # two pulls at once make two regions
-        assert pool.take(deadline) is None and None not in regions  # a third finds all in use: it would go over gRPC
-        for region in regions:
-            pool.give(region)
-        for k, lease in enumerate(leases):
-            assert client.pull_into(local_worker()[1].kv_tensor, [k, k + 2], lease_id=lease).transport == "shm"
-        assert pool.size == len(holder.shm) == 2
-        assert region_maps() == len(region_fds()) == 4  # each region mapped by puller and holder, no other descriptor
-        client.close()
+        try:
+            pool = client.shm.region_pool(holder.shm.socket_path)
+            assert pool is not None
+            deadline = time.monotonic() + 10
+            regions = [pool.take(deadline), pool.take(deadline)]  # two pulls at once make two regions
+            assert pool.take(deadline) is None and None not in regions  # a third finds all in use: over gRPC
+            for region in regions:
+                pool.give(region)
+            for k, lease in enumerate(leases):
+                assert client.pull_into(local_worker()[1].kv_tensor, [k, k + 2], lease_id=lease).transport == "shm"
+            assert pool.size == len(holder.shm) == 2
+            assert region_maps() == len(region_fds()) == 4  # each region mapped by puller and holder, nothing else
+        finally:
+            client.close()  # also when an assertion fails: its regions must not stay mapped into the next test
         assert wait_until(lambda: len(holder.shm) == 0 and nothing_mapped())
         assert pool.size == 0
 
