@@ -35,6 +35,7 @@ import httpx
 from pdserve.benchmarks.common import emit
 from pdserve.benchmarks.outside_up import UpProcess, free_port
 from pdserve.benchmarks.peers import INSTALL, VLLMSide, default_model, log, vllm_python, workload
+from pdserve.benchmarks.serve_load import percentile
 
 
 class VLLMServer:
@@ -123,11 +124,10 @@ async def run_load(http: str, prompts: list[list[int]], concurrency: int, max_to
             "tokens": sum(r["tokens"] for r in results), "chunks": sum(len(r["chunks"]) for r in results)}  # fmt: skip
 
 
-def _pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+def _pct(values: list[float], q: float) -> float:
+    """``bench serve``'s percentile, NaN for no values (the medians over rounds need a number)."""
+    value = percentile(values, q)
+    return float("nan") if value is None else value
 
 
 def _medians(rounds: list[dict[str, Any]]) -> dict[str, float]:
