@@ -234,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N", help="tensor-parallel ranks of each prefill worker (default --tensor-parallel-size)")
     p.add_argument("--decode-tensor-parallel-size", "--decode-tp", dest="decode_tp", type=int, default=None,
                    metavar="N", help="tensor-parallel ranks of each decode worker (default --tensor-parallel-size)")
+    p.add_argument("--prefill-cpus", type=float, default=None, metavar="N",
+                   help="CPUs (Ray num_cpus, and so torch threads) of each prefill worker, per rank "
+                        "(default cpus_per_worker, 1)")
+    p.add_argument("--decode-cpus", type=float, default=None, metavar="N",
+                   help="CPUs of each decode worker, per rank (default cpus_per_worker, 1); more than its share "
+                        "lets decode steps use the cores prefill leaves idle")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
     p.add_argument("--prefill-resources", type=_resources, default=None, metavar="JSON",

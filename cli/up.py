@@ -69,6 +69,8 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
         engine__parallel__tensor_parallel_size=args.tensor_parallel_size,
         prefill_tensor_parallel_size=args.prefill_tp,
         decode_tensor_parallel_size=args.decode_tp,
+        prefill_cpus_per_worker=args.prefill_cpus,
+        decode_cpus_per_worker=args.decode_cpus,
         engine__scheduler__max_model_len=args.max_model_len,
         engine__scheduler__max_num_seqs=args.max_num_seqs,
         engine__scheduler__max_num_batched_tokens=args.max_num_batched_tokens,

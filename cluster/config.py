@@ -38,6 +38,11 @@ class ServiceConfig:
     decode: int = 1  # decode workers
     gpus_per_worker: float = 0.0  # Ray num_gpus of each worker (0 on CPU)
     cpus_per_worker: float = 1.0  # Ray num_cpus of each worker, per tensor-parallel rank
+    # Per role (None: cpus_per_worker). Ray sets a worker's OMP_NUM_THREADS, so its torch threads, to
+    # its num_cpus: a decode worker given more than its share of a small machine's cores takes the
+    # cores its prefill peer leaves idle between prompts.
+    prefill_cpus_per_worker: float | None = None
+    decode_cpus_per_worker: float | None = None
     # Tensor parallelism per role (vLLM's tensor_parallel_size, on each side); None: the engine's
     # ``parallel.tensor_parallel_size``. A worker of size N asks Ray for N * cpus_per_worker CPUs.
     prefill_tensor_parallel_size: int | None = None
@@ -82,6 +87,10 @@ class ServiceConfig:
                 raise ValueError(f"{name} must be in [1, 64], got {value}")
         if self.gpus_per_worker < 0 or self.cpus_per_worker < 0:
             raise ValueError("gpus_per_worker and cpus_per_worker must be >= 0")
+        for name in ("prefill_cpus_per_worker", "decode_cpus_per_worker"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         for name in ("prefill_resources", "decode_resources"):
             for res, amount in getattr(self, name).items():
                 if not res or res in ("CPU", "GPU", "memory", "object_store_memory") or not amount > 0:
@@ -92,6 +101,11 @@ class ServiceConfig:
         """The tensor-parallel size of a ``role`` ("prefill" or "decode") worker."""
         own = self.prefill_tensor_parallel_size if role == "prefill" else self.decode_tensor_parallel_size
         return own if own is not None else self.engine.parallel.tensor_parallel_size
+
+    def cpus_per_rank(self, role: str) -> float:
+        """The Ray ``num_cpus`` of each tensor-parallel rank of a ``role`` worker."""
+        own = self.prefill_cpus_per_worker if role == "prefill" else self.decode_cpus_per_worker
+        return own if own is not None else self.cpus_per_worker
 
     @classmethod
     def load(cls, path: str | Path | None = None, **flags: Any) -> ServiceConfig:

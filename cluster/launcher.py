@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import secrets
@@ -205,8 +206,9 @@ class Service:
                 ray.init(address=c.ray_address, **log_options)
             else:
                 # Ray schedules by logical CPUs: one per worker plus one spare, even on fewer cores.
-                ranks = c.prefill * c.tensor_parallel_size("prefill") + c.decode * c.tensor_parallel_size("decode")
-                cpus = max(os.cpu_count() or 1, int(ranks * c.cpus_per_worker) + 1)
+                want = sum(n * c.tensor_parallel_size(role) * c.cpus_per_rank(role)
+                           for role, n in (("prefill", c.prefill), ("decode", c.decode)))
+                cpus = max(os.cpu_count() or 1, math.ceil(want) + 1)
                 # Ray starts its workers at nice 15; serving workers must not yield to every other
                 # process on the machine (unless the operator says otherwise).
                 os.environ.setdefault("RAY_worker_niceness", "0")
@@ -232,7 +234,7 @@ class Service:
 
         # A tensor-parallel worker is one actor whose ranks are its child processes (on its node,
         # by construction): it asks for every rank's CPUs.
-        opts = {role: dict(num_cpus=c.cpus_per_worker * c.tensor_parallel_size(role), num_gpus=c.gpus_per_worker,
+        opts = {role: dict(num_cpus=c.cpus_per_rank(role) * c.tensor_parallel_size(role), num_gpus=c.gpus_per_worker,
                            max_restarts=-1, max_task_retries=0) for role in ("prefill", "decode")}  # fmt: skip
         roles = {"prefill": c.prefill_resources, "decode": c.decode_resources}
         nodes = ray.nodes()

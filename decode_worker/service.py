@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.decode_worker.call import DecodeCall
+from pdserve.engine.cpu_threads import single_threaded_torch
 from pdserve.engine.engine import RequestOutput
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
@@ -27,8 +28,10 @@ class DecodeService:
 
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
-        self._pulls = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="kv-pull")
-        self._ender = ThreadPoolExecutor(1, thread_name_prefix="request-end")
+        # Pulls copy blocks into the pool: on one torch thread each, leaving the team to the engine loop.
+        self._pulls = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="kv-pull",
+                                         initializer=single_threaded_torch)
+        self._ender = ThreadPoolExecutor(1, thread_name_prefix="request-end", initializer=single_threaded_torch)
 
     def close(self) -> None:
         """Wait for pulls, aborts and releases handed to this service's threads."""

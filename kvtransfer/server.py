@@ -29,6 +29,7 @@ from dataclasses import replace
 
 import grpc
 
+from pdserve.engine.cpu_threads import single_threaded_torch
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.errors import InvalidPullError, TransferError
 from pdserve.kvtransfer.guard import PullGuard
@@ -217,7 +218,8 @@ def start_transfer_server(
     auth = ClusterAuth(config.cluster_secret, max_nonces=config.auth_max_nonces) if config.cluster_secret else None
     interceptors = [AuthInterceptor(auth)] if auth is not None else []
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.server_threads, thread_name_prefix="kv-transfer"),
+        futures.ThreadPoolExecutor(max_workers=config.server_threads, thread_name_prefix="kv-transfer",
+                                   initializer=single_threaded_torch),
         options=config.server_options(),
         interceptors=interceptors,
         maximum_concurrent_rpcs=config.server_threads,

@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 
+from pdserve.engine.cpu_threads import on_passing_thread
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kvindex.config import REDIS_ERRORS, IndexConfig
@@ -84,7 +85,9 @@ class WorkerRuntime:
         _forget_blocks(config.index, config.worker_id)
         self.publisher = KVEventPublisher(config.index, config.worker_id)
         self.stats = StatsRecorder(config.index, config.worker_id)
-        self.engine = LLMEngine(config.engine, event_sink=self.publisher, on_rank_lost=_end_process)
+        # Built on a passing thread: the engine loop's is then the process's one torch thread team.
+        self.engine = on_passing_thread(
+            lambda: LLMEngine(config.engine, event_sink=self.publisher, on_rank_lost=_end_process), "engine-build")
         self.trimmer = HeapTrimmer()
         self.loop = EngineLoop(self.engine, on_idle=self.trimmer.maybe_trim)
         self.metrics = WorkerMetrics(config.worker_id, config.role, self.engine.stats, self._redis_outages)

@@ -22,9 +22,12 @@ def test_types_are_checked_and_errors_name_the_field(tmp_path: Path) -> None:
         ({"router__load_weight": True}, "router.load_weight must be a number"),
         ({"engine__cache__block_size": 0}, "engine.cache.block_size must be in"),
         ({"transfer__lease_ttl_s": -1}, "transfer.lease_ttl_s must be"),
+        ({"decode_cpus_per_worker": 0}, "decode_cpus_per_worker must be > 0"),
     ]:
         with pytest.raises(ValueError, match=needle):
             ServiceConfig.load(**flags)
+    per_role = ServiceConfig.load(cpus_per_worker=0.5, decode_cpus_per_worker=2)
+    assert (per_role.cpus_per_rank("prefill"), per_role.cpus_per_rank("decode")) == (0.5, 2)
     path = tmp_path / "c.json"
     path.write_text('"just a string"')
     with pytest.raises(ValueError, match="must be a JSON object"):

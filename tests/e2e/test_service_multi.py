@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 
 import pytest
+import ray
 
 from pdserve import LLM, SamplingParams
 from pdserve.cli.client import build_request, generate
@@ -18,10 +19,16 @@ from tests.support.service import all_idle, stub_for
 pytestmark = pytest.mark.slow
 
 
+def _assigned_cpus(_worker: object) -> float:
+    """Runs inside a worker actor: the CPUs Ray assigned it."""
+    return ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+
+
 def test_two_plus_two_workers(tmp_path) -> None:
     model_dir = str(make_tiny_model(tmp_path / "tiny", seed=2))
     config = ServiceConfig.load(
-        prefill=2, decode=2, port=0, http_port=0, cpus_per_worker=0.5, engine__model=model_dir,
+        prefill=2, decode=2, port=0, http_port=0, cpus_per_worker=0.5, decode_cpus_per_worker=0.75,
+        engine__model=model_dir,
         engine__cache__kv_cache_memory_bytes=8 * 1024**2, router__local_prefill_threshold=8,
     )  # fmt: skip
     svc = Service(config, progress=lambda _m: None)
@@ -43,6 +50,9 @@ def test_two_plus_two_workers(tmp_path) -> None:
         assert {w if isinstance(w, str) else w.decode() for w in workers} == {
             "prefill-0", "prefill-1", "decode-0", "decode-1"}
         assert wait_until(lambda: all_idle(svc), timeout=30)
+        # Each role's workers hold the CPUs asked for that role.
+        held = {wid: ray.get(h.__ray_call__.remote(_assigned_cpus)) for wid, h in {**svc.prefill, **svc.decode}.items()}
+        assert held == {"prefill-0": 0.5, "prefill-1": 0.5, "decode-0": 0.75, "decode-1": 0.75}
     finally:
         channel.close()
         svc.stop()
