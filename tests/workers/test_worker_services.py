@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,7 @@ from pdserve.prefill_worker.service import PrefillService
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.messages import RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
+from tests.support.deepseek_models import make_deepseek_checkpoint
 from tests.support.polling import wait_until, wait_until_async
 from tests.support.redis import unique_namespace
 
@@ -131,13 +133,26 @@ def test_handover_between_services_matches_one_engine(tiny_model: str, redis_ser
     produces, the transferred tokens counted, the lease released and both pools idle after. An
     FP8 block arrives as the bytes (and under the scales) it was written with: the same tokens as
     one engine with the same FP8 cache."""
+    _handover_matches_one_engine(tiny_model, redis_server, kv_cache_dtype)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_mla_latents_move_by_shared_memory_and_match_one_engine(tmp_path: Path, redis_server,
+                                                                kv_cache_dtype: str) -> None:  # fmt: skip
+    """The same handover with a DeepSeek-V3 (MLA) checkpoint: its latent blocks (and FP8 scales)
+    cross between the two runtimes of this host through shared memory, bit for bit."""
+    model = str(make_deepseek_checkpoint(tmp_path / "dsv3", "v3", seed=7))
+    _handover_matches_one_engine(model, redis_server, kv_cache_dtype)
+
+
+def _handover_matches_one_engine(model: str, redis_server, kv_cache_dtype: str) -> None:
     ns = unique_namespace()
-    prt = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill", kv_cache_dtype=kv_cache_dtype)
-    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode", kv_cache_dtype=kv_cache_dtype)
+    prt = runtime(model, redis_server.url, ns, "prefill-0", "prefill", kv_cache_dtype=kv_cache_dtype)
+    drt = runtime(model, redis_server.url, ns, "decode-0", "decode", kv_cache_dtype=kv_cache_dtype)
     try:
         params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=9)
         spec = RequestSpec("h", tuple(range(3, 40)), params)
-        one = LLM(tiny_model, num_blocks=64, kv_cache_dtype=kv_cache_dtype)
+        one = LLM(model, num_blocks=64, kv_cache_dtype=kv_cache_dtype)
         expected = one.generate([list(spec.prompt_token_ids)], params)[0].token_ids
 
         async def run() -> tuple[int, list]:
