@@ -53,7 +53,8 @@ class TransferConfig:
     the fallback. A puller keeps up to ``shm_regions`` regions of ``shm_region_bytes`` per holder
     (made on demand, one per concurrent pull; a pull finding all in use goes over gRPC), each a ring
     of ``shm_slot_bytes`` slots; a holder maps at most ``shm_max_regions`` regions of all its
-    pullers. Attach and pull tickets are good for ``shm_ticket_ttl_s``.
+    pullers. Attach and pull tickets are good for ``shm_ticket_ttl_s``. A region unused for
+    ``shm_region_idle_s`` is ended (its memory goes back) at the puller's next ``trim``.
     """
 
     chunk_bytes: int = 2 * MiB  # 1-2 MiB measured fastest over loopback (benchmarks/transfer.py, README)
@@ -80,6 +81,7 @@ class TransferConfig:
     shm_slot_bytes: int = 4 * MiB
     shm_regions: int = 4
     shm_max_regions: int = 64
+    shm_region_idle_s: float = 30.0  # a puller ends a staging region unused this long (the next pull makes one)
 
     def __post_init__(self) -> None:
         self.ports()  # validates port_range
@@ -102,7 +104,7 @@ class TransferConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         check_secret(self.cluster_secret)
         for name in ("lease_ttl_s", "reap_interval_s", "metadata_timeout_s", "pull_timeout_s", "release_timeout_s",
-                     "stall_timeout_s", "shm_ticket_ttl_s"):
+                     "stall_timeout_s", "shm_ticket_ttl_s", "shm_region_idle_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")

@@ -61,6 +61,12 @@ class ShmPuller:
         if pool is not None:
             pool.close()
 
+    def trim(self) -> int:
+        """End the regions unused for ``shm_region_idle_s``; how many."""
+        with self._lock:
+            pool = self.pool
+        return pool.trim() if pool is not None else 0
+
     def pull(self, socket_path: str, request: pb.PullRequest, receiver: BlockReceiver, deadline: float) -> PullStats:
         """One pull through a region into ``receiver`` (module docstring for what it raises)."""
         pool = self.region_pool(socket_path)
@@ -98,7 +104,8 @@ class ShmPuller:
             if old is not None and old.socket_path == socket_path:
                 return old
             c = self.config
-            self.pool = pool = RegionPool(socket_path, c.shm_region_bytes, c.shm_regions, self._grant)
+            self.pool = pool = RegionPool(socket_path, c.shm_region_bytes, c.shm_regions, self._grant,
+                                          c.shm_region_idle_s)  # fmt: skip
         if old is not None:
             old.close()
         return pool

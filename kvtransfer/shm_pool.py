@@ -11,7 +11,9 @@ announces for its own pull.
 Pool contract: ``take`` hands out a region nobody else uses (an idle one whose channel is still
 open, else a new one while fewer than ``max_regions`` exist), or None when all are in use (the
 caller pulls over gRPC); ``give`` puts it back after a pull that left it intact, ``discard`` ends
-one whose state is unknown (a pull failed mid-way). ``close`` ends the idle regions at once and
+one whose state is unknown (a pull failed mid-way). ``trim`` ends the regions idle for ``idle_s``
+or longer, so that a holder no longer pulled from does not keep the puller's memory (``take`` trims
+too; an idle client needs someone to call it). ``close`` ends the idle regions at once and
 the others as they come back; ending a region closes its channel (the holder unmaps it) and
 unmaps it here: no descriptor, no mapping stays behind.
 """
@@ -39,6 +41,7 @@ class Region:
         self.nbytes = len(mm)
         self._mm = mm
         self.view = memoryview(mm)
+        self.idle_since = time.monotonic()  # set again by each ``give``
 
     def intact(self) -> bool:
         """The channel is open and quiet: between pulls the holder sends nothing, so anything to
@@ -60,10 +63,13 @@ class RegionPool:
     """
 
     def __init__(self, socket_path: str, region_bytes: int, max_regions: int,
-                 grant: Callable[[int, float], bytes]) -> None:  # fmt: skip
+                 grant: Callable[[int, float], bytes], idle_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.socket_path = socket_path
         self.region_bytes = region_bytes
         self.max_regions = max_regions
+        self.idle_s = idle_s
+        self._clock = clock
         self._grant = grant
         self._lock = threading.Lock()
         self._idle: list[Region] = []
@@ -74,7 +80,7 @@ class RegionPool:
         """A region for one pull, now the caller's until ``give``/``discard``; None when all
         ``max_regions`` are in use. Raises ``ShmUnavailable`` (or ``grant``'s errors) when a new
         one cannot be made; nothing is left behind then."""
-        stale: list[Region] = []
+        stale: list[Region] = self._expired()
         try:
             with self._lock:
                 while self._idle:
@@ -117,6 +123,7 @@ class RegionPool:
     def give(self, region: Region) -> None:
         with self._lock:
             if not self._closed:
+                region.idle_since = self._clock()
                 self._idle.append(region)
                 return
             self._count -= 1
@@ -126,6 +133,23 @@ class RegionPool:
         with self._lock:
             self._count -= 1
         region.close()
+
+    def trim(self) -> int:
+        """End the regions idle for ``idle_s`` or longer; how many."""
+        expired = self._expired()
+        for region in expired:
+            region.close()
+        return len(expired)
+
+    def _expired(self) -> list[Region]:
+        """Take the regions idle for ``idle_s`` or longer out of the pool (the caller closes them)."""
+        cutoff = self._clock() - self.idle_s
+        with self._lock:
+            expired = [r for r in self._idle if r.idle_since <= cutoff]
+            if expired:
+                self._idle = [r for r in self._idle if r.idle_since > cutoff]
+                self._count -= len(expired)
+        return expired
 
     @property
     def size(self) -> int:

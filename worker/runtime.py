@@ -88,8 +88,10 @@ class WorkerRuntime:
         # Built on a passing thread: the engine loop's is then the process's one torch thread team.
         self.engine = on_passing_thread(
             lambda: LLMEngine(config.engine, event_sink=self.publisher, on_rank_lost=_end_process), "engine-build")
+        self._clients: dict[str, KVTransferClient] = {}
+        self._clients_lock = threading.Lock()  # pulls run in several threads
         self.trimmer = HeapTrimmer()
-        self.loop = EngineLoop(self.engine, on_idle=self.trimmer.maybe_trim)
+        self.loop = EngineLoop(self.engine, on_idle=self._on_idle)
         self.metrics = WorkerMetrics(config.worker_id, config.role, self.engine.stats, self._redis_outages)
         self.source = BlockSource(
             self.engine.handover,
@@ -106,8 +108,6 @@ class WorkerRuntime:
             raise
         host = config.advertise_host or ("127.0.0.1" if config.bind_host in ("127.0.0.1", "localhost") else _node_ip())
         self.address = f"{host}:{self.server.port}"
-        self._clients: dict[str, KVTransferClient] = {}
-        self._clients_lock = threading.Lock()  # pulls run in several threads
         self.registry = WorkerRegistry(config.index)
         self.registry.start_heartbeat(config.worker_id, self.info, config.heartbeat_s)
         shm = self.server.shm  # same-host pulls: a Unix socket in a private directory, removed at close
@@ -141,12 +141,25 @@ class WorkerRuntime:
             "registered": self.loop.num_registered,
         }
 
+    def _on_idle(self) -> None:
+        """The engine went idle: end the staging regions unused for a while, give heap back."""
+        self.trim_regions()
+        self.trimmer.maybe_trim()
+
+    def trim_regions(self) -> int:
+        """End every peer client's staging regions unused for ``transfer.shm_region_idle_s``
+        (a busy worker does it at each pull, an idle one when it goes idle); how many."""
+        with self._clients_lock:
+            clients = list(self._clients.values())
+        return sum(c.shm.trim() for c in clients)
+
     def client(self, address: str) -> KVTransferClient:
         """A cached transfer client for a peer, checked once for a compatible KV layout.
 
         The check is a network call, made outside the lock so one slow peer does not hold up
         pulls from the others.
         """
+        self.trim_regions()
         with self._clients_lock:
             c = self._clients.get(address)
         if c is not None:

@@ -179,3 +179,45 @@ def test_a_pull_larger_than_the_region_goes_round_its_ring() -> None:
             stats = client.pull_into(kv, dest, lease_id=lease)
         assert stats.transport == "shm" and stats.num_tokens == 58 and stats.num_chunks == 10
         assert all(torch.equal(kv.block(b), expected("big", j)) for j, b in enumerate(dest))
+
+
+def test_a_region_idle_for_its_time_is_ended_on_both_sides_and_remade_on_demand() -> None:
+    with Holder() as holder:
+        leases = [holder.lease(f"r{k}", 8) for k in range(2)]
+        now = [0.0]
+        client = shm_client(holder.address, replace(SHM, shm_regions=2))
+        try:
+            # The pool's rule, on its own clock: only regions idle for idle_s or longer go.
+            pool = client.shm.region_pool(holder.shm.socket_path)
+            assert pool is not None
+            pool.idle_s, pool._clock = 30.0, lambda: now[0]  # noqa: SLF001 - the test's clock
+            deadline = time.monotonic() + 10
+            first, second = pool.take(deadline), pool.take(deadline)
+            assert first is not None and second is not None
+            pool.give(first)
+            now[0] = 20.0
+            pool.give(second)
+            now[0] = 40.0  # first idle 40 s, second 20 s
+            assert client.shm.trim() == 1 and pool.size == 1
+            assert wait_until(lambda: len(holder.shm) == 1)  # the holder let go of it too
+            now[0] = 50.0
+            assert pool.trim() == 1 and pool.size == 0
+            assert wait_until(lambda: len(holder.shm) == 0 and nothing_mapped())
+            # The next pull makes a region again and still goes by shared memory.
+            kv = local_worker()[1].kv_tensor
+            assert client.pull_into(kv, [1, 3], lease_id=leases[0]).transport == "shm"
+            assert torch.equal(kv.block(1), expected("r0", 0)) and pool.size == 1
+        finally:
+            client.close()
+        assert wait_until(lambda: len(holder.shm) == 0 and nothing_mapped())
+
+
+def test_a_client_ends_a_region_idle_for_shm_region_idle_s() -> None:
+    """The config's idle time, through a real client: the region goes once it has been idle that long."""
+    with Holder() as holder:
+        lease = holder.lease("r0", 8)
+        with shm_client(holder.address, replace(SHM, shm_region_idle_s=0.05)) as client:
+            assert client.pull_into(local_worker()[1].kv_tensor, [0, 1], lease_id=lease).transport == "shm"
+            assert len(holder.shm) == 1
+            assert wait_until(lambda: client.shm.trim() == 1)
+            assert wait_until(lambda: len(holder.shm) == 0 and nothing_mapped())

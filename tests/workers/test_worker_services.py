@@ -145,10 +145,25 @@ def test_mla_latents_move_by_shared_memory_and_match_one_engine(tmp_path: Path, 
     _handover_matches_one_engine(model, redis_server, kv_cache_dtype)
 
 
-def _handover_matches_one_engine(model: str, redis_server, kv_cache_dtype: str) -> None:
+def test_an_idle_decode_worker_ends_its_staging_regions(tiny_model: str, redis_server) -> None:
+    """After the handover the decode worker goes idle; its staging region, unused for
+    ``shm_region_idle_s``, is ended, and the holder unmaps its side."""
+    transfer = dataclasses.replace(SECRET, shm_region_idle_s=0.05)
+    prt, drt = _handover_matches_one_engine(tiny_model, redis_server, "auto", transfer, close=False)
+    try:
+        assert prt.server.shm is not None
+        assert wait_until(lambda: len(prt.server.shm) == 0, timeout=30)
+        assert drt.trim_regions() == 0  # nothing left to end
+    finally:
+        drt.close()
+        prt.close()
+
+
+def _handover_matches_one_engine(model: str, redis_server, kv_cache_dtype: str, transfer: TransferConfig = SECRET,
+                                 close: bool = True) -> tuple[WorkerRuntime, WorkerRuntime]:  # fmt: skip
     ns = unique_namespace()
-    prt = runtime(model, redis_server.url, ns, "prefill-0", "prefill", kv_cache_dtype=kv_cache_dtype)
-    drt = runtime(model, redis_server.url, ns, "decode-0", "decode", kv_cache_dtype=kv_cache_dtype)
+    prt = runtime(model, redis_server.url, ns, "prefill-0", "prefill", transfer=transfer, kv_cache_dtype=kv_cache_dtype)
+    drt = runtime(model, redis_server.url, ns, "decode-0", "decode", transfer=transfer, kv_cache_dtype=kv_cache_dtype)
     try:
         params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=9)
         spec = RequestSpec("h", tuple(range(3, 40)), params)
@@ -169,9 +184,14 @@ def _handover_matches_one_engine(model: str, redis_server, kv_cache_dtype: str) 
         for rt in (prt, drt):
             assert wait_until(lambda rt=rt: rt.pool_state() == {**rt.pool_state(), "leases": 0, "requests": 0,
                                                                 "free_blocks": rt.pool_state()["num_blocks"]})
+    except BaseException:
+        close = True
+        raise
     finally:
-        drt.close()
-        prt.close()
+        if close:
+            drt.close()
+            prt.close()
+    return prt, drt
 
 
 def test_a_peer_with_another_kv_cache_dtype_is_refused_and_the_prompt_recomputed(tiny_model: str,
