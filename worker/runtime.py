@@ -91,7 +91,7 @@ class WorkerRuntime:
         self._clients: dict[str, KVTransferClient] = {}
         self._clients_lock = threading.Lock()  # pulls run in several threads
         self.trimmer = HeapTrimmer()
-        self.loop = EngineLoop(self.engine, on_idle=self._on_idle)
+        self.loop = EngineLoop(self.engine, on_idle=self.trimmer.maybe_trim)
         self.metrics = WorkerMetrics(config.worker_id, config.role, self.engine.stats, self._redis_outages)
         self.source = BlockSource(
             self.engine.handover,
@@ -108,6 +108,8 @@ class WorkerRuntime:
             raise
         host = config.advertise_host or ("127.0.0.1" if config.bind_host in ("127.0.0.1", "localhost") else _node_ip())
         self.address = f"{host}:{self.server.port}"
+        self._trim_stop = threading.Event()
+        threading.Thread(target=self._trim_loop, name="region-trim", daemon=True).start()
         self.registry = WorkerRegistry(config.index)
         self.registry.start_heartbeat(config.worker_id, self.info, config.heartbeat_s)
         shm = self.server.shm  # same-host pulls: a Unix socket in a private directory, removed at close
@@ -141,17 +143,20 @@ class WorkerRuntime:
             "registered": self.loop.num_registered,
         }
 
-    def _on_idle(self) -> None:
-        """The engine went idle: end the staging regions unused for a while, give heap back."""
-        self.trim_regions()
-        self.trimmer.maybe_trim()
-
     def trim_regions(self) -> int:
-        """End every peer client's staging regions unused for ``transfer.shm_region_idle_s``
-        (a busy worker does it at each pull, an idle one when it goes idle); how many."""
+        """End every peer client's staging regions unused for ``transfer.shm_region_idle_s``; how
+        many. The ``region-trim`` thread calls it every half of that time."""
         with self._clients_lock:
             clients = list(self._clients.values())
         return sum(c.shm.trim() for c in clients)
+
+    def _trim_loop(self) -> None:
+        interval = min(self.config.transfer.shm_region_idle_s / 2, 10.0)
+        while not self._trim_stop.wait(interval):
+            try:
+                self.trim_regions()
+            except Exception:  # noqa: BLE001 - the next round tries again; a trim never ends the worker
+                logger.exception("ending idle staging regions failed")
 
     def client(self, address: str) -> KVTransferClient:
         """A cached transfer client for a peer, checked once for a compatible KV layout.
@@ -159,7 +164,6 @@ class WorkerRuntime:
         The check is a network call, made outside the lock so one slow peer does not hold up
         pulls from the others.
         """
-        self.trim_regions()
         with self._clients_lock:
             c = self._clients.get(address)
         if c is not None:
@@ -197,6 +201,7 @@ class WorkerRuntime:
         """Stop serving and leave nothing of this worker in Redis (registry entry, holder fields)."""
         self.registry.unregister(self.config.worker_id)
         self.registry.close()
+        self._trim_stop.set()
         self.loop.stop()
         self.server.stop()
         self.engine.close()

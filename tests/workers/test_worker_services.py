@@ -146,8 +146,8 @@ def test_mla_latents_move_by_shared_memory_and_match_one_engine(tmp_path: Path, 
 
 
 def test_an_idle_decode_worker_ends_its_staging_regions(tiny_model: str, redis_server) -> None:
-    """After the handover the decode worker goes idle; its staging region, unused for
-    ``shm_region_idle_s``, is ended, and the holder unmaps its side."""
+    """After the handover the decode worker's staging region, unused for ``shm_region_idle_s``,
+    is ended by the worker, and the holder unmaps its side."""
     transfer = dataclasses.replace(SECRET, shm_region_idle_s=0.05)
     prt, drt = _handover_matches_one_engine(tiny_model, redis_server, "auto", transfer, close=False)
     try:
