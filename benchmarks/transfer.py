@@ -24,7 +24,22 @@ moves between two processes on this machine.
 ``--json`` prints, per row, ``raw_tcp`` and ``memcpy`` and, per transport, ``transports.<name>``
 with its ``gbps``, ``over_raw`` and ``over_memcpy`` (medians of per-round ratios).
 
-Run: ``python -m benchmarks.transfer`` or ``pdserve bench transfer [--json]``.
+Across network namespaces (``--across-netns``, benchmarks/transfer_netns.py): the same pulls between
+two nodes of a simulated cluster (``pdserve.cluster.simnet``, docs/simulated-cluster.md; needs root,
+``ip`` and ``tc``, else it prints why and exits 0). The holder runs in node ``n1`` bound to n1's
+address (``--serve --host``), the puller is a second process in node ``n2`` (``--pull-from``), and the
+bytes cross both nodes' veths and the bridge between them, shaped by ``--link-profile`` (default
+``fast``: 10 Gbit/s and 0.2 ms per link; where the kernel lacks netem the delay is each node's NFQUEUE
+daemon, which sees every packet). Each node has its own ``PDSERVE_HOST_ID``, so the puller (shared
+memory on, as a worker has it) must pull by gRPC: a pull by ``shm`` is an error, and so is n2's
+``eth0`` receiving fewer bytes than were pulled. Rows: raw TCP, our gRPC pull and bare gRPC (no shm,
+no memcpy: there is no same-host path across namespaces), each pull verified against the holder's
+checksum. ``--json`` adds ``"across": "netns"``, ``link_profile`` and ``link`` (the run's prefix,
+rate, delay, delay backend, the nodes' addresses, bytes pulled and received on n2, the delay daemons'
+CPU seconds), and per row ``pulled_by`` (our pulls' transports), ``host_ids`` and ``pulled_bytes``.
+
+Run: ``python -m benchmarks.transfer`` or ``pdserve bench transfer [--json]``; across namespaces
+``pdserve bench transfer --across-netns [--link-profile fast] [--json]``.
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -57,10 +73,13 @@ from pdserve.kvtransfer.allocator import tune_malloc
 from pdserve.kvtransfer.client import KVTransferClient
 from pdserve.kvtransfer.config import MiB, TransferConfig
 from pdserve.kvtransfer.server import start_transfer_server
+from pdserve.kvtransfer.shm import host_id
 from pdserve.kvtransfer.source import BlockSource
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 16, 8, 128  # float16: 64 KiB per layer per block
+LOOPBACK = "127.0.0.1"
+READY, ROWS = "READY ", "ROWS "  # the holder's and the netns puller's one line of JSON on stdout
 
 
 def layout_for(num_layers: int) -> KVLayout:
@@ -72,7 +91,11 @@ def tensor_digest(kv: KVTensor) -> str:
 
 
 # -- holder process -----------------------------------------------------------------------
-def serve(num_layers: int, total_bytes: int, chunks: list[int]) -> int:
+def serve(num_layers: int, total_bytes: int, chunks: list[int], host: str = LOOPBACK) -> int:
+    """Hold a KV tensor of at least ``total_bytes``, all of it leased, and serve it on ``host`` by the
+    KV transfer server, the bare gRPC server and a raw TCP listener (each on a free port); print one
+    ``READY`` line of JSON (ports, lease, block count, digest, ``host`` and this process's ``pid``),
+    then serve until stdin closes."""
     tune_malloc()  # as a worker does
     layout = layout_for(num_layers)
     num_blocks = -(-total_bytes // layout.block_nbytes)
@@ -86,10 +109,10 @@ def serve(num_layers: int, total_bytes: int, chunks: list[int]) -> int:
     handover = KVHandover(manager, kv)
     source = BlockSource(handover, model_fingerprint="bench", worker_id="holder", config=config)
     lease_id = source.lease(handover.hold(req, req.num_tokens))
-    server = start_transfer_server(source, config)
-    bare = _bare_grpc_server(kv, chunks)
+    server = start_transfer_server(source, config, host=host)
+    bare = _bare_grpc_server(kv, chunks, host)
 
-    raw = socket.create_server(("127.0.0.1", 0))
+    raw = socket.create_server((host, 0))
     payload = kv.host_bytes()
 
     def raw_loop() -> None:
@@ -101,8 +124,9 @@ def serve(num_layers: int, total_bytes: int, chunks: list[int]) -> int:
 
     threading.Thread(target=raw_loop, daemon=True).start()
     ready = {"grpc_port": server.port, "raw_port": raw.getsockname()[1], "lease_id": lease_id,
-             "num_blocks": num_blocks, "digest": tensor_digest(kv), "bare_port": bare[1]}  # fmt: skip
-    print("READY " + json.dumps(ready), flush=True)
+             "num_blocks": num_blocks, "digest": tensor_digest(kv), "bare_port": bare[1], "host": host,
+             "pid": os.getpid()}  # fmt: skip
+    print(READY + json.dumps(ready), flush=True)
     sys.stdin.read()  # serve until the parent closes our stdin
     server.stop(0)
     bare[0].stop(0)
@@ -112,9 +136,9 @@ def serve(num_layers: int, total_bytes: int, chunks: list[int]) -> int:
 _BARE_METHOD = "/bench.Bare/Stream"
 
 
-def _bare_grpc_server(kv: KVTensor, chunks: list[int]) -> tuple[grpc.Server, int]:
-    """A raw-bytes streaming method: the request names a chunk size (one of ``chunks``), the answer
-    is the tensor in messages of that size, all built before the first call."""
+def _bare_grpc_server(kv: KVTensor, chunks: list[int], host: str = LOOPBACK) -> tuple[grpc.Server, int]:
+    """A raw-bytes streaming method on ``host``: the request names a chunk size (one of ``chunks``), the
+    answer is the tensor in messages of that size, all built before the first call."""
     flat = kv.host_bytes()
     cache = {size: [flat[i : i + size].tobytes() for i in range(0, len(flat), size)] for size in chunks}
 
@@ -131,7 +155,7 @@ def _bare_grpc_server(kv: KVTensor, chunks: list[int]) -> tuple[grpc.Server, int
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[
         ("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)])  # fmt: skip
     server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"{host}:0")
     server.start()
     return server, port
 
@@ -147,9 +171,10 @@ def bare_pull(channel: grpc.Channel, chunk: int, dest: KVTensor) -> None:
 
 
 # -- puller -------------------------------------------------------------------------------
-def raw_pull(port: int, dest: KVTensor) -> None:
+def raw_pull(port: int, dest: KVTensor, host: str = LOOPBACK) -> None:
+    """The holder's whole tensor from its raw TCP listener at ``host:port``, received into ``dest``."""
     view = dest.host_bytes()
-    with socket.create_connection(("127.0.0.1", port)) as sock:
+    with socket.create_connection((host, port)) as sock:
         sock.sendall(b"g")
         got = 0
         while got < len(view):
@@ -201,81 +226,158 @@ class Method:
         return out
 
 
+def holder_argv(num_layers: int, total_bytes: int, chunks: list[int], host: str | None = None) -> list[str]:
+    """The holder's command line (``serve``); ``host`` None: loopback."""
+    return [sys.executable, "-m", "pdserve.benchmarks.transfer", "--serve", "--num-layers", str(num_layers),
+            "--total-mb", str(total_bytes // MiB), "--chunk-bytes", ",".join(map(str, chunks)),
+            *(["--host", host] if host else [])]  # fmt: skip
+
+
+def read_ready(holder: subprocess.Popen[str]) -> dict:
+    """The holder's ``READY`` line, parsed; RuntimeError if it printed anything else (or exited)."""
+    assert holder.stdout is not None
+    line = holder.stdout.readline()
+    if not line.startswith(READY):
+        raise RuntimeError(f"holder failed to start: {line!r}")
+    return json.loads(line[len(READY) :])
+
+
+def stop_holder(holder: subprocess.Popen[str]) -> None:
+    """Close the holder's stdin (its signal to stop) and wait for it; kill it after 30 s."""
+    if holder.stdin:
+        holder.stdin.close()
+    try:
+        holder.wait(30)
+    except subprocess.TimeoutExpired:
+        holder.kill()
+        holder.wait()
+
+
 def bench_layout(num_layers: int, chunks: list[int], total_bytes: int, repeats: int,
                  shm_config: TransferConfig | None = None) -> list[dict]:  # fmt: skip
     """For each chunk size: ``repeats`` rounds of raw TCP, our gRPC pull, bare gRPC, our shm pull
     and memcpy, one after the other in each round, so that every ratio compares pulls made moments apart.
     ``shm_config``: the puller's ``shm_*`` settings (default: ``TransferConfig``'s)."""
-    layout = layout_for(num_layers)
-    cmd = [sys.executable, "-m", "pdserve.benchmarks.transfer", "--serve", "--num-layers", str(num_layers),
-           "--total-mb", str(total_bytes // MiB), "--chunk-bytes", ",".join(map(str, chunks))]  # fmt: skip
+    cmd = holder_argv(num_layers, total_bytes, chunks)
     holder = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout is not None
-        line = holder.stdout.readline()
-        if not line.startswith("READY "):
-            raise RuntimeError(f"holder failed to start: {line!r}")
-        info = json.loads(line[len("READY ") :])
-        n = info["num_blocks"]
-        dest = KVTensor(layout, n)
-        nbytes = n * layout.block_nbytes
-        raw_pull(info["raw_port"], dest)
+        info = read_ready(holder)
+        return pull_rows(info, num_layers, chunks, repeats, shm_config)
+    finally:
+        stop_holder(holder)
+
+
+def pull_rows(info: dict, num_layers: int, chunks: list[int], repeats: int,
+              shm_config: TransferConfig | None = None, across: bool = False) -> list[dict]:  # fmt: skip
+    """Pull from the holder that printed ``info`` (its ``READY`` line), one row per chunk size.
+
+    On one host (``across`` False): raw TCP, our gRPC pull (shared memory off), bare gRPC, our shm pull
+    and memcpy. ``across`` (the holder is another host: another network namespace with its own
+    ``PDSERVE_HOST_ID``): raw TCP, our gRPC pull with shared memory on, as a worker has it, which must
+    still go by gRPC, and bare gRPC; each row also says how many bytes were pulled (``pulled_bytes``,
+    the untimed round included), by which transports our pulls went (``pulled_by``) and both ends'
+    host identities (``host_ids``). Every pull is checked against the holder's digest; RuntimeError on a
+    wrong or short pull, or on a pull by another transport than expected."""
+    layout = layout_for(num_layers)
+    host, holder_pid = info.get("host", LOOPBACK), info["pid"]
+    n = info["num_blocks"]
+    dest = KVTensor(layout, n)
+    nbytes = n * layout.block_nbytes
+    source = None
+    if not across:
+        raw_pull(info["raw_port"], dest, host)
         source = KVTensor(layout, n)  # memcpy's source: the holder's bytes, in this process
         source.host_bytes()[:] = dest.host_bytes()
-        rows = []
-        for chunk in chunks:
-            config = replace(shm_config or TransferConfig(), chunk_bytes=chunk, pull_timeout_s=600.0)
-            opts = [("grpc.max_receive_message_length", chunk + MiB)]
-            address = f"127.0.0.1:{info['grpc_port']}"
-            with KVTransferClient(address, replace(config, shm=False)) as client, \
-                    KVTransferClient(address, config) as shm_client, \
-                    grpc.insecure_channel(f"127.0.0.1:{info['bare_port']}", options=opts) as channel:  # fmt: skip
-                client.metadata()  # connect outside the timed region, as the raw socket's peer is listening
+    rows = []
+    for chunk in chunks:
+        config = replace(shm_config or TransferConfig(), chunk_bytes=chunk, pull_timeout_s=600.0)
+        opts = [("grpc.max_receive_message_length", chunk + MiB)]
+        address = f"{host}:{info['grpc_port']}"
+        with ExitStack() as stack:
+            client = stack.enter_context(KVTransferClient(address, config if across else replace(config, shm=False)))
+            channel = stack.enter_context(grpc.insecure_channel(f"{host}:{info['bare_port']}", options=opts))
+            meta = client.metadata()  # connect outside the timed region, as the raw socket's peer is listening
+            if across and meta.host_id == host_id():
+                raise RuntimeError(f"the holder shares this process's host identity {meta.host_id!r}: "
+                                   "its pulls would not cross the link")  # fmt: skip
+            chunk_counts: list[int] = []
+            pulled_by: set[str] = set()
+
+            def pull_with(c: KVTransferClient, transport: str) -> None:
+                stats = c.pull_into(dest, list(range(n)), lease_id=info["lease_id"])
+                pulled_by.add(stats.transport)
+                if stats.num_bytes != nbytes or stats.transport != transport:
+                    raise RuntimeError(f"{transport} pull delivered {stats.num_bytes} of {nbytes} bytes by "
+                                       f"{stats.transport}")  # fmt: skip
+                if transport == "grpc":
+                    chunk_counts.append(stats.num_chunks)
+
+            methods = {"raw": Method("raw", lambda: raw_pull(info["raw_port"], dest, host)),
+                       "ours": Method("ours", lambda: pull_with(client, "grpc")),
+                       "bare": Method("bare", lambda: bare_pull(channel, chunk, dest))}  # fmt: skip
+            if not across:
+                shm_client = stack.enter_context(KVTransferClient(address, config))
                 if not shm_client.metadata().shm_socket:
                     raise RuntimeError("the holder offers no shared-memory transport")
-                grpc.channel_ready_future(channel).result(timeout=30)
-                chunk_counts: list[int] = []
+                assert source is not None
+                methods["shm"] = Method("shm", lambda: pull_with(shm_client, "shm"))
+                methods["memcpy"] = Method("memcpy", lambda: memcpy(source, dest))
+            grpc.channel_ready_future(channel).result(timeout=30)
+            for m in methods.values():  # one untimed round: connections, first-touch of buffers
+                m.pull()
+            for _ in range(repeats):
+                for m in methods.values():
+                    dest.tensor.zero_()
+                    m.run(holder_pid)
+                    if tensor_digest(dest) != info["digest"]:
+                        raise RuntimeError(f"{m.name} delivered wrong bytes")
+        row = _row(layout.block_nbytes, chunk, n, chunk_counts[-1], methods)
+        if across:
+            row["pulled_bytes"] = nbytes * sum(len(m.seconds) + 1 for m in methods.values())
+            row["pulled_by"] = sorted(pulled_by)
+            row["host_ids"] = {"holder": meta.host_id, "puller": host_id()}
+        rows.append(row)
+    return rows
 
-                def pull_with(c: KVTransferClient, transport: str) -> None:
-                    stats = c.pull_into(dest, list(range(n)), lease_id=info["lease_id"])
-                    if stats.num_bytes != nbytes or stats.transport != transport:
-                        raise RuntimeError(f"{transport} pull delivered {stats.num_bytes} of {nbytes} bytes by "
-                                           f"{stats.transport}")  # fmt: skip
-                    if transport == "grpc":
-                        chunk_counts.append(stats.num_chunks)
 
-                methods = [Method("raw", lambda: raw_pull(info["raw_port"], dest)),
-                           Method("ours", lambda: pull_with(client, "grpc")),
-                           Method("bare", lambda: bare_pull(channel, chunk, dest)),
-                           Method("shm", lambda: pull_with(shm_client, "shm")),
-                           Method("memcpy", lambda: memcpy(source, dest))]  # fmt: skip
-                for m in methods:  # one untimed round: connections, first-touch of buffers
-                    m.pull()
-                for _ in range(repeats):
-                    for m in methods:
-                        dest.tensor.zero_()
-                        m.run(holder.pid)
-                        if tensor_digest(dest) != info["digest"]:
-                            raise RuntimeError(f"{m.name} delivered wrong bytes")
-            raw, grpc_pull, bare, shm, copy = methods
-            per_round = lambda a, b: statistics.median(x / y for x, y in zip(a.seconds, b.seconds))  # noqa: E731
-            transports = {name: {**m.summary(nbytes), "over_raw": per_round(raw, m), "over_memcpy": per_round(copy, m)}
-                          for name, m in (("grpc", grpc_pull), ("shm", shm))}  # fmt: skip
-            rows.append({
-                "block_nbytes": layout.block_nbytes, "chunk_bytes": chunk, "num_blocks": n, "total_bytes": nbytes,
-                "num_chunks": chunk_counts[-1], "raw_tcp": raw.summary(nbytes), "grpc": transports["grpc"],
-                "bare_grpc": bare.summary(nbytes), "memcpy": copy.summary(nbytes), "transports": transports,
-                "grpc_over_raw": per_round(raw, grpc_pull), "bare_grpc_over_raw": per_round(raw, bare),
-                "grpc_over_bare": per_round(bare, grpc_pull), "shm_over_raw": per_round(raw, shm),
-            })  # fmt: skip
-        return rows
-    finally:
-        if holder.stdin:
-            holder.stdin.close()
-        try:
-            holder.wait(30)
-        except subprocess.TimeoutExpired:
-            holder.kill()
+def _over(a: Method, b: Method) -> float:
+    """The median of the per-round ratios of ``a``'s time to ``b``'s (>1: ``b`` is faster)."""
+    return statistics.median(x / y for x, y in zip(a.seconds, b.seconds))
+
+
+def _row(block_nbytes: int, chunk: int, n: int, num_chunks: int, methods: dict[str, Method]) -> dict:
+    """One chunk size's row from its measured ``methods`` (``raw``, ``ours``, ``bare`` and, on one host,
+    ``shm`` and ``memcpy``): only the keys of the methods that ran."""
+    nbytes = n * block_nbytes
+    raw, ours, bare, copy = methods["raw"], methods["ours"], methods["bare"], methods.get("memcpy")
+
+    def transport(m: Method) -> dict:
+        out = {**m.summary(nbytes), "over_raw": _over(raw, m)}
+        if copy is not None:
+            out["over_memcpy"] = _over(copy, m)
+        return out
+
+    transports = {"grpc": transport(ours)} | ({"shm": transport(methods["shm"])} if "shm" in methods else {})
+    row = {
+        "block_nbytes": block_nbytes, "chunk_bytes": chunk, "num_blocks": n, "total_bytes": nbytes,
+        "num_chunks": num_chunks, "raw_tcp": raw.summary(nbytes), "grpc": transports["grpc"],
+        "bare_grpc": bare.summary(nbytes), "transports": transports,
+        "grpc_over_raw": _over(raw, ours), "bare_grpc_over_raw": _over(raw, bare), "grpc_over_bare": _over(bare, ours),
+    }  # fmt: skip
+    if copy is not None:
+        row["memcpy"] = copy.summary(nbytes)
+    if "shm" in methods:
+        row["shm_over_raw"] = _over(raw, methods["shm"])
+    return row
+
+
+def pull_main(info_json: str, num_layers: int, chunks: list[int], repeats: int) -> int:
+    """The puller across namespaces (``--pull-from``): ``pull_rows(across=True)`` from the holder whose
+    ``READY`` JSON is ``info_json``; prints one ``ROWS`` line of JSON (``rows``, ``malloc_tuned``)."""
+    malloc_tuned = tune_malloc()
+    rows = pull_rows(json.loads(info_json), num_layers, chunks, repeats, across=True)
+    print(ROWS + json.dumps({"rows": rows, "malloc_tuned": malloc_tuned}), flush=True)
+    return 0
 
 
 def _cpu(summary: dict) -> str:
@@ -295,17 +397,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--malloc-defaults", action="store_true",
                     help="keep glibc's malloc defaults in both processes (workers raise its thresholds)")
+    ap.add_argument("--across-netns", action="store_true",
+                    help="holder and puller in two network namespaces of a simulated cluster (root): "
+                         "raw TCP, gRPC and bare gRPC over the link between them")  # fmt: skip
+    ap.add_argument("--link-profile", default="fast",
+                    help="with --across-netns: the link profile of both nodes (pdserve.cluster.simnet PROFILES)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--host", default=LOOPBACK, help=argparse.SUPPRESS)  # --serve: the address to bind
+    ap.add_argument("--pull-from", default=None, help=argparse.SUPPRESS)  # the holder's READY JSON
     ap.add_argument("--num-layers", type=int, default=4, help=argparse.SUPPRESS)
     ap.add_argument("--chunk-bytes", default=str(MiB), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     total = args.total_mb * MiB
     if args.serve:
-        return serve(args.num_layers, total, [int(c) for c in args.chunk_bytes.split(",")])
+        return serve(args.num_layers, total, [int(c) for c in args.chunk_bytes.split(",")], args.host)
+    if args.pull_from is not None:
+        return pull_main(args.pull_from, args.num_layers, [int(c) for c in args.chunk_bytes.split(",")], args.repeats)
 
     chunks = [int(float(c) * MiB) for c in args.chunk_mb.split(",")]
     if args.malloc_defaults:
         os.environ["PDSERVE_MALLOC_TUNING"] = "0"  # the holder inherits it
+    if args.across_netns:
+        from pdserve.benchmarks.transfer_netns import netns_main
+
+        layers = [int(x) for x in args.layers.split(",")]
+        return netns_main(layers, chunks, total, args.repeats, args.link_profile, args.json)
     malloc_tuned = tune_malloc()
     shm = TransferConfig(shm_region_bytes=int(args.shm_region_mb * MiB), shm_slot_bytes=int(args.shm_slot_mb * MiB))
     rows = [r for layers in (int(x) for x in args.layers.split(","))
