@@ -57,6 +57,11 @@ def single_threaded_torch() -> None:
     _SET_THREADS(1)
 
 
+def torch_threads() -> int:
+    """The CPU threads torch runs a parallel op with (the engine loop's, where nothing confined it)."""
+    return torch.get_num_threads()
+
+
 def on_passing_thread(fn: Callable[[], T], name: str = "build") -> T:
     """``fn()`` run on a new thread that ends with it: whatever OpenMP team it made ends too.
     Returns its result or raises what it raised."""

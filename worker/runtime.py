@@ -13,7 +13,7 @@ import os
 import socket
 import threading
 
-from pdserve.engine.cpu_threads import on_passing_thread
+from pdserve.engine.cpu_threads import on_passing_thread, torch_threads
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kvindex.config import REDIS_ERRORS, IndexConfig
@@ -113,8 +113,9 @@ class WorkerRuntime:
         self.registry = WorkerRegistry(config.index)
         self.registry.start_heartbeat(config.worker_id, self.info, config.heartbeat_s)
         shm = self.server.shm  # same-host pulls: a Unix socket in a private directory, removed at close
-        logger.info("%s worker %s ready, KV transfer at %s%s", config.role, config.worker_id, self.address,
-                    f" (same host: {shm.socket_path})" if shm is not None else "")  # fmt: skip
+        logger.info("%s worker %s ready, KV transfer at %s%s, torch on %d CPU thread(s)", config.role,
+                    config.worker_id, self.address, f" (same host: {shm.socket_path})" if shm is not None else "",
+                    torch_threads())  # fmt: skip
 
     def _redis_outages(self) -> list[tuple[str, int]]:
         clients = [("events", self.publisher), ("stats", self.stats), ("registry", getattr(self, "registry", None))]
