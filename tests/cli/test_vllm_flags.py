@@ -123,13 +123,15 @@ def test_a_chat_template_replaces_the_checkpoints(model_dir: Path) -> None:
 
 def test_print_config_shows_the_flags_and_hides_secrets(hub_env: dict[str, str]) -> None:
     r = pdserve("up", "--print-config", "--model", "org/tiny", "--host", "0.0.0.0", "--max-model-len", "2K",
-                "--api-key", "sekrit-key", "--redis-url", "redis://:pw@10.0.0.1:6379/0", env=hub_env)  # fmt: skip
+                "--api-key", "sekrit-key", "--redis-url", "redis://:pw@10.0.0.1:6379/0", "--decode-cpus", "2",
+                env=hub_env)  # fmt: skip
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     snapshot = Path(hub_env["HF_HOME"]) / "hub" / "models--org--tiny" / "snapshots" / COMMIT
     assert out["engine"]["model"] == str(snapshot)  # every process loads the resolved directory
     assert out["router"]["served_model_name"] == "org/tiny"  # served by its id, as vLLM does
     assert out["host"] == "0.0.0.0" and out["engine"]["scheduler"]["max_model_len"] == 2048
+    assert (out["prefill_cpus_per_worker"], out["decode_cpus_per_worker"]) == (None, 2.0)
     assert out["router"]["api_key"] == "***" and "sekrit-key" not in r.stdout and ":pw@" not in r.stdout
 
 
@@ -153,6 +155,8 @@ def test_print_config_shows_the_flags_and_hides_secrets(hub_env: dict[str, str])
         (["--chat-template", "{% if %}"], "Jinja syntax error"),
         (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be a fraction in (0, 1]"),
         (["--model", "org/unknown"], "HF_HUB_OFFLINE"),
+        (["--decode-cpus", "0"], "decode_cpus_per_worker must be > 0"),
+        (["--prefill-cpus", "x"], "--prefill-cpus"),
     ],
 )
 def test_bad_values_are_one_line_errors(hub_env: dict[str, str], args: list[str], needle: str) -> None:
