@@ -19,10 +19,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -48,12 +51,22 @@ def vllm_python(arg: str | None) -> str | None:
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 
+def private_tmp_env(directory: str) -> dict[str, str]:
+    """This process's environment with ``TMPDIR`` set to ``directory``: vLLM makes its IPC sockets
+    under the temp directory and leaves them there when it is stopped; in one the bench owns, they
+    go with it."""
+    return {**os.environ, "TMPDIR": directory}
+
+
 class VLLMSide:
-    """The vLLM process (``peers_vllm.py``): one request, one answer."""
+    """The vLLM process (``peers_vllm.py``): one request, one answer. ``close`` ends it and removes
+    its temp directory."""
 
     def __init__(self, python: str) -> None:
         script = Path(__file__).with_name("peers_vllm.py")
-        self.proc = subprocess.Popen([python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.tmp = tempfile.mkdtemp(prefix="pdserve-peers-vllm-")
+        self.proc = subprocess.Popen([python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=private_tmp_env(self.tmp))  # fmt: skip
 
     def call(self, **request: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -76,6 +89,8 @@ class VLLMSide:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait(timeout=10)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def default_model(side: VLLMSide) -> str:

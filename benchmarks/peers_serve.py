@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ import httpx
 
 from pdserve.benchmarks.common import emit
 from pdserve.benchmarks.outside_up import UpProcess, free_port
-from pdserve.benchmarks.peers import INSTALL, VLLMSide, default_model, log, vllm_python, workload
+from pdserve.benchmarks.peers import INSTALL, VLLMSide, default_model, log, private_tmp_env, vllm_python, workload
 from pdserve.benchmarks.serve_load import percentile
 
 
@@ -50,7 +49,9 @@ class VLLMServer:
                 "--kv-cache-memory-bytes", str(2 << 30)]  # fmt: skip
         self.log = log_path
         with open(log_path, "wb") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+            tmp = log_path.parent / "vllm-tmp"  # its IPC sockets, removed with the bench's directory
+            tmp.mkdir(mode=0o700, exist_ok=True)
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=private_tmp_env(str(tmp)))
         self.http = f"127.0.0.1:{self.port}"
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
