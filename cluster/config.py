@@ -44,7 +44,7 @@ class ServiceConfig:
     prefill_cpus_per_worker: float | None = None
     decode_cpus_per_worker: float | None = None
     # Tensor parallelism per role (vLLM's tensor_parallel_size, on each side); None: the engine's
-    # ``parallel.tensor_parallel_size``. A worker of size N asks Ray for N * cpus_per_worker CPUs.
+    # ``parallel.tensor_parallel_size``. A worker of size N asks Ray for N * ``cpus_per_rank(role)`` CPUs.
     prefill_tensor_parallel_size: int | None = None
     decode_tensor_parallel_size: int | None = None
     # Placement: Ray custom resources each prefill / decode worker asks for (a node offers them

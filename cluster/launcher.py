@@ -205,7 +205,7 @@ class Service:
             if c.ray_address:
                 ray.init(address=c.ray_address, **log_options)
             else:
-                # Ray schedules by logical CPUs: one per worker plus one spare, even on fewer cores.
+                # Ray schedules by logical CPUs: what the workers ask for plus one spare, even on fewer cores.
                 want = sum(n * c.tensor_parallel_size(role) * c.cpus_per_rank(role)
                            for role, n in (("prefill", c.prefill), ("decode", c.decode)))
                 cpus = max(os.cpu_count() or 1, math.ceil(want) + 1)

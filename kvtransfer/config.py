@@ -54,7 +54,8 @@ class TransferConfig:
     (made on demand, one per concurrent pull; a pull finding all in use goes over gRPC), each a ring
     of ``shm_slot_bytes`` slots; a holder maps at most ``shm_max_regions`` regions of all its
     pullers. Attach and pull tickets are good for ``shm_ticket_ttl_s``. A region unused for
-    ``shm_region_idle_s`` is ended (its memory goes back) at the puller's next ``trim``.
+    ``shm_region_idle_s`` is ended (its memory goes back) at the puller's next ``trim`` (a worker's
+    ``region-trim`` thread calls it).
     """
 
     chunk_bytes: int = 2 * MiB  # 1-2 MiB measured fastest over loopback (benchmarks/transfer.py, README)

@@ -41,7 +41,7 @@ class Region:
         self.nbytes = len(mm)
         self._mm = mm
         self.view = memoryview(mm)
-        self.idle_since = time.monotonic()  # set again by each ``give``
+        self.idle_since = 0.0  # on the pool's clock, set by each ``give`` (only idle regions are aged)
 
     def intact(self) -> bool:
         """The channel is open and quiet: between pulls the holder sends nothing, so anything to

@@ -146,7 +146,7 @@ class WorkerRuntime:
 
     def trim_regions(self) -> int:
         """End every peer client's staging regions unused for ``transfer.shm_region_idle_s``; how
-        many. The ``region-trim`` thread calls it every half of that time."""
+        many. The ``region-trim`` thread calls it every half of that time (at most 10 s apart)."""
         with self._clients_lock:
             clients = list(self._clients.values())
         return sum(c.shm.trim() for c in clients)
