@@ -23,7 +23,9 @@ when ``config.shm`` is on and the holder's last ``metadata()`` answer (``check_c
 it) names this host and a Unix socket that exists. A failure of that path before any byte is written
 (socket refused, a region or ticket refused or expired, every region in use) falls back to the gRPC
 stream for the same pull; one after (a checksum, a stall, the holder's failure) fails the pull and
-ends the region it used. The returned ``PullStats.transport`` says which carried the bytes.
+ends the region it used. Otherwise, with ``config.nixl`` and a holder that offers it, the bytes come
+by NIXL (``kvtransfer.nixl_client``), the pull redone over the gRPC stream where NIXL cannot carry
+it. The returned ``PullStats.transport`` says which carried the bytes.
 ``close()`` ends the regions too (both processes unmap them).
 """
 
@@ -49,6 +51,8 @@ from pdserve.kvtransfer.errors import (
     TransferError,
     TransferTimeoutError,
 )
+from pdserve.kvtransfer.nixl import NixlUnavailable
+from pdserve.kvtransfer.nixl_client import NixlPuller
 from pdserve.kvtransfer.protoconv import WireFormatError, decode_chunk, layout_to_proto, metadata_from_proto
 from pdserve.kvtransfer.receiver import BlockReceiver
 from pdserve.kvtransfer.shm import ShmUnavailable, host_id
@@ -109,6 +113,7 @@ class KVTransferClient:
         self._holder: TransferMetadata | None = None  # the last metadata() answer
         self._dead_socket: str | None = None  # a holder socket that could not be used
         self.shm = ShmPuller(c, ch, self._signed, _SERVICE)  # the same-host path and its regions
+        self.nixl = NixlPuller(c, ch, self._signed, _SERVICE)  # the NIXL path (its agent made at first use)
 
     def _signed(self, method: str, request: Message) -> tuple[bytes, tuple[tuple[str, str], ...]]:
         """``request``'s bytes and the metadata signing exactly them for one call of ``method``."""
@@ -118,6 +123,7 @@ class KVTransferClient:
     def close(self) -> None:
         """Close the channel and end the staging regions (in-use ones as their pulls end)."""
         self.shm.close()
+        self.nixl.close()
         self._channel.close()
 
     def __enter__(self) -> KVTransferClient:
@@ -181,7 +187,10 @@ class KVTransferClient:
         if first_block and lease_id is None:
             raise InvalidPullError("first_block applies to lease pulls only")
         hashes = [bytes(h) for h in block_hashes] if block_hashes is not None else None
-        receiver = BlockReceiver(kv_tensor, dest_block_ids, first_block if lease_id is not None else 0, hashes)
+        def receiver_for_pull() -> BlockReceiver:
+            return BlockReceiver(kv_tensor, dest_block_ids, first_block if lease_id is not None else 0, hashes)
+
+        receiver = receiver_for_pull()
         request = pb.PullRequest(
             first_block=first_block,
             expected_layout=layout_to_proto(LayoutSpec.from_layout(kv_tensor.layout)),
@@ -211,6 +220,13 @@ class KVTransferClient:
                     else:
                         level = logging.DEBUG if isinstance(exc, RegionsBusy) else logging.INFO
                         logger.log(level, "shared-memory pull from %s fell back to gRPC: %s", self.address, str(exc))
+            elif self._nixl_offered():
+                try:
+                    return self.nixl.pull(request, receiver, deadline)
+                except NixlUnavailable as exc:  # the same pull over gRPC, into blocks written afresh
+                    level = logging.WARNING if exc.permanent else logging.INFO
+                    logger.log(level, "NIXL pull from %s fell back to gRPC: %s", self.address, str(exc))
+                    receiver = receiver_for_pull()
             body, metadata = self._signed("Pull", request)
             call = self._pull(body, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
             for data in call:
@@ -237,6 +253,11 @@ class KVTransferClient:
         if not holder.host_id or holder.host_id != host_id() or not os.path.exists(holder.shm_socket):
             return None
         return holder.shm_socket
+
+    def _nixl_offered(self) -> bool:
+        """Whether this pull's bytes may come by NIXL: on in the config and offered by the holder."""
+        holder = self._holder
+        return self.config.nixl and holder is not None and holder.nixl
 
     # -- errors ---------------------------------------------------------------------------
     def _error(self, exc: grpc.RpcError) -> TransferError:

@@ -56,6 +56,14 @@ class TransferConfig:
     pullers. Attach and pull tickets are good for ``shm_ticket_ttl_s``. A region unused for
     ``shm_region_idle_s`` is ended (its memory goes back) at the puller's next ``trim`` (a worker's
     ``region-trim`` thread calls it).
+
+    NIXL transport (``kvtransfer/nixl*.py``, the optional ``pdserve[nixl]`` extra, docs/kv-wire.md):
+    with ``nixl`` a holder also serves PullNixl when the library loads, and a puller uses it for a
+    holder that offers it where shm does not apply (another host), gRPC otherwise and as the fallback.
+    A puller keeps one staging region of ``nixl_region_bytes`` per holder (registered with its own
+    agent, ended after ``shm_region_idle_s`` unused); a pull larger than it goes in windows of that
+    size. A holder keeps the metadata of at most ``nixl_max_peers`` puller agents (the least recently
+    used goes first).
     """
 
     chunk_bytes: int = 2 * MiB  # 1-2 MiB measured fastest over loopback (benchmarks/transfer.py, README)
@@ -83,11 +91,17 @@ class TransferConfig:
     shm_regions: int = 4
     shm_max_regions: int = 64
     shm_region_idle_s: float = 30.0  # a puller ends a staging region unused this long (the next pull makes one)
+    nixl: bool = False
+    nixl_region_bytes: int = 64 * MiB
+    nixl_max_peers: int = 64
 
     def __post_init__(self) -> None:
         self.ports()  # validates port_range
-        if not isinstance(self.shm, bool):
-            raise ValueError(f"shm must be true or false, got {self.shm!r}")
+        for name in ("shm", "nixl"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.nixl_region_bytes, int) or not 1 <= self.nixl_region_bytes <= MAX_REGION_BYTES:
+            raise ValueError(f"nixl_region_bytes must be an integer in [1, {MAX_REGION_BYTES}], got {self.nixl_region_bytes!r}")
         if self.shm_dir is not None and (not isinstance(self.shm_dir, str) or not self.shm_dir):
             raise ValueError(f"shm_dir must be a non-empty path or None, got {self.shm_dir!r}")
         if not isinstance(self.chunk_bytes, int) or not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -100,7 +114,8 @@ class TransferConfig:
             raise ValueError(f"shm_region_bytes must be an integer in {bounds}, got {region!r}")
         if not isinstance(self.shm_slot_bytes, int) or not 1 <= self.shm_slot_bytes <= self.shm_region_bytes:
             raise ValueError(f"shm_slot_bytes must be an integer in [1, shm_region_bytes], got {self.shm_slot_bytes!r}")
-        for name in ("server_threads", "max_pulls_per_peer", "auth_max_nonces", "shm_regions", "shm_max_regions"):
+        for name in ("server_threads", "max_pulls_per_peer", "auth_max_nonces", "shm_regions", "shm_max_regions",
+                     "nixl_max_peers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         check_secret(self.cluster_secret)

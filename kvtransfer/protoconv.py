@@ -48,6 +48,7 @@ def metadata_to_proto(meta: TransferMetadata) -> pb.GetMetadataResponse:
         max_chunk_bytes=meta.max_chunk_bytes,
         host_id=meta.host_id,
         shm_socket=meta.shm_socket,
+        nixl=meta.nixl,
     )
 
 
@@ -59,6 +60,7 @@ def metadata_from_proto(msg: pb.GetMetadataResponse) -> TransferMetadata:
         max_chunk_bytes=msg.max_chunk_bytes,
         host_id=msg.host_id,  # empty from a holder that predates the same-host transport
         shm_socket=msg.shm_socket,
+        nixl=msg.nixl,
     )
 
 

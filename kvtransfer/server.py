@@ -16,7 +16,9 @@ member signed for that very call (method, request bytes, fresh nonce; ``pdserve.
 deserialized and no servicer method can skip it. With ``config.tls`` the port speaks TLS only.
 
 Same-host pulls (``config.shm``): ``AttachRegion`` and ``PullRegion`` (``kvtransfer.shm_service``)
-through the ``kvtransfer.shm_server.ShmExporter``, started and stopped with the server.
+through the ``kvtransfer.shm_server.ShmExporter``, started and stopped with the server. NIXL pulls
+(``config.nixl``, the library installed): ``PullNixl`` through the ``kvtransfer.nixl_server.NixlExporter``,
+likewise.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from pdserve.engine.cpu_threads import single_threaded_torch
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.errors import InvalidPullError, TransferError
 from pdserve.kvtransfer.guard import PullGuard
+from pdserve.kvtransfer.nixl import NixlUnavailable
+from pdserve.kvtransfer.nixl_server import NixlExporter, NixlServicer
 from pdserve.kvtransfer.protoconv import encode_chunk, layout_from_proto, metadata_to_proto
 from pdserve.kvtransfer.shm_server import ShmExporter
 from pdserve.kvtransfer.shm_service import RegionServicer
@@ -46,14 +50,15 @@ from pdserve.v1 import kvtransfer_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 
-class KVTransferServicer(RegionServicer, pb_grpc.KVTransferServicer):
+class KVTransferServicer(RegionServicer, NixlServicer, pb_grpc.KVTransferServicer):
     """Converts protos to calls on a ``BlockSource`` and its errors to status codes.
 
     ``Pull`` yields ``kvtransfer.wire.Chunk``s, not protos: ``add_servicer_to_server``
     registers ``protoconv.encode_chunk`` as its serializer (the PullChunk wire format,
     written with one copy of the payload; see there why not ``SerializeToString``).
     ``shm`` (set by ``start_transfer_server``; None: no same-host transport) serves AttachRegion and
-    PullRegion; PullShm (a holder-made memfd per pull, superseded) answers UNIMPLEMENTED.
+    PullRegion; PullShm (a holder-made memfd per pull, superseded) answers UNIMPLEMENTED. ``nixl``
+    (likewise; None: no NIXL transport) serves PullNixl.
     """
 
     def __init__(self, source: BlockSource, config: TransferConfig | None = None) -> None:
@@ -62,11 +67,14 @@ class KVTransferServicer(RegionServicer, pb_grpc.KVTransferServicer):
         c = self.config
         self.guard = PullGuard(c.max_pulls_per_peer, c.stall_timeout_s, c.pull_timeout_s)
         self.shm: ShmExporter | None = None
+        self.nixl: NixlExporter | None = None
 
     def GetMetadata(self, request: pb.GetMetadataRequest, context: grpc.ServicerContext) -> pb.GetMetadataResponse:
         meta = self.source.metadata()
         if self.shm is not None:
             meta = replace(meta, host_id=self.shm.host_id, shm_socket=self.shm.socket_path)
+        if self.nixl is not None:
+            meta = replace(meta, nixl=True)
         return metadata_to_proto(meta)
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
@@ -132,6 +140,11 @@ def add_servicer_to_server(servicer: KVTransferServicer, server: grpc.Server) ->
             request_deserializer=pb.PullRegionRequest.FromString,
             response_serializer=pb.PullRegionResponse.SerializeToString,
         ),
+        "PullNixl": grpc.unary_unary_rpc_method_handler(
+            servicer.PullNixl,
+            request_deserializer=pb.PullNixlRequest.FromString,
+            response_serializer=pb.PullNixlResponse.SerializeToString,
+        ),
         "Release": grpc.unary_unary_rpc_method_handler(
             servicer.Release,
             request_deserializer=pb.ReleaseRequest.FromString,
@@ -187,6 +200,8 @@ class TransferServer:
         self.servicer.guard.close()
         if self.shm is not None:
             self.shm.close()
+        if self.servicer.nixl is not None:
+            self.servicer.nixl.close()
         if release_leases:
             self.source.close()
 
@@ -215,6 +230,8 @@ def start_transfer_server(
     servicer = servicer or KVTransferServicer(source, config)
     if config.shm and servicer.shm is None:
         servicer.shm = _start_shm(config)
+    if config.nixl and servicer.nixl is None:
+        servicer.nixl = _start_nixl(config, source)
     auth = ClusterAuth(config.cluster_secret, max_nonces=config.auth_max_nonces) if config.cluster_secret else None
     interceptors = [AuthInterceptor(auth)] if auth is not None else []
     server = grpc.server(
@@ -249,8 +266,19 @@ def _start_shm(config: TransferConfig) -> ShmExporter | None:
         return None
 
 
+def _start_nixl(config: TransferConfig, source: BlockSource) -> NixlExporter | None:
+    try:
+        return NixlExporter(config, source.handover.kv_tensor.tensor, source.layout.block_nbytes)
+    except NixlUnavailable as exc:
+        logger.warning("KV transfer without its NIXL transport: %s", exc)
+        return None
+
+
 def _close_unbound(servicer: KVTransferServicer) -> None:
     servicer.guard.close()
     if servicer.shm is not None:
         servicer.shm.close()
         servicer.shm = None
+    if servicer.nixl is not None:
+        servicer.nixl.close()
+        servicer.nixl = None

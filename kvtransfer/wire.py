@@ -80,6 +80,7 @@ class TransferMetadata:
     max_chunk_bytes: int
     host_id: str = ""  # "<boot id>/<uid>"; empty: no same-host transport offered
     shm_socket: str = ""  # the holder's Unix socket for PullShm tickets
+    nixl: bool = False  # the holder serves PullNixl
 
     def mismatches(self, local_layout: KVLayout, local_fingerprint: str) -> dict[str, tuple[object, object]]:
         """Fields in which this (remote) holder differs from the local worker: ``name -> (local, remote)``."""
@@ -166,7 +167,8 @@ class PulledBlock:
 @dataclass
 class PullStats:
     """What a pull moved; ``blocks`` is in pull order. ``transport``: what carried the bytes,
-    ``"grpc"`` (the PullChunk stream) or ``"shm"`` (a memfd from a holder on the same host)."""
+    ``"grpc"`` (the PullChunk stream), ``"shm"`` (a staging region shared with a holder on the same
+host) or ``"nixl"`` (NIXL writes into a registered staging region)."""
 
     num_blocks: int = 0
     num_bytes: int = 0

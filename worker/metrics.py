@@ -16,7 +16,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from pdserve.engine.engine import EngineStats
 from pdserve.metrics import TRANSFER_BUCKETS, redis_outages
 
-TRANSPORTS = ("grpc", "shm")  # what can carry a pull's bytes (PullStats.transport)
+TRANSPORTS = ("grpc", "shm", "nixl")  # what can carry a pull's bytes (PullStats.transport)
 
 
 class _EngineCollector:

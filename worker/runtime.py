@@ -149,7 +149,7 @@ class WorkerRuntime:
         many. The ``region-trim`` thread calls it every half of that time (at most 10 s apart)."""
         with self._clients_lock:
             clients = list(self._clients.values())
-        return sum(c.shm.trim() for c in clients)
+        return sum(c.shm.trim() + c.nixl.trim() for c in clients)
 
     def _trim_loop(self) -> None:
         interval = min(self.config.transfer.shm_region_idle_s / 2, 10.0)

@@ -33,20 +33,22 @@ class GetMetadataRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetMetadataResponse(_message.Message):
-    __slots__ = ("model_fingerprint", "layout", "worker_id", "max_chunk_bytes", "host_id", "shm_socket")
+    __slots__ = ("model_fingerprint", "layout", "worker_id", "max_chunk_bytes", "host_id", "shm_socket", "nixl")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     layout: KVLayoutSpec
     worker_id: str
     max_chunk_bytes: int
     host_id: str
     shm_socket: str
-    def __init__(self, model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[KVLayoutSpec, _Mapping]] = ..., worker_id: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., shm_socket: _Optional[str] = ...) -> None: ...
+    nixl: bool
+    def __init__(self, model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[KVLayoutSpec, _Mapping]] = ..., worker_id: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., shm_socket: _Optional[str] = ..., nixl: _Optional[bool] = ...) -> None: ...
 
 class BlockHashes(_message.Message):
     __slots__ = ("hashes",)
@@ -195,6 +197,50 @@ class PullRegionResponse(_message.Message):
     total_tokens: int
     blocks: _containers.RepeatedCompositeFieldContainer[RegionBlock]
     def __init__(self, refused: _Optional[str] = ..., ticket: _Optional[bytes] = ..., ticket_ttl_ms: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., total_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[RegionBlock, _Mapping]]] = ...) -> None: ...
+
+class PullNixlRequest(_message.Message):
+    __slots__ = ("pull", "skip_blocks", "num_blocks", "agent_metadata", "region_addr", "region_bytes", "notif_tag")
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    REGION_ADDR_FIELD_NUMBER: _ClassVar[int]
+    REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NOTIF_TAG_FIELD_NUMBER: _ClassVar[int]
+    pull: PullRequest
+    skip_blocks: int
+    num_blocks: int
+    agent_metadata: bytes
+    region_addr: int
+    region_bytes: int
+    notif_tag: bytes
+    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., skip_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., agent_metadata: _Optional[bytes] = ..., region_addr: _Optional[int] = ..., region_bytes: _Optional[int] = ..., notif_tag: _Optional[bytes] = ...) -> None: ...
+
+class NixlBlock(_message.Message):
+    __slots__ = ("index", "block_hash", "num_tokens", "checksum")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    block_hash: bytes
+    num_tokens: int
+    checksum: int
+    def __init__(self, index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class PullNixlResponse(_message.Message):
+    __slots__ = ("refused", "total_blocks", "total_tokens", "block_nbytes", "blocks")
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    refused: str
+    total_blocks: int
+    total_tokens: int
+    block_nbytes: int
+    blocks: _containers.RepeatedCompositeFieldContainer[NixlBlock]
+    def __init__(self, refused: _Optional[str] = ..., total_blocks: _Optional[int] = ..., total_tokens: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[NixlBlock, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -60,6 +60,11 @@ class KVTransferStub:
                 request_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullRegionRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullRegionResponse.FromString,
                 _registered_method=True)
+        self.PullNixl = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/PullNixl',
+                request_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullNixlRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullNixlResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdserve.v1.KVTransfer/Release',
                 request_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.ReleaseRequest.SerializeToString,
@@ -122,6 +127,19 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullNixl(self, request, context):
+        """One window of a pull whose bytes travel by NIXL (the optional `pdserve[nixl]` extra; UCX: RDMA,
+        NVLink, same-host cma, TCP). The puller's NIXL agent registered a staging region for this holder
+        alone, and `agent_metadata` is that agent's partial metadata: how to reach it and that one region,
+        nothing else of its memory. The holder takes the path of Pull (authentication, limits, layout,
+        lease and hash checks, status codes), writes the window's blocks into the region (NIXL WRITE, its
+        notification `notif_tag`) and answers their checksums once the write is done. No metadata of the
+        holder's leaves it. `refused`: nothing usable was written, pull with Pull instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Drops a lease. Its blocks are freed as soon as no pull of it is streaming.
         Idempotent: releasing an unknown lease answers released=false.
@@ -157,6 +175,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.PullRegion,
                     request_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullRegionRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullRegionResponse.SerializeToString,
+            ),
+            'PullNixl': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullNixl,
+                    request_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullNixlRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.PullNixlResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -300,6 +323,33 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/PullRegion',
             pdserve_dot_v1_dot_kvtransfer__pb2.PullRegionRequest.SerializeToString,
             pdserve_dot_v1_dot_kvtransfer__pb2.PullRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullNixl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/PullNixl',
+            pdserve_dot_v1_dot_kvtransfer__pb2.PullNixlRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvtransfer__pb2.PullNixlResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,7 +14,9 @@ ids, block hashes (hex; "" for a partial block) and lease id. It serves until ki
 
 Faults: ``--corrupt-chunk N`` flips a byte of chunk N of every pull (the checksum is left
 as it was); ``--stall-after-chunk N --stall-s S`` prints ``STALL <lease or hash pull>``
-after sending chunk N and sleeps S seconds before the next.
+after sending chunk N and sleeps S seconds before the next. ``--nixl`` serves PullNixl too;
+``--stall-nixl-from-block B --stall-s S`` prints ``STALL nixl`` and sleeps S seconds before writing a
+NIXL window that starts at block B or later.
 """
 
 from __future__ import annotations
@@ -57,11 +59,19 @@ def block_data(layout: KVLayout, seed: int, request_id: str, index: int) -> torc
 class FaultyServicer(KVTransferServicer):
     """The real servicer, with the faults the command line asks for injected into its stream."""
 
-    def __init__(self, source: BlockSource, corrupt_chunk: int, stall_after_chunk: int, stall_s: float) -> None:
+    def __init__(self, source: BlockSource, corrupt_chunk: int, stall_after_chunk: int, stall_s: float,
+                 stall_nixl_from_block: int = -1) -> None:  # fmt: skip
         super().__init__(source)
         self.corrupt_chunk = corrupt_chunk
         self.stall_after_chunk = stall_after_chunk
         self.stall_s = stall_s
+        self.stall_nixl_from_block = stall_nixl_from_block
+
+    def PullNixl(self, request, context):  # type: ignore[override]
+        if 0 <= self.stall_nixl_from_block <= request.skip_blocks:  # a later window: earlier ones landed
+            print("STALL nixl", flush=True)
+            time.sleep(self.stall_s)
+        return super().PullNixl(request, context)
 
     def Pull(self, request, context) -> Iterator[Chunk]:  # type: ignore[override]
         for chunk in super().Pull(request, context):
@@ -78,7 +88,7 @@ class FaultyServicer(KVTransferServicer):
 
 def build(args: argparse.Namespace) -> tuple[BlockSource, dict]:
     layout = KVLayout(args.num_layers, args.kv_heads, args.head_dim, args.block_size, getattr(torch, args.dtype))
-    config = TransferConfig(chunk_bytes=args.chunk_bytes, lease_ttl_s=args.lease_ttl_s)
+    config = TransferConfig(chunk_bytes=args.chunk_bytes, lease_ttl_s=args.lease_ttl_s, nixl=args.nixl)
     manager = KVCacheManager(args.num_blocks, args.block_size)
     kv = KVTensor(layout, args.num_blocks)
     handover = KVHandover(manager, kv)
@@ -128,10 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corrupt-chunk", type=int, default=-1)
     p.add_argument("--stall-after-chunk", type=int, default=-1)
     p.add_argument("--stall-s", type=float, default=0.0)
+    p.add_argument("--nixl", action="store_true", help="serve PullNixl too (the NIXL library installed)")
+    p.add_argument("--stall-nixl-from-block", type=int, default=-1, help="stall NIXL windows from this block on")
     args = p.parse_args(argv)
 
     source, info = build(args)
-    servicer = FaultyServicer(source, args.corrupt_chunk, args.stall_after_chunk, args.stall_s)
+    servicer = FaultyServicer(source, args.corrupt_chunk, args.stall_after_chunk, args.stall_s,
+                              args.stall_nixl_from_block)  # fmt: skip
     server = start_transfer_server(source, port=args.port, servicer=servicer)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

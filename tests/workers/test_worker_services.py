@@ -16,6 +16,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.kvindex.config import IndexConfig
 from pdserve.kvindex.stats import read_stats
 from pdserve.kvtransfer.config import TransferConfig
+from pdserve.kvtransfer.nixl import nixl_installed
 from pdserve.kvtransfer.pull import pull_kv
 from pdserve.prefill_worker.service import PrefillService
 from pdserve.worker.config import WorkerConfig
@@ -145,6 +146,24 @@ def test_mla_latents_move_by_shared_memory_and_match_one_engine(tmp_path: Path, 
     _handover_matches_one_engine(model, redis_server, kv_cache_dtype)
 
 
+@pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install 'pdserve[nixl]')")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kind", ["llama", "mla"])
+def test_blocks_latents_and_scales_move_by_nixl_and_match_one_engine(tmp_path: Path, tiny_model: str, redis_server,
+                                                                     kind: str, kv_cache_dtype: str) -> None:  # fmt: skip
+    """The same handover with NIXL on and shared memory off (as between hosts): K/V blocks or MLA
+    latents, with their FP8 scales, come by NIXL bit for bit, and the decode worker's region is
+    ended when idle."""
+    model = tiny_model if kind == "llama" else str(make_deepseek_checkpoint(tmp_path / "dsv3", "v3", seed=7))
+    transfer = dataclasses.replace(SECRET, shm=False, nixl=True, shm_region_idle_s=0.05)
+    prt, drt = _handover_matches_one_engine(model, redis_server, kv_cache_dtype, transfer, close=False, transport="nixl")
+    try:
+        assert wait_until(lambda: not any(c.nixl.has_region for c in drt._clients.values()), timeout=30)  # noqa: SLF001
+    finally:
+        drt.close()
+        prt.close()
+
+
 def test_an_idle_decode_worker_ends_its_staging_regions(tiny_model: str, redis_server) -> None:
     """After the handover the decode worker's staging region, unused for ``shm_region_idle_s``,
     is ended by the worker, and the holder unmaps its side."""
@@ -160,7 +179,7 @@ def test_an_idle_decode_worker_ends_its_staging_regions(tiny_model: str, redis_s
 
 
 def _handover_matches_one_engine(model: str, redis_server, kv_cache_dtype: str, transfer: TransferConfig = SECRET,
-                                 close: bool = True) -> tuple[WorkerRuntime, WorkerRuntime]:  # fmt: skip
+                                 close: bool = True, transport: str = "shm") -> tuple[WorkerRuntime, WorkerRuntime]:  # fmt: skip
     ns = unique_namespace()
     prt = runtime(model, redis_server.url, ns, "prefill-0", "prefill", transfer=transfer, kv_cache_dtype=kv_cache_dtype)
     drt = runtime(model, redis_server.url, ns, "decode-0", "decode", transfer=transfer, kv_cache_dtype=kv_cache_dtype)
@@ -178,8 +197,8 @@ def _handover_matches_one_engine(model: str, redis_server, kv_cache_dtype: str, 
         first, events = asyncio.run(run())
         assert [first] + [t for ev in events for t in ev.token_ids] == expected
         assert events[-1].num_transferred_tokens == 37 and events[-1].num_recomputed_tokens == 0
-        # Both workers run on this host: the bytes came through shared memory.
-        assert metric(drt, "pdserve_kv_transfer_bytes_total", transport="shm") > 0
+        # Both workers run on this host: the bytes came through shared memory (or NIXL, where asked).
+        assert metric(drt, "pdserve_kv_transfer_bytes_total", transport=transport) > 0
         assert metric(drt, "pdserve_kv_transfer_bytes_total", transport="grpc") == 0
         for rt in (prt, drt):
             assert wait_until(lambda rt=rt: rt.pool_state() == {**rt.pool_state(), "leases": 0, "requests": 0,

@@ -1,0 +1,171 @@
+"""NIXL, the optional transport library (``pdserve[nixl]``): loading it, and ``NixlAgent``, the one
+wrapper of its agent that both sides of the NIXL transport use.
+
+The library ships as ``nixl-cu12`` (module ``nixl_cu12``) or under the ``nixl`` meta package; either
+is found. Without it ``load_nixl`` raises ``NixlUnavailable`` with the reason, and pdserve pulls by
+shared memory or gRPC.
+
+Agents run without NIXL's progress thread: with it, the library's thread polls without pause and
+holds a core. The initiator of a transfer (the holder) progresses its own worker while it waits for
+the transfer; the target (the puller) calls ``poll_notifs`` while it waits for the holder's answer,
+which also progresses the connection's wire-up.
+
+Trust (docs/kv-wire.md, README threat model): an agent's metadata lets whoever loads it read and
+write the memory it describes. A puller therefore sends only partial metadata naming one staging
+region it made for that holder; a holder never sends metadata at all (it only writes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class NixlUnavailable(Exception):
+    """NIXL cannot carry this pull (not installed, refused, its write failed or its notification is
+    missing): the pull goes over gRPC instead. ``permanent``: NIXL cannot run in this process at all."""
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+def load_nixl() -> tuple[Any, Any]:
+    """``(nixl_agent, nixl_agent_config)`` of the installed library; ``NixlUnavailable`` without one."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config  # the meta package
+    except ImportError:
+        try:
+            from nixl_cu12._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise NixlUnavailable(
+                f"NIXL is not installed (pip install 'pdserve[nixl]'): {exc}", permanent=True
+            ) from None
+    logging.getLogger("nixl").setLevel(logging.WARNING)  # the library logs every agent at INFO
+    return nixl_agent, nixl_agent_config
+
+
+def nixl_installed() -> bool:
+    try:
+        load_nixl()
+    except NixlUnavailable:
+        return False
+    return True
+
+
+def _descs(addrs: np.ndarray, nbytes: int) -> np.ndarray:
+    """NIXL's Nx3 descriptor array: address, length, device 0."""
+    out = np.zeros((len(addrs), 3), dtype=np.uint64)
+    out[:, 0] = addrs
+    out[:, 1] = nbytes
+    return out
+
+
+class NixlAgent:
+    """One NIXL agent (UCX backend) named ``name``. Thread-safe: calls are serialized by a lock,
+    except ``write``'s wait, which holds only its own transfer.
+
+    Raises ``NixlUnavailable`` when the library or its UCX backend cannot start.
+    """
+
+    def __init__(self, name: str) -> None:
+        nixl_agent, nixl_agent_config = load_nixl()
+        try:
+            self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        except Exception as exc:  # noqa: BLE001 - the library raises its own types, or RuntimeError
+            raise NixlUnavailable(f"cannot start a NIXL agent: {exc}", permanent=True) from None
+        if "UCX" not in self._agent.backends:
+            raise NixlUnavailable("NIXL has no UCX backend here", permanent=True)
+        self.name = name
+        self._lock = threading.Lock()
+        self._loaded: set[str] = set()  # remote agents
+
+    # -- memory ---------------------------------------------------------------------------
+    def register(self, tensor: torch.Tensor) -> Any:
+        """Register a contiguous tensor's memory (host or device); the handle ``unregister`` takes."""
+        with self._lock:
+            return self._agent.register_memory(tensor)
+
+    def unregister(self, handle: Any) -> None:
+        with self._lock:
+            self._agent.deregister_memory(handle)
+
+    def partial_metadata(self, handle: Any) -> bytes:
+        """Metadata that lets a peer reach this agent and the one registration ``handle``, no other."""
+        with self._lock:
+            return self._agent.get_partial_agent_metadata(handle, True)
+
+    # -- peers ----------------------------------------------------------------------------
+    def load(self, metadata: bytes) -> str:
+        """Load a peer's (partial) metadata, adding to what was loaded for it; its agent name. Raises
+        the library's error for malformed metadata, this agent's own, or a loaded name with other
+        connection details."""
+        with self._lock:
+            name = self._agent.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            self._loaded.add(name)
+            return name
+
+    def forget(self, name: str) -> None:
+        """Drop a peer's metadata (and the connection to it); nothing if it was not loaded."""
+        with self._lock:
+            if name not in self._loaded:
+                return
+            self._loaded.discard(name)
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as exc:  # noqa: BLE001 - a peer already gone
+                logger.debug("NIXL: forgetting %s: %s", name, exc)
+
+    def peers(self) -> list[str]:
+        with self._lock:
+            return list(self._loaded)
+
+    # -- transfers ------------------------------------------------------------------------
+    def write(self, local: np.ndarray, remote: np.ndarray, nbytes: int, peer: str, notif: bytes,
+              timeout_s: float) -> None:  # fmt: skip
+        """Write ``nbytes`` from each local address to the remote address at the same position, in
+        ``peer``'s memory, then notify ``peer`` with ``notif``; returns once the transfer is done.
+        Raises ``NixlUnavailable`` on any failure of the library (a peer gone, an address outside
+        what ``peer``'s metadata registers) or after ``timeout_s``."""
+        try:
+            with self._lock:
+                handle = self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(_descs(local, nbytes), "DRAM"),
+                                                     self._agent.get_xfer_descs(_descs(remote, nbytes), "DRAM"),
+                                                     peer, notif)  # fmt: skip
+                state = self._agent.transfer(handle)
+            try:
+                deadline = time.monotonic() + timeout_s
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise NixlUnavailable(f"the NIXL write to {peer} took over {timeout_s}s")
+                    time.sleep(0.0001)
+                    with self._lock:
+                        state = self._agent.check_xfer_state(handle)
+            finally:
+                with self._lock:
+                    self._agent.release_xfer_handle(handle)
+        except NixlUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - nixl's own error types (remote disconnect, not found, ...)
+            raise NixlUnavailable(f"the NIXL write to {peer} failed: {type(exc).__name__}: {exc}") from None
+        if state != "DONE":
+            raise NixlUnavailable(f"the NIXL write to {peer} ended in state {state}")
+
+    def poll_notifs(self) -> list[bytes]:
+        """Progress this agent's worker and take the notifications that arrived since the last call."""
+        with self._lock:
+            new = self._agent.get_new_notifs()
+        return [msg for msgs in new.values() for msg in msgs]
+
+    def close(self) -> None:
+        """Forget every peer. The agent itself ends when the object is collected (NIXL has no close)."""
+        for name in self.peers():
+            self.forget(name)

@@ -1,0 +1,160 @@
+"""The holder's side of the NIXL transport: ``NixlExporter`` (its agent, its KV registration, the
+pullers it knows) and ``NixlServicer``, the PullNixl call of ``KVTransferServicer``.
+
+PullNixl takes the path of Pull (authentication by the server's interceptor, per-peer admission,
+layout, lease and hash checks, the same status codes), pins the whole pull, writes one window of its
+blocks into the staging region the puller's partial metadata names (NIXL WRITE from the holder's
+registered KV tensor, so no copy on this side) and answers the window's block checksums once the
+write is done. Where NIXL cannot carry the window (no exporter, the puller's metadata unusable, the
+write failing) the answer is ``refused`` and the puller pulls over gRPC.
+
+Pullers are known by their agent names: random (122 bits), and sent only to the holders a puller
+pulls from, over the authenticated call. NIXL refuses metadata that would give a loaded name other
+connection details, so no caller can redirect another puller's writes to itself. At most
+``nixl_max_peers`` are kept, the least recently used forgotten (its next window loads it again).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import OrderedDict
+
+import grpc
+import numpy as np
+import torch
+
+from pdserve.kvtransfer.config import TransferConfig
+from pdserve.kvtransfer.errors import InvalidPullError, TransferError
+from pdserve.kvtransfer.guard import PullGuard, peer_host
+from pdserve.kvtransfer.nixl import NixlAgent, NixlUnavailable
+from pdserve.kvtransfer.source import BlockSource, PinnedBlocks
+from pdserve.kvtransfer.status import abort
+from pdserve.kvtransfer.wire import checksum
+from pdserve.v1 import kvtransfer_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+MAX_NOTIF_TAG_BYTES = 64
+
+
+class NixlExporter:
+    """The holder's agent with its whole KV tensor registered (never exported: no metadata of it
+    leaves this process). Raises ``NixlUnavailable`` when NIXL cannot start; ``close()`` when done."""
+
+    def __init__(self, config: TransferConfig, kv: torch.Tensor, block_nbytes: int) -> None:
+        self.config = config
+        self.agent = NixlAgent(f"pdserve-holder-{uuid.uuid4().hex}")
+        self._flat = kv.reshape(-1).view(torch.uint8)
+        self._registration = self.agent.register(self._flat)
+        self._base = self._flat.data_ptr()
+        self.block_nbytes = block_nbytes
+        self._lock = threading.Lock()
+        self._pullers: OrderedDict[str, bytes] = OrderedDict()  # agent name -> its metadata, least recent first
+        self._by_metadata: dict[bytes, str] = {}
+
+    def write(self, metadata: bytes, region_addr: int, block_ids: list[int], notif: bytes) -> None:
+        """Write ``block_ids`` to ``region_addr``, ``region_addr + block_nbytes``, ... of the puller whose
+        partial metadata is ``metadata``. Raises ``NixlUnavailable``."""
+        peer = self._load(metadata)
+        nb = self.block_nbytes
+        local = self._base + np.asarray(block_ids, dtype=np.uint64) * np.uint64(nb)
+        remote = np.uint64(region_addr) + np.arange(len(block_ids), dtype=np.uint64) * np.uint64(nb)
+        self.agent.write(local, remote, nb, peer, notif, self.config.stall_timeout_s)
+
+    def _load(self, metadata: bytes) -> str:
+        """The puller's agent name, its metadata loaded (again only when it changed)."""
+        with self._lock:
+            name = self._by_metadata.get(metadata)
+            if name is not None:
+                self._pullers.move_to_end(name)
+                return name
+            try:
+                name = self.agent.load(metadata)
+            except Exception as exc:  # noqa: BLE001 - nixl's own types: malformed, a name taken, this agent's own
+                raise NixlUnavailable(f"the puller's NIXL metadata is unusable: {type(exc).__name__}: {exc}") from None
+            old = self._pullers.pop(name, None)
+            if old is not None:
+                del self._by_metadata[old]
+            self._pullers[name] = metadata
+            self._by_metadata[metadata] = name
+            while len(self._pullers) > self.config.nixl_max_peers:
+                gone, gone_metadata = self._pullers.popitem(last=False)
+                del self._by_metadata[gone_metadata]
+                self.agent.forget(gone)
+            return name
+
+    def __len__(self) -> int:
+        """Puller agents known."""
+        with self._lock:
+            return len(self._pullers)
+
+    def close(self) -> None:
+        self.agent.close()
+        self.agent.unregister(self._registration)
+
+
+class NixlServicer:
+    """The PullNixl call; the servicer supplies ``nixl`` (None: no NIXL transport), ``guard``,
+    ``config``, ``source`` and ``_open`` (a PullRequest's blocks, pinned)."""
+
+    nixl: NixlExporter | None
+    guard: PullGuard
+    config: TransferConfig
+    source: BlockSource
+
+    def _open(self, request: pb.PullRequest) -> PinnedBlocks:
+        """Supplied by the servicer: Pull's checks and pins (``KVTransferServicer._open``)."""
+        raise NotImplementedError
+
+    def PullNixl(self, request: pb.PullNixlRequest, context: grpc.ServicerContext) -> pb.PullNixlResponse:
+        nixl = self.nixl
+        if nixl is None:
+            return pb.PullNixlResponse(refused="this holder offers no NIXL transport")
+        nb = self.source.layout.block_nbytes
+        n = request.num_blocks
+        if not n or not request.agent_metadata or not 1 <= len(request.notif_tag) <= MAX_NOTIF_TAG_BYTES:
+            abort(context, InvalidPullError("a NIXL window needs num_blocks, agent_metadata and a 1-64 byte notif_tag"))
+        if request.region_bytes < n * nb or not request.region_addr:
+            abort(context, InvalidPullError(f"{n} blocks of {nb} bytes do not fit a region of {request.region_bytes}"))
+        ticket = self.guard.admit(context.peer(), context.cancel)
+        if ticket is None:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many pulls from this peer at once (at most {self.guard.max_per_peer})",
+            )
+        try:
+            try:
+                pinned = self._open(request.pull)
+            except TransferError as exc:
+                abort(context, exc)
+            with pinned:
+                return self._write_window(nixl, pinned, request, peer_host(context.peer()), context)
+        finally:
+            ticket.close()
+
+    def _write_window(self, nixl: NixlExporter, pinned: PinnedBlocks, request: pb.PullNixlRequest, host: str,
+                      context: grpc.ServicerContext) -> pb.PullNixlResponse:  # fmt: skip
+        start = request.skip_blocks
+        if start >= len(pinned.block_ids):
+            abort(context, InvalidPullError(f"skip_blocks {start} beyond a pull of {len(pinned.block_ids)} blocks"))
+        window = range(start, min(start + request.num_blocks, len(pinned.block_ids)))
+        ids = [pinned.block_ids[i] for i in window]
+        try:
+            nixl.write(request.agent_metadata, request.region_addr, ids, request.notif_tag)
+        except NixlUnavailable as exc:
+            logger.info("NIXL window for %s refused: %s", host, str(exc))
+            return pb.PullNixlResponse(refused=str(exc))
+        nb = self.source.layout.block_nbytes
+        blocks = [
+            pb.NixlBlock(
+                index=pinned.indices[i],
+                block_hash=pinned.hashes[i],
+                num_tokens=pinned.num_tokens[i],
+                checksum=checksum(self.source.read(pinned.block_ids[i], 0, nb)),
+            )
+            for i in window
+        ]
+        return pb.PullNixlResponse(total_blocks=len(pinned.block_ids), total_tokens=pinned.total_tokens,
+                                   block_nbytes=nb, blocks=blocks)  # fmt: skip
