@@ -60,12 +60,20 @@ def nixl_installed() -> bool:
     return True
 
 
-def _descs(addrs: np.ndarray, nbytes: int) -> np.ndarray:
-    """NIXL's Nx3 descriptor array: address, length, device 0."""
+def _descs(addrs: np.ndarray, nbytes: int, device: int = 0) -> np.ndarray:
+    """NIXL's Nx3 descriptor array: address, length, device id (a GPU's index; 0 for host memory)."""
     out = np.zeros((len(addrs), 3), dtype=np.uint64)
     out[:, 0] = addrs
     out[:, 1] = nbytes
+    out[:, 2] = device
     return out
+
+
+def memory_of(tensor: torch.Tensor) -> tuple[str, int]:
+    """NIXL's memory type and device id of a tensor's memory: ("VRAM", index) on a GPU, ("DRAM", 0)."""
+    if tensor.device.type == "cuda":
+        return "VRAM", tensor.device.index or 0
+    return "DRAM", 0
 
 
 class NixlAgent:
@@ -130,16 +138,18 @@ class NixlAgent:
 
     # -- transfers ------------------------------------------------------------------------
     def write(self, local: np.ndarray, remote: np.ndarray, nbytes: int, peer: str, notif: bytes,
-              timeout_s: float) -> None:  # fmt: skip
-        """Write ``nbytes`` from each local address to the remote address at the same position, in
-        ``peer``'s memory, then notify ``peer`` with ``notif``; returns once the transfer is done.
+              timeout_s: float, local_memory: tuple[str, int] = ("DRAM", 0)) -> None:  # fmt: skip
+        """Write ``nbytes`` from each local address (in ``local_memory``, as ``memory_of`` names it) to
+        the remote address at the same position, in ``peer``'s host memory, then notify ``peer`` with
+        ``notif``; returns once the transfer is done.
         Raises ``NixlUnavailable`` on any failure of the library (a peer gone, an address outside
         what ``peer``'s metadata registers) or after ``timeout_s``."""
+        kind, device = local_memory
         try:
             with self._lock:
-                handle = self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(_descs(local, nbytes), "DRAM"),
-                                                     self._agent.get_xfer_descs(_descs(remote, nbytes), "DRAM"),
-                                                     peer, notif)  # fmt: skip
+                sources = self._agent.get_xfer_descs(_descs(local, nbytes, device), kind)
+                targets = self._agent.get_xfer_descs(_descs(remote, nbytes), "DRAM")
+                handle = self._agent.initialize_xfer("WRITE", sources, targets, peer, notif)
                 state = self._agent.transfer(handle)
             try:
                 deadline = time.monotonic() + timeout_s

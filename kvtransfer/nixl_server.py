@@ -28,7 +28,7 @@ import torch
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.errors import InvalidPullError, TransferError
 from pdserve.kvtransfer.guard import PullGuard, peer_host
-from pdserve.kvtransfer.nixl import NixlAgent, NixlUnavailable
+from pdserve.kvtransfer.nixl import NixlAgent, NixlUnavailable, memory_of
 from pdserve.kvtransfer.source import BlockSource, PinnedBlocks
 from pdserve.kvtransfer.status import abort
 from pdserve.kvtransfer.wire import checksum
@@ -49,6 +49,7 @@ class NixlExporter:
         self._flat = kv.reshape(-1).view(torch.uint8)
         self._registration = self.agent.register(self._flat)
         self._base = self._flat.data_ptr()
+        self._memory = memory_of(self._flat)  # a GPU's KV is written from device memory (GPUDirect where UCX has it)
         self.block_nbytes = block_nbytes
         self._lock = threading.Lock()
         self._pullers: OrderedDict[str, bytes] = OrderedDict()  # agent name -> its metadata, least recent first
@@ -61,7 +62,7 @@ class NixlExporter:
         nb = self.block_nbytes
         local = self._base + np.asarray(block_ids, dtype=np.uint64) * np.uint64(nb)
         remote = np.uint64(region_addr) + np.arange(len(block_ids), dtype=np.uint64) * np.uint64(nb)
-        self.agent.write(local, remote, nb, peer, notif, self.config.stall_timeout_s)
+        self.agent.write(local, remote, nb, peer, notif, self.config.stall_timeout_s, self._memory)
 
     def _load(self, metadata: bytes) -> str:
         """The puller's agent name, its metadata loaded (again only when it changed)."""

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need an NVIDIA GPU, in one run (a few minutes): the Triton kernel tests (paged and MLA
 # attention, float and FP8 caches) compiled on CUDA, the CUDA model and engine checks against transformers (Llama family and
-# DeepSeek), then the decode-attention timing table.
+# DeepSeek), a KV pull by NIXL from a holder whose KV lives in GPU memory (two processes on one GPU), then the
+# decode-attention timing table.
 # Results go to $OUT (default ./gpu-check): pytest logs and attention_gpu.{json,md}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,9 @@ python -m pytest -q -p no:cacheprovider tests/engine/test_kernels.py tests/engin
   | tee "$OUT/kernels.log" | tail -3 || status=1
 python -m pytest -q -p no:cacheprovider tests/engine/test_model.py tests/engine/test_engine.py \
   tests/engine/test_deepseek.py -k cuda 2>&1 | tee "$OUT/cuda_model.log" | tail -3 || status=1
+python -c "import nixl_cu12" 2>/dev/null || pip install -q 'nixl-cu12>=1.5.1' >/dev/null 2>&1
+python -m pytest -q -p no:cacheprovider -n 0 tests/kvtransfer/test_nixl.py -k gpu_memory -rs 2>&1 \
+  | tee "$OUT/nixl_gpu.log" | tail -3 || status=1
 python -m pdserve.benchmarks.attention_gpu --json > "$OUT/attention_gpu.json" 2> "$OUT/attention_gpu.err" || status=1
 python - "$OUT" <<'PY' || status=1
 import json, sys

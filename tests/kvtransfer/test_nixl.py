@@ -13,6 +13,9 @@ import grpc
 import pytest
 import torch
 
+from pdserve.engine.kv_handover import KVHandover
+from pdserve.engine.kv_tensor import KVTensor
+from pdserve.engine.kvcache.manager import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.client import KVTransferClient
@@ -150,6 +153,29 @@ def test_a_holder_killed_mid_pull_fails_it_and_every_block_is_returned(nixl_peer
         assert not t.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], PeerUnavailableError), errors
     assert_no_leak(manager)
+
+
+@requires_nixl
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh runs it)")
+def test_gpu_memory_moves_by_nixl_between_two_processes() -> None:
+    """The holder's KV on the GPU (registered as device memory, written from it), the puller's on the
+    same GPU, in two processes: the blocks land bit-exact."""
+    peer = Peer("--nixl", "--device", "cuda")
+    try:
+        manager = KVCacheManager(LOCAL_BLOCKS, LAYOUT.block_size)
+        handover = KVHandover(manager, KVTensor(LAYOUT, LOCAL_BLOCKS, device="cuda"))
+        req = decode_request(peer, "lease-0")
+        load = handover.reserve(req, req.num_tokens)
+        assert load is not None
+        with nixl_client(peer.address) as client:
+            stats = pull_kv(client, handover.kv_tensor, load, lease_id=peer.request("lease-0")["lease_id"])
+        assert stats.transport == "nixl"
+        for j, block_id in enumerate(load.block_ids):
+            assert torch.equal(handover.kv_tensor.block(block_id).cpu(), block_data(LAYOUT, 0, "lease-0", j))
+        handover.complete(req, load, ok=False)
+        assert_no_leak(manager)
+    finally:
+        peer.kill()
 
 
 # -- from a holder in this process, bent where a test says ---------------------------------

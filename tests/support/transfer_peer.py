@@ -90,7 +90,7 @@ def build(args: argparse.Namespace) -> tuple[BlockSource, dict]:
     layout = KVLayout(args.num_layers, args.kv_heads, args.head_dim, args.block_size, getattr(torch, args.dtype))
     config = TransferConfig(chunk_bytes=args.chunk_bytes, lease_ttl_s=args.lease_ttl_s, nixl=args.nixl)
     manager = KVCacheManager(args.num_blocks, args.block_size)
-    kv = KVTensor(layout, args.num_blocks)
+    kv = KVTensor(layout, args.num_blocks, device=args.device)
     handover = KVHandover(manager, kv)
     source = BlockSource(handover, model_fingerprint=args.fingerprint, worker_id=args.worker_id, config=config)
     info: dict = {"worker_id": args.worker_id, "seed": args.seed, "block_nbytes": layout.block_nbytes, "requests": []}
@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corrupt-chunk", type=int, default=-1)
     p.add_argument("--stall-after-chunk", type=int, default=-1)
     p.add_argument("--stall-s", type=float, default=0.0)
+    p.add_argument("--device", default="cpu", help="where the KV tensor lives")
     p.add_argument("--nixl", action="store_true", help="serve PullNixl too (the NIXL library installed)")
     p.add_argument("--stall-nixl-from-block", type=int, default=-1, help="stall NIXL windows from this block on")
     args = p.parse_args(argv)
