@@ -1,18 +1,19 @@
 """The puller's NIXL path for one holder: ``NixlPuller`` (used by ``KVTransferClient``).
 
 It owns an agent and one staging region for this holder alone (``nixl_region_bytes``, registered
-with the agent, made at the first pull; an agent starts in about half a second). A pull goes in
-windows of as many blocks as the region holds: for each, a PullNixl call names the window and carries
-the agent's partial metadata (the region and nothing else); while it runs, this thread progresses the
-agent, and the window is taken once the answer has come and the write's notification (a fresh random
-tag) has landed. Its blocks then go through the pull's ``BlockReceiver`` as one chunk per window:
-checksums, hashes and token counts checked, each block copied once into the KV tensor.
+with the agent, made at the first pull). A pull goes in windows of as many blocks as half the region
+holds, two in flight: for each, a PullNixl call names the window and its half and carries the agent's
+partial metadata (the region and nothing else). While they run this thread progresses the agent, and a
+window is taken once its answer has come and its write's notification (a fresh random tag) has landed.
+Its blocks then go through the pull's ``BlockReceiver`` as one chunk per window (checksums, hashes and
+token counts checked, each block copied once into the KV tensor) while the holder writes the next one.
 
 Failure contract: ``NixlUnavailable`` when NIXL cannot carry the pull (not installed, refused by the
 holder, the notification missing, the region busy with another pull, a block larger than the
 region); the caller pulls again over gRPC with a fresh receiver. A call's ``grpc.RpcError`` or a
 ``TransferError`` (a checksum, a malformed answer) fails the pull. After any failure of a window the
-region is ended, so a write still in flight cannot land in the next pull's region.
+region is ended (the next pull makes a new one), so a write still in flight cannot land in the next
+pull's region; its memory is kept until such a write must have ended (``_end_region``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import secrets
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -53,6 +56,29 @@ class _Region:
         self.last_used = time.monotonic()
 
 
+def _drop(region: _Region) -> None:
+    """A retired region's keeper ends: its memory goes with the last reference."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one pull uses the region: ``slots`` windows of ``per_window`` blocks, ``slot_bytes`` apart."""
+
+    region: _Region
+    slots: int
+    slot_bytes: int
+    per_window: int
+
+
+@dataclass(frozen=True)
+class _Window:
+    """A window asked for: its call, notification tag and place in the region."""
+
+    future: grpc.Future
+    tag: bytes
+    offset: int
+
+
 class NixlPuller:
     """``signed(method, request)``: the request's bytes and the metadata that signs them for one call;
     ``channel``: the client's channel to the holder. Thread-safe (one pull at a time; another finds
@@ -73,65 +99,83 @@ class NixlPuller:
             raise NixlUnavailable("the NIXL staging region carries another pull")
         try:
             region = self._ensure_region()
-            per_window = region.nbytes // receiver.block_nbytes
+            nb = receiver.block_nbytes
+            slots = 2 if region.nbytes // nb >= 2 else 1  # two windows in flight where the region holds two
+            per_window = region.nbytes // slots // nb
             if per_window == 0:
-                raise NixlUnavailable(f"a block of {receiver.block_nbytes} bytes exceeds the NIXL region")
+                raise NixlUnavailable(f"a block of {nb} bytes exceeds the NIXL region")
             try:
-                return self._windows(region, per_window, request, receiver, deadline)
+                return self._windows(_Plan(region, slots, per_window * nb, per_window), request, receiver, deadline)
             except BaseException:
-                self._end_region()  # a write of the failed window may still be on its way
+                # A window asked for may still be written (a holder starts a write only before the call's
+                # deadline, and a write ends within stall_timeout_s): the memory outlives it.
+                self._end_region(keep_until=deadline + self.config.stall_timeout_s)
                 raise
         finally:
             if self._region is not None:
                 self._region.last_used = time.monotonic()
             self._busy.release()
 
-    def _windows(self, region: _Region, per_window: int, request: pb.PullRequest, receiver: BlockReceiver,
-                 deadline: float) -> PullStats:  # fmt: skip
+    def _windows(self, plan: _Plan, request: pb.PullRequest, receiver: BlockReceiver, deadline: float) -> PullStats:
+        """Windows in order, each in slot ``k % slots`` of the region: window k+slots is asked for as
+        soon as window k has been taken, so the holder writes the next while this thread checks and
+        copies the last."""
         total = len(receiver.dest)
-        done = seq = 0
-        while done < total:
-            answer = self._window(region, request, done, min(per_window, total - done), deadline)
-            if not answer.blocks or len(answer.blocks) > per_window:
-                raise InvalidPullError(f"a NIXL window of {len(answer.blocks)} blocks for a region of {per_window}")
-            nb = answer.block_nbytes
-            pieces = tuple(
-                Piece(b.index, b.block_hash, b.num_tokens, 0, region.view[i * nb : (i + 1) * nb], b.checksum)
-                for i, b in enumerate(answer.blocks)
-            )
-            receiver.accept(Chunk(seq, answer.total_blocks, answer.total_tokens, nb, pieces))
-            done += len(pieces)
-            seq += 1
+        starts = list(range(0, total, plan.per_window))
+        in_flight: deque[_Window] = deque()
+        landed: set[bytes] = set()
+        try:
+            for k, skip in enumerate(starts):
+                while len(in_flight) < plan.slots and len(in_flight) + k < len(starts):
+                    j = k + len(in_flight)
+                    in_flight.append(self._ask(plan, j % plan.slots, request, starts[j], total, deadline))
+                window = in_flight.popleft()
+                answer = self._wait(window, landed, deadline)
+                if not answer.blocks or len(answer.blocks) > plan.per_window or answer.blocks[0].index < skip:
+                    raise InvalidPullError(f"a NIXL window of {len(answer.blocks)} blocks for {plan.per_window}")
+                nb, view = answer.block_nbytes, plan.region.view[window.offset : window.offset + plan.slot_bytes]
+                pieces = tuple(
+                    Piece(b.index, b.block_hash, b.num_tokens, 0, view[i * nb : (i + 1) * nb], b.checksum)
+                    for i, b in enumerate(answer.blocks)
+                )
+                receiver.accept(Chunk(k, answer.total_blocks, answer.total_tokens, nb, pieces))
+        finally:
+            for window in in_flight:
+                window.future.cancel()
         stats = receiver.finish()
         stats.transport = "nixl"
         return stats
 
-    def _window(
-        self, region: _Region, request: pb.PullRequest, skip: int, n: int, deadline: float
-    ) -> pb.PullNixlResponse:
-        agent = self._agent
-        assert agent is not None
+    def _ask(self, plan: _Plan, slot: int, request: pb.PullRequest, skip: int, total: int,
+             deadline: float) -> _Window:  # fmt: skip
+        """Ask the holder for the window from block ``skip``, into ``slot``."""
         tag = secrets.token_bytes(16)
-        message = pb.PullNixlRequest(pull=request, skip_blocks=skip, num_blocks=n, agent_metadata=region.metadata,
-                                     region_addr=region.addr, region_bytes=region.nbytes, notif_tag=tag)  # fmt: skip
+        offset = slot * plan.slot_bytes
+        message = pb.PullNixlRequest(pull=request, skip_blocks=skip, num_blocks=min(plan.per_window, total - skip),
+                                     agent_metadata=plan.region.metadata, region_addr=plan.region.addr + offset,
+                                     region_bytes=plan.slot_bytes, notif_tag=tag)  # fmt: skip
         body, metadata = self._signed("PullNixl", message)
         future = self._call.future(body, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
-        landed = False
-        try:
-            while not future.done():  # the holder's write needs this side's progress (wire-up)
-                landed = landed or tag in agent.poll_notifs()
-                time.sleep(_POLL_S)
-        finally:
-            future.cancel()  # no-op once done; a failure here must not leave the call running
-        answer = future.result()  # a failed call raises its grpc.RpcError
+        return _Window(future, tag, offset)
+
+    def _wait(self, window: _Window, landed: set[bytes], deadline: float) -> pb.PullNixlResponse:
+        """The window's answer, once its notification has landed too; this thread progresses the agent
+        meanwhile (the holder's writes need it for their wire-up)."""
+        agent = self._agent
+        assert agent is not None
+        while not window.future.done():
+            landed.update(agent.poll_notifs())
+            time.sleep(_POLL_S)
+        answer = window.future.result()  # a failed call raises its grpc.RpcError
         if answer.refused:
             raise NixlUnavailable(f"the holder refused NIXL: {answer.refused}")
         limit = min(deadline, time.monotonic() + self.config.stall_timeout_s)
-        while not landed:  # on RDMA the answer may overtake the bytes; the notification follows them
-            landed = tag in agent.poll_notifs()
-            if not landed and time.monotonic() > limit:
+        while window.tag not in landed:  # on RDMA the answer may overtake the bytes; the notification follows them
+            if time.monotonic() > limit:
                 raise NixlUnavailable("the NIXL write's notification did not come")
-            time.sleep(0 if landed else _POLL_S)
+            time.sleep(_POLL_S)
+            landed.update(agent.poll_notifs())
+        landed.discard(window.tag)
         return answer
 
     # -- the agent and the region ------------------------------------------------------------
@@ -148,13 +192,23 @@ class NixlPuller:
             raise
         return self._region
 
-    def _end_region(self) -> None:
+    def _end_region(self, keep_until: float | None = None) -> None:
+        """Deregister the region; free its memory now, or (``keep_until``, a monotonic time) only then.
+
+        Deregistering stops writes where the transport checks registrations (RDMA), not a same-host
+        ``process_vm_writev``: memory freed under a late write there would be another object's."""
         region, self._region = self._region, None
-        if region is not None and self._agent is not None:
+        if region is None:
+            return
+        if self._agent is not None:
             try:
                 self._agent.unregister(region.handle)
             except Exception as exc:  # noqa: BLE001 - the registration goes with the agent anyway
                 logger.debug("NIXL: ending a staging region: %s", exc)
+        if keep_until is not None:
+            keeper = threading.Timer(max(keep_until - time.monotonic(), 0.0), _drop, args=(region,))
+            keeper.daemon = True
+            keeper.start()
 
     def trim(self) -> int:
         """End the region when unused for ``shm_region_idle_s`` (and no pull holds it); 1 if it was."""

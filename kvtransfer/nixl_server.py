@@ -142,6 +142,9 @@ class NixlServicer:
             abort(context, InvalidPullError(f"skip_blocks {start} beyond a pull of {len(pinned.block_ids)} blocks"))
         window = range(start, min(start + request.num_blocks, len(pinned.block_ids)))
         ids = [pinned.block_ids[i] for i in window]
+        remaining = context.time_remaining()
+        if not context.is_active() or (remaining is not None and remaining <= 0):
+            return pb.PullNixlResponse(refused="the call ended before the write")  # the puller may free the region
         try:
             nixl.write(request.agent_metadata, request.region_addr, ids, request.notif_tag)
         except NixlUnavailable as exc:

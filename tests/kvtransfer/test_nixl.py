@@ -42,8 +42,8 @@ from tests.support.transfer_peer import block_data
 
 requires_nixl = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install 'pdserve[nixl]')")
 NB = LAYOUT.block_nbytes  # 1 KiB
-# The puller's region holds 3 blocks: a pull of 8 goes in windows of 3, 3 and 2.
-NIXL = TransferConfig(chunk_bytes=CHUNK, pull_timeout_s=20.0, shm=False, nixl=True, nixl_region_bytes=3 * NB + 100)
+# The puller's region holds two windows of 3 blocks: a pull of 8 goes in windows of 3, 3 and 2.
+NIXL = TransferConfig(chunk_bytes=CHUNK, pull_timeout_s=20.0, shm=False, nixl=True, nixl_region_bytes=6 * NB + 100)
 
 
 def nixl_client(address: str, config: TransferConfig = NIXL) -> KVTransferClient:
@@ -95,9 +95,9 @@ def nixl_peers():
 
 @requires_nixl
 def test_a_lease_pull_goes_by_nixl_in_windows_bit_exact(nixl_peers: dict[str, Peer]) -> None:
-    """Leases of 3 blocks (the last partial) through a region of 2: two windows each, one region."""
+    """Leases of 3 blocks (the last partial) through a region of two windows of 2: two windows each."""
     peer = nixl_peers["main"]
-    with nixl_client(peer.address, replace(NIXL, nixl_region_bytes=2 * NB)) as client:
+    with nixl_client(peer.address, replace(NIXL, nixl_region_bytes=4 * NB)) as client:
         assert client.metadata().nixl
         for rid in ("lease-0", "lease-2"):  # 10 and 9 tokens
             manager, handover = local_worker()
@@ -196,7 +196,7 @@ def test_a_failed_nixl_write_falls_back_to_grpc_and_every_pin_is_returned(monkey
 
         monkeypatch.setattr(exporter, "write", second_fails)
         stats, first = pull_lease(holder, client, "r", 30)  # 8 blocks: windows of 3, 3, 2
-        assert stats.transport == "grpc" and len(calls) == 2
+        assert stats.transport == "grpc" and len(calls) >= 2  # the third may have been asked for meanwhile
         assert not client.nixl.has_region
         monkeypatch.setattr(exporter, "write", real)
         stats, second = pull_lease(holder, client, "s", 30)  # a new region, and NIXL again
