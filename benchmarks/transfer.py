@@ -1,4 +1,4 @@
-"""KV transfer benchmark: pulling KV blocks over gRPC and shared memory vs a raw TCP socket, between two processes.
+"""KV transfer benchmark: pulling KV blocks over gRPC, shared memory and NIXL vs raw TCP, between two processes.
 
 A holder process (this module with ``--serve``) fills a KV tensor of at least
 ``--total-mb`` MiB, leases all of its blocks and serves them over the KV wire, and also
@@ -21,8 +21,20 @@ server-streaming method of raw ``bytes`` messages, built once before the timed r
 copied once into the tensor on arrival (no protobuf, no checksum, no lease): what grpcio itself
 moves between two processes on this machine.
 
+Where NIXL loads (``pdserve[nixl]``, ``kvtransfer.nixl``), the holder's transfer server serves PullNixl
+too and each round adds two methods. ``nixl``: our pull by NIXL (shared memory off, as a puller on
+another host has it): the holder writes windows of blocks into the puller's staging region, each block
+checksummed on both sides and copied once into the tensor. ``nixl_bare``: the ceiling of any design
+that moves the bytes by NIXL: one READ of the same blocks, a descriptor per block, from the holder's KV
+tensor (registered with a second, bench-only agent, whose full metadata the holder prints) straight
+into the puller's, agents and descriptors made before the timed region (no region, no checksum, no
+lease). The holder progresses that agent every 10 ms while idle (about 1% of a core) and every 0.2 ms
+from the reader's untimed wake-up notification to the read's completion.
+
 ``--json`` prints, per row, ``raw_tcp`` and ``memcpy`` and, per transport, ``transports.<name>``
-with its ``gbps``, ``over_raw`` and ``over_memcpy`` (medians of per-round ratios).
+with its ``gbps``, ``over_raw`` and ``over_memcpy`` (medians of per-round ratios); with NIXL,
+``transports.nixl`` also has ``over_bare_nixl`` (the median of per-round bare/ours time ratios) and
+the row a ``nixl_bare`` summary.
 
 Across network namespaces (``--across-netns``, benchmarks/transfer_netns.py): the same pulls between
 two nodes of a simulated cluster (``pdserve.cluster.simnet``, docs/simulated-cluster.md; needs root,
@@ -33,8 +45,9 @@ bytes cross both nodes' veths and the bridge between them, shaped by ``--link-pr
 daemon, which sees every packet). Each node has its own ``PDSERVE_HOST_ID``, so the puller (shared
 memory on, as a worker has it) must pull by gRPC: a pull by ``shm`` is an error, and so is n2's
 ``eth0`` receiving fewer bytes than were pulled. Rows: raw TCP, our gRPC pull and bare gRPC (no shm,
-no memcpy: there is no same-host path across namespaces), each pull verified against the holder's
-checksum. ``--json`` adds ``"across": "netns"``, ``link_profile`` and ``link`` (the run's prefix,
+no memcpy: there is no same-host path across namespaces), and with NIXL our NIXL pull and the bare
+NIXL read, both ends' UCX held to TCP on ``eth0`` (``transfer_netns.UCX_ENV``); each pull verified
+against the holder's checksum. ``--json`` adds ``"across": "netns"``, ``link_profile`` and ``link`` (the run's prefix,
 rate, delay, delay backend, the nodes' addresses, bytes pulled and received on n2, the delay daemons'
 CPU seconds), and per row ``pulled_by`` (our pulls' transports), ``host_ids`` and ``pulled_bytes``.
 
@@ -45,6 +58,7 @@ Run: ``python -m benchmarks.transfer`` or ``pdserve bench transfer [--json]``; a
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import socket
@@ -53,13 +67,16 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent import futures
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
+import numpy as np
 import torch
 import xxhash
 
@@ -72,6 +89,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.allocator import tune_malloc
 from pdserve.kvtransfer.client import KVTransferClient
 from pdserve.kvtransfer.config import MiB, TransferConfig
+from pdserve.kvtransfer.nixl import NixlUnavailable, load_nixl, nixl_installed
 from pdserve.kvtransfer.server import start_transfer_server
 from pdserve.kvtransfer.shm import host_id
 from pdserve.kvtransfer.source import BlockSource
@@ -94,8 +112,9 @@ def tensor_digest(kv: KVTensor) -> str:
 def serve(num_layers: int, total_bytes: int, chunks: list[int], host: str = LOOPBACK) -> int:
     """Hold a KV tensor of at least ``total_bytes``, all of it leased, and serve it on ``host`` by the
     KV transfer server, the bare gRPC server and a raw TCP listener (each on a free port); print one
-    ``READY`` line of JSON (ports, lease, block count, digest, ``host`` and this process's ``pid``),
-    then serve until stdin closes."""
+    ``READY`` line of JSON (ports, lease, block count, digest, ``host``, this process's ``pid`` and
+    ``nixl_bare``: ``BareNixlHolder.info``, or None without NIXL), then serve until stdin closes.
+    Where NIXL loads, the transfer server serves PullNixl too (``TransferConfig.nixl``)."""
     tune_malloc()  # as a worker does
     layout = layout_for(num_layers)
     num_blocks = -(-total_bytes // layout.block_nbytes)
@@ -105,12 +124,13 @@ def serve(num_layers: int, total_bytes: int, chunks: list[int], host: str = LOOP
     req = Request("bench", [i % 32000 for i in range(num_blocks * layout.block_size)], SamplingParams(), layout.block_size)
     manager.allocate_slots(req, req.num_tokens)
     req.num_computed_tokens = req.num_tokens
-    config = TransferConfig(chunk_bytes=max(chunks), lease_ttl_s=3600.0)
+    config = TransferConfig(chunk_bytes=max(chunks), lease_ttl_s=3600.0, nixl=nixl_installed())
     handover = KVHandover(manager, kv)
     source = BlockSource(handover, model_fingerprint="bench", worker_id="holder", config=config)
     lease_id = source.lease(handover.hold(req, req.num_tokens))
     server = start_transfer_server(source, config, host=host)
     bare = _bare_grpc_server(kv, chunks, host)
+    bare_nixl = _start_bare_nixl(kv) if config.nixl else None
 
     raw = socket.create_server((host, 0))
     payload = kv.host_bytes()
@@ -125,11 +145,13 @@ def serve(num_layers: int, total_bytes: int, chunks: list[int], host: str = LOOP
     threading.Thread(target=raw_loop, daemon=True).start()
     ready = {"grpc_port": server.port, "raw_port": raw.getsockname()[1], "lease_id": lease_id,
              "num_blocks": num_blocks, "digest": tensor_digest(kv), "bare_port": bare[1], "host": host,
-             "pid": os.getpid()}  # fmt: skip
+             "pid": os.getpid(), "nixl_bare": bare_nixl.info if bare_nixl else None}  # fmt: skip
     print(READY + json.dumps(ready), flush=True)
     sys.stdin.read()  # serve until the parent closes our stdin
     server.stop(0)
     bare[0].stop(0)
+    if bare_nixl is not None:
+        bare_nixl.close()
     return 0
 
 
@@ -170,6 +192,119 @@ def bare_pull(channel: grpc.Channel, chunk: int, dest: KVTensor) -> None:
         raise RuntimeError(f"bare gRPC delivered {offset} of {len(view)} bytes")
 
 
+# -- bare NIXL ------------------------------------------------------------------------------
+# The bare holder agent's progress periods: while a read runs (over TCP the holder's side serves it),
+# and otherwise (a reader's wire-up waits on it; an idle holder should cost next to nothing).
+NIXL_POLL_S, NIXL_IDLE_POLL_S = 0.0002, 0.01
+NIXL_WAKE_S = 120.0  # a woken holder polls fast until the read's notification, or this long at most
+NIXL_WAKE, NIXL_DONE = b"bench-wake", b"bench-done"
+
+
+def _nixl_agent(role: str) -> Any:
+    """A NIXL agent as the transport makes them (UCX, no progress thread: with it the library holds a core)."""
+    nixl_agent, nixl_agent_config = load_nixl()
+    return nixl_agent(f"bench-{role}-{uuid.uuid4().hex}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+
+
+def _nixl_descs(addr: int, n: int, nbytes: int) -> np.ndarray:
+    """``n`` descriptors of ``nbytes`` each, back to back from ``addr`` (NIXL's Nx3: address, length, device 0)."""
+    out = np.zeros((n, 3), dtype=np.uint64)
+    out[:, 0] = np.uint64(addr) + np.arange(n, dtype=np.uint64) * np.uint64(nbytes)
+    out[:, 1] = nbytes
+    return out
+
+
+class BareNixlHolder:
+    """The holder's bench-only NIXL agent with the whole of ``kv`` registered, progressed by a daemon
+    thread (a reader's READ wires up only while this side progresses; with UCX's cma transport the
+    bytes then move without it, over TCP this side serves them): every ``NIXL_IDLE_POLL_S``, and every
+    ``NIXL_POLL_S`` from a reader's ``NIXL_WAKE`` notification to its read's ``NIXL_DONE`` (at most
+    ``NIXL_WAKE_S``). ``info`` is what a reader needs: ``metadata``, the agent's full metadata
+    (base64; whoever loads it can read and write the whole tensor: the transport never gives a
+    holder's metadata away) and ``addr``, the tensor's base address. Raises ``NixlUnavailable`` where
+    the agent cannot start; ``close()`` stops the thread and drops the registration."""
+
+    def __init__(self, kv: KVTensor) -> None:
+        try:
+            self._agent: Any = _nixl_agent("holder")
+        except Exception as exc:  # noqa: BLE001 - the library raises its own types
+            raise NixlUnavailable(f"cannot start a NIXL agent: {exc}") from None
+        self._flat = kv.tensor.reshape(-1).view(torch.uint8)
+        self._registration = self._agent.register_memory(self._flat)
+        self.info = {"metadata": base64.b64encode(self._agent.get_agent_metadata()).decode(),
+                     "addr": self._flat.data_ptr()}  # fmt: skip
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._progress, name="bare-nixl", daemon=True)
+        self._thread.start()
+
+    def _progress(self) -> None:
+        fast_until = 0.0
+        while not self._stop.wait(NIXL_POLL_S if time.monotonic() < fast_until else NIXL_IDLE_POLL_S):
+            for msgs in self._agent.get_new_notifs().values():
+                for msg in msgs:
+                    if msg == NIXL_WAKE:
+                        fast_until = time.monotonic() + NIXL_WAKE_S
+                    elif msg == NIXL_DONE:
+                        fast_until = 0.0
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._agent.deregister_memory(self._registration)
+
+
+def _start_bare_nixl(kv: KVTensor) -> BareNixlHolder | None:
+    try:
+        return BareNixlHolder(kv)
+    except NixlUnavailable as exc:
+        print(f"bench holder: no bare NIXL agent: {exc}", file=sys.stderr)
+        return None
+
+
+class BareNixlReader:
+    """The bare NIXL pull: one READ of ``n`` blocks of ``block_nbytes`` from the holder's bench agent
+    (``info``: its ``READY`` line's ``nixl_bare``) into ``dest``, block ``i`` into block ``i``, one
+    descriptor per block. The agent (``dest`` registered, the holder's metadata loaded) and both
+    descriptor lists are made here, outside the timed region; ``read`` is what NIXL itself costs:
+    initialize the transfer, post it, wait for it (polling without pause), release it. ``wake``, untimed
+    before each read, has the holder progress its agent often until the read is done."""
+
+    def __init__(self, info: dict, dest: KVTensor, n: int) -> None:
+        self._agent: Any = _nixl_agent("reader")
+        flat = dest.tensor.reshape(-1).view(torch.uint8)
+        self._registration = self._agent.register_memory(flat)
+        name = self._agent.add_remote_agent(base64.b64decode(info["metadata"]))
+        self._peer = name.decode() if isinstance(name, bytes) else name
+        nb = dest.layout.block_nbytes
+        self._local = self._agent.get_xfer_descs(_nixl_descs(flat.data_ptr(), n, nb), "DRAM")
+        self._remote = self._agent.get_xfer_descs(_nixl_descs(info["addr"], n, nb), "DRAM")
+
+    def wake(self) -> None:
+        """Tell the holder a read comes, and give it one idle period to notice."""
+        self._agent.send_notif(self._peer, NIXL_WAKE)
+        time.sleep(2 * NIXL_IDLE_POLL_S)
+
+    def read(self, timeout_s: float = 600.0) -> None:
+        """One READ of every block; RuntimeError if it fails or takes over ``timeout_s``."""
+        agent = self._agent
+        handle = agent.initialize_xfer("READ", self._local, self._remote, self._peer, NIXL_DONE)
+        try:
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + timeout_s
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the bare NIXL read took over {timeout_s}s")
+                state = agent.check_xfer_state(handle)
+        finally:
+            agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"the bare NIXL read ended in state {state}")
+
+    def close(self) -> None:
+        self._agent.remove_remote_agent(self._peer)
+        self._agent.deregister_memory(self._registration)
+
+
 # -- puller -------------------------------------------------------------------------------
 def raw_pull(port: int, dest: KVTensor, host: str = LOOPBACK) -> None:
     """The holder's whole tensor from its raw TCP listener at ``host:port``, received into ``dest``."""
@@ -204,11 +339,20 @@ class Method:
 
     name: str
     pull: Callable[[], None]
+    prepare: Callable[[], None] | None = None  # before each pull, untimed
     seconds: list[float] = field(default_factory=list)
     holder: list[tuple[float, int]] = field(default_factory=list)  # (CPU s, page faults) per pull
     puller: list[tuple[float, int]] = field(default_factory=list)
 
+    def warm(self) -> None:
+        """One untimed pull."""
+        if self.prepare is not None:
+            self.prepare()
+        self.pull()
+
     def run(self, holder_pid: int) -> None:
+        if self.prepare is not None:
+            self.prepare()
         h0, p0, t0 = process_usage(holder_pid), process_usage(os.getpid()), time.perf_counter()
         self.pull()
         self.seconds.append(time.perf_counter() - t0)
@@ -256,7 +400,8 @@ def stop_holder(holder: subprocess.Popen[str]) -> None:
 def bench_layout(num_layers: int, chunks: list[int], total_bytes: int, repeats: int,
                  shm_config: TransferConfig | None = None) -> list[dict]:  # fmt: skip
     """For each chunk size: ``repeats`` rounds of raw TCP, our gRPC pull, bare gRPC, our shm pull
-    and memcpy, one after the other in each round, so that every ratio compares pulls made moments apart.
+    and memcpy (and, with NIXL, our NIXL pull and the bare NIXL read), one after the other in each
+    round, so that every ratio compares pulls made moments apart.
     ``shm_config``: the puller's ``shm_*`` settings (default: ``TransferConfig``'s)."""
     cmd = holder_argv(num_layers, total_bytes, chunks)
     holder = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -276,8 +421,17 @@ def pull_rows(info: dict, num_layers: int, chunks: list[int], repeats: int,
     ``PDSERVE_HOST_ID``): raw TCP, our gRPC pull with shared memory on, as a worker has it, which must
     still go by gRPC, and bare gRPC; each row also says how many bytes were pulled (``pulled_bytes``,
     the untimed round included), by which transports our pulls went (``pulled_by``) and both ends'
-    host identities (``host_ids``). Every pull is checked against the holder's digest; RuntimeError on a
-    wrong or short pull, or on a pull by another transport than expected."""
+    host identities (``host_ids``). Where NIXL loads here and the holder offers it (``nixl_bare`` in
+    ``info`` and ``nixl`` in its metadata), also our NIXL pull (``nixl``: shared memory off) and the
+    bare NIXL read (``nixl_bare``, ``BareNixlReader``). Every pull is checked against the
+    holder's digest; RuntimeError on a wrong or short pull, or on a pull by another transport than
+    expected."""
+    with ExitStack() as outer:
+        return _pull_rows(outer, info, num_layers, chunks, repeats, shm_config, across)
+
+
+def _pull_rows(outer: ExitStack, info: dict, num_layers: int, chunks: list[int], repeats: int,
+               shm_config: TransferConfig | None, across: bool) -> list[dict]:  # fmt: skip
     layout = layout_for(num_layers)
     host, holder_pid = info.get("host", LOOPBACK), info["pid"]
     n = info["num_blocks"]
@@ -288,6 +442,10 @@ def pull_rows(info: dict, num_layers: int, chunks: list[int], repeats: int,
         raw_pull(info["raw_port"], dest, host)
         source = KVTensor(layout, n)  # memcpy's source: the holder's bytes, in this process
         source.host_bytes()[:] = dest.host_bytes()
+    reader = None
+    if info.get("nixl_bare") and nixl_installed():
+        reader = BareNixlReader(info["nixl_bare"], dest, n)  # an agent starts in ~0.5 s: once for all chunks
+        outer.callback(reader.close)
     rows = []
     for chunk in chunks:
         config = replace(shm_config or TransferConfig(), chunk_bytes=chunk, pull_timeout_s=600.0)
@@ -322,9 +480,15 @@ def pull_rows(info: dict, num_layers: int, chunks: list[int], repeats: int,
                 assert source is not None
                 methods["shm"] = Method("shm", lambda: pull_with(shm_client, "shm"))
                 methods["memcpy"] = Method("memcpy", lambda: memcpy(source, dest))
+            if reader is not None:
+                nixl_client = stack.enter_context(KVTransferClient(address, replace(config, shm=False, nixl=True)))
+                if not nixl_client.metadata().nixl:
+                    raise RuntimeError("the holder runs a bare NIXL agent but offers no NIXL transport")
+                methods["nixl"] = Method("nixl", lambda: pull_with(nixl_client, "nixl"))
+                methods["nixl_bare"] = Method("nixl_bare", reader.read, prepare=reader.wake)
             grpc.channel_ready_future(channel).result(timeout=30)
             for m in methods.values():  # one untimed round: connections, first-touch of buffers
-                m.pull()
+                m.warm()
             for _ in range(repeats):
                 for m in methods.values():
                     dest.tensor.zero_()
@@ -347,7 +511,7 @@ def _over(a: Method, b: Method) -> float:
 
 def _row(block_nbytes: int, chunk: int, n: int, num_chunks: int, methods: dict[str, Method]) -> dict:
     """One chunk size's row from its measured ``methods`` (``raw``, ``ours``, ``bare`` and, on one host,
-    ``shm`` and ``memcpy``): only the keys of the methods that ran."""
+    ``shm`` and ``memcpy``; with NIXL ``nixl`` and ``nixl_bare``): only the keys of the methods that ran."""
     nbytes = n * block_nbytes
     raw, ours, bare, copy = methods["raw"], methods["ours"], methods["bare"], methods.get("memcpy")
 
@@ -358,6 +522,9 @@ def _row(block_nbytes: int, chunk: int, n: int, num_chunks: int, methods: dict[s
         return out
 
     transports = {"grpc": transport(ours)} | ({"shm": transport(methods["shm"])} if "shm" in methods else {})
+    if "nixl" in methods:
+        nixl, nixl_bare = methods["nixl"], methods["nixl_bare"]
+        transports["nixl"] = transport(nixl) | {"over_bare_nixl": _over(nixl_bare, nixl)}
     row = {
         "block_nbytes": block_nbytes, "chunk_bytes": chunk, "num_blocks": n, "total_bytes": nbytes,
         "num_chunks": num_chunks, "raw_tcp": raw.summary(nbytes), "grpc": transports["grpc"],
@@ -368,6 +535,8 @@ def _row(block_nbytes: int, chunk: int, n: int, num_chunks: int, methods: dict[s
         row["memcpy"] = copy.summary(nbytes)
     if "shm" in methods:
         row["shm_over_raw"] = _over(raw, methods["shm"])
+    if "nixl" in methods:
+        row["nixl_bare"] = transport(methods["nixl_bare"])
     return row
 
 
@@ -382,6 +551,17 @@ def pull_main(info_json: str, num_layers: int, chunks: list[int], repeats: int) 
 
 def _cpu(summary: dict) -> str:
     return "/".join("-" if summary[k] is None else f"{summary[k]:.2f}" for k in ("holder_cpu_s_per_gb", "puller_cpu_s_per_gb"))
+
+
+def _nixl_text(row: dict) -> str:
+    """The text line's NIXL part (empty for a row without NIXL)."""
+    if "nixl" not in row["transports"]:
+        return ""
+    ours, bare = row["transports"]["nixl"], row["nixl_bare"]
+    memcpy = f" nixl/memcpy {ours['over_memcpy']:.2f}" if "over_memcpy" in ours else ""
+    return (f" | NIXL {ours['gbps']:.2f} GB/s | bare NIXL {bare['gbps']:.2f} | nixl/raw {ours['over_raw']:.2f}"
+            f"{memcpy} nixl/bare {ours['over_bare_nixl']:.2f} | CPU s/GB holder/puller: nixl {_cpu(ours)}"
+            f" bare {_cpu(bare)}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep glibc's malloc defaults in both processes (workers raise its thresholds)")
     ap.add_argument("--across-netns", action="store_true",
                     help="holder and puller in two network namespaces of a simulated cluster (root): "
-                         "raw TCP, gRPC and bare gRPC over the link between them")  # fmt: skip
+                         "raw TCP, gRPC and bare gRPC (and NIXL) over the link between them")  # fmt: skip
     ap.add_argument("--link-profile", default="fast",
                     help="with --across-netns: the link profile of both nodes (pdserve.cluster.simnet PROFILES)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -439,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
                 f" | ours/raw {r['grpc_over_raw']:.2f} shm/raw {r['shm_over_raw']:.2f}"
                 f" shm/memcpy {r['transports']['shm']['over_memcpy']:.2f} bare/raw {r['bare_grpc_over_raw']:.2f}"
                 f" ours/bare {r['grpc_over_bare']:.2f} | CPU s/GB holder/puller: ours {_cpu(r['grpc'])}"
-                f" shm {_cpu(r['transports']['shm'])} raw {_cpu(r['raw_tcp'])} bare {_cpu(r['bare_grpc'])}",
+                f" shm {_cpu(r['transports']['shm'])} raw {_cpu(r['raw_tcp'])} bare {_cpu(r['bare_grpc'])}"
+                + _nixl_text(r),
             )
             for r in rows
         ],

@@ -6,7 +6,10 @@ gRPC server and raw TCP listener all on that address), node ``n2`` the puller (`
 holder's READY JSON>``, which prints one ``ROWS`` line of JSON). Both are started by ``SimCluster.run``
 (``ip netns exec``) with their node's environment, ``PDSERVE_HOST_ID`` included, so the two are separate
 hosts to the same-host (shared-memory) transport as they are to the network; the puller keeps shared
-memory on, as a worker does, and must still pull by gRPC. One holder and one puller per layer count.
+memory on, as a worker does, and must still pull by gRPC. Both run with ``UCX_ENV`` (NIXL's UCX over
+TCP on ``eth0`` only): UCX would otherwise reach the other namespace's process by its same-host
+transports (cma), and the NIXL pulls would not cross the link (the ``eth0`` check below fails). One
+holder and one puller per layer count.
 Around each puller the bench reads n2's ``eth0`` receive counter and fails unless at least the pulled
 bytes crossed it, and sums the CPU seconds of the nodes' delay daemons (the NFQUEUE backend, where the
 kernel lacks netem, handles every packet in user space; on a small machine it competes with both ends).
@@ -26,13 +29,25 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from pdserve.benchmarks.common import emit
-from pdserve.benchmarks.transfer import ROOT, ROWS, _cpu, holder_argv, process_usage, read_ready, stop_holder
+from pdserve.benchmarks.transfer import (
+    ROOT,
+    ROWS,
+    _cpu,
+    _nixl_text,
+    holder_argv,
+    process_usage,
+    read_ready,
+    stop_holder,
+)
 from pdserve.kvtransfer.config import MiB
 
 if TYPE_CHECKING:
     from pdserve.cluster.simnet import SimCluster
 
 HOLDER, PULLER = "n1", "n2"
+# Both ends' NIXL (UCX) over TCP on eth0: on one machine UCX would otherwise reach the other namespace's
+# process by its same-host transports (cma, shared memory), whose bytes never cross the link.
+UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
 PULL_TIMEOUT_S = 1800.0  # one puller: every chunk size of one layout, all rounds
 
 
@@ -65,11 +80,12 @@ def pull_layout(sim: SimCluster, num_layers: int, chunks: list[int], total_bytes
     RuntimeError when fewer bytes than were pulled crossed the link; SimnetError when the puller fails
     (with its stderr). The holder is stopped on every path."""
     argv = holder_argv(num_layers, total_bytes, chunks, host=sim.address(HOLDER))
-    holder = sim.run(HOLDER, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    holder = sim.run(HOLDER, argv, UCX_ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         info = read_ready(holder)
         rx0, cpu0 = sim.link_bytes(PULLER).rx, _daemons_cpu_s(sim)
-        out = sim.check_output(PULLER, puller_argv(info, num_layers, chunks, repeats), timeout=PULL_TIMEOUT_S)
+        argv = puller_argv(info, num_layers, chunks, repeats)
+        out = sim.check_output(PULLER, argv, UCX_ENV, timeout=PULL_TIMEOUT_S)
         rx, cpu = sim.link_bytes(PULLER).rx - rx0, _daemons_cpu_s(sim) - cpu0
     finally:
         stop_holder(holder)
@@ -83,7 +99,8 @@ def pull_layout(sim: SimCluster, num_layers: int, chunks: list[int], total_bytes
 def bench_across_netns(layer_counts: list[int], chunks: list[int], total_bytes: int, repeats: int,
                        profile: str) -> dict[str, Any]:  # fmt: skip
     """Every layout's rows across a fresh two-node cluster with link ``profile`` on both nodes; the
-    result has the loopback bench's ``results`` rows (raw TCP, gRPC, bare gRPC) plus ``across``,
+    result has the loopback bench's ``results`` rows (raw TCP, gRPC, bare gRPC; with NIXL also NIXL and
+    bare NIXL) plus ``across``,
     ``link_profile`` and ``link`` (``run``: the cluster's name prefix). The cluster is gone when this
     returns or raises."""
     from pdserve.cluster.simnet import NodeSpec, SimCluster
@@ -120,7 +137,7 @@ def report_lines(result: dict[str, Any]) -> list[tuple[str, str]]:
             f"gRPC {r['grpc']['gbps']:.2f} GB/s | raw TCP {r['raw_tcp']['gbps']:.2f} | bare gRPC"
             f" {r['bare_grpc']['gbps']:.2f} | ours/raw {r['grpc_over_raw']:.2f} bare/raw {r['bare_grpc_over_raw']:.2f}"
             f" ours/bare {r['grpc_over_bare']:.2f} | CPU s/GB holder/puller: ours {_cpu(r['grpc'])}"
-            f" raw {_cpu(r['raw_tcp'])} bare {_cpu(r['bare_grpc'])}",
+            f" raw {_cpu(r['raw_tcp'])} bare {_cpu(r['bare_grpc'])}" + _nixl_text(r),
         )
         for r in result["results"]
     ]

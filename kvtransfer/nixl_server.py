@@ -20,11 +20,13 @@ import logging
 import threading
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 import torch
 
+from pdserve.engine.cpu_threads import single_threaded_torch
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.errors import InvalidPullError, TransferError
 from pdserve.kvtransfer.guard import PullGuard, peer_host
@@ -51,6 +53,8 @@ class NixlExporter:
         self._base = self._flat.data_ptr()
         self._memory = memory_of(self._flat)  # a GPU's KV is written from device memory (GPUDirect where UCX has it)
         self.block_nbytes = block_nbytes
+        # A worker's helper threads run torch on their own thread only (engine/cpu_threads.py).
+        self.checksums = ThreadPoolExecutor(2, thread_name_prefix="nixl-checksums", initializer=single_threaded_torch)
         self._lock = threading.Lock()
         self._pullers: OrderedDict[str, bytes] = OrderedDict()  # agent name -> its metadata, least recent first
         self._by_metadata: dict[bytes, str] = {}
@@ -92,6 +96,7 @@ class NixlExporter:
             return len(self._pullers)
 
     def close(self) -> None:
+        self.checksums.shutdown()
         self.agent.close()
         self.agent.unregister(self._registration)
 
@@ -145,20 +150,19 @@ class NixlServicer:
         remaining = context.time_remaining()
         if not context.is_active() or (remaining is not None and remaining <= 0):
             return pb.PullNixlResponse(refused="the call ended before the write")  # the puller may free the region
+        nb = self.source.layout.block_nbytes
+        # The checksums are read beside the write (xxhash lets go of the GIL): the blocks are pinned.
+        sums = nixl.checksums.submit(lambda: [checksum(self.source.read(b, 0, nb)) for b in ids])
         try:
             nixl.write(request.agent_metadata, request.region_addr, ids, request.notif_tag)
         except NixlUnavailable as exc:
             logger.info("NIXL window for %s refused: %s", host, str(exc))
             return pb.PullNixlResponse(refused=str(exc))
-        nb = self.source.layout.block_nbytes
+        finally:
+            sums.result()  # nothing of this call outlives it
         blocks = [
-            pb.NixlBlock(
-                index=pinned.indices[i],
-                block_hash=pinned.hashes[i],
-                num_tokens=pinned.num_tokens[i],
-                checksum=checksum(self.source.read(pinned.block_ids[i], 0, nb)),
-            )
-            for i in window
+            pb.NixlBlock(index=pinned.indices[i], block_hash=pinned.hashes[i], num_tokens=pinned.num_tokens[i], checksum=c)
+            for i, c in zip(window, sums.result())
         ]
         return pb.PullNixlResponse(total_blocks=len(pinned.block_ids), total_tokens=pinned.total_tokens,
                                    block_nbytes=nb, blocks=blocks)  # fmt: skip

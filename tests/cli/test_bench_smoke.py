@@ -47,6 +47,9 @@ def test_mla_bench_reports_bytes_and_both_forms() -> None:
 
 
 def test_transfer_bench_moves_the_bytes_every_way() -> None:
+    from pdserve.kvtransfer.nixl import nixl_installed
+
+    nixl = nixl_installed()
     out = bench("transfer", "--total-mb", "4", "--layers", "4", "--chunk-mb", "0.5,1", "--repeats", "2")
     rows = out["results"]
     assert [r["chunk_bytes"] for r in rows] == [512 * 1024, 1024 * 1024]
@@ -56,9 +59,15 @@ def test_transfer_bench_moves_the_bytes_every_way() -> None:
             assert len(r[method]["seconds"]) == 2 and r[method]["gbps"] > 0
             assert r[method]["puller_cpu_s_per_gb"] >= 0 and r[method]["puller_page_faults_per_gb"] >= 0  # /proc ticks
         assert r["grpc_over_raw"] > 0 and r["bare_grpc_over_raw"] > 0 and r["grpc_over_bare"] > 0
-        assert set(r["transports"]) == {"grpc", "shm"}  # the same holder and puller, by gRPC and shared memory
+        # The same holder and puller, by gRPC and shared memory, and by NIXL where the library loads.
+        assert set(r["transports"]) == {"grpc", "shm"} | ({"nixl"} if nixl else set())
         for t in r["transports"].values():
             assert t["gbps"] > 0 and t["over_raw"] > 0 and t["over_memcpy"] > 0
+        if nixl:  # ours against a bare NIXL read of the same blocks, both timed in every round
+            assert len(r["nixl_bare"]["seconds"]) == 2 and r["nixl_bare"]["gbps"] > 0
+            assert r["transports"]["nixl"]["over_bare_nixl"] > 0
+        else:
+            assert "nixl_bare" not in r
 
 
 def test_serve_bench_tenant_salts_are_new_each_run_unless_fixed() -> None:

@@ -2,7 +2,8 @@
 
 A smoke run (8 MiB, one layout, one chunk size, one round) on a real simulated cluster: every method
 moved the bytes (the bench checks each against the holder's digest), our pull went by gRPC between
-two host identities although the puller offers shared memory, n2's eth0 received what was pulled, and
+two host identities although the puller offers shared memory (and, where NIXL loads, by NIXL over
+TCP too, with a bare NIXL read beside it), n2's eth0 received what was pulled, and
 nothing of the run (namespace, link, run directory, process) is left afterwards. No timing asserted.
 Needs root and `ip netns`; skips with the reason otherwise.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cluster.simnet import simnet_available
+from pdserve.kvtransfer.nixl import nixl_installed
 from tests.support import REPO
 
 
@@ -58,17 +60,21 @@ def test_transfer_bench_across_netns_pulls_over_the_link_and_leaves_nothing() ->
     assert (holder["node"], puller["node"]) == ("n1", "n2") and holder["address"] != puller["address"]
     [row] = out["results"]
     assert row["total_bytes"] == 8 * 1024 * 1024 and row["num_chunks"] == 8
-    for method in ("raw_tcp", "grpc", "bare_grpc"):
+    nixl = nixl_installed()  # then also our NIXL pull and the bare NIXL read, over TCP on the link
+    for method in ("raw_tcp", "grpc", "bare_grpc", *(["nixl_bare"] if nixl else [])):
         assert len(row[method]["seconds"]) == 1 and row[method]["gbps"] > 0
     assert "memcpy" not in row and "shm_over_raw" not in row  # no same-host path across namespaces
-    assert set(row["transports"]) == {"grpc"} and row["transports"]["grpc"]["gbps"] > 0
-    assert row["transports"]["grpc"]["over_raw"] > 0 and row["grpc_over_raw"] > 0 and row["bare_grpc_over_raw"] > 0
-    # Our pull offered shared memory and still went by gRPC: each node is its own host.
-    assert row["pulled_by"] == ["grpc"]
+    assert set(row["transports"]) == {"grpc"} | ({"nixl"} if nixl else set())
+    for t in row["transports"].values():
+        assert t["gbps"] > 0 and t["over_raw"] > 0 and "over_memcpy" not in t
+    assert row["grpc_over_raw"] > 0 and row["bare_grpc_over_raw"] > 0
+    assert not nixl or row["transports"]["nixl"]["over_bare_nixl"] > 0
+    # Our pull offered shared memory and still went by gRPC (or NIXL): each node is its own host.
+    assert row["pulled_by"] == (["grpc", "nixl"] if nixl else ["grpc"])
     ids = row["host_ids"]
     assert ids["holder"] != ids["puller"]
     assert ids["holder"].startswith(f"{link['run']}-n1/") and ids["puller"].startswith(f"{link['run']}-n2/")
-    # Three methods, an untimed round and one timed: six tensors crossed n2's eth0.
-    assert row["pulled_bytes"] == link["pulled_bytes"] == 6 * row["total_bytes"]
+    # Three methods (five with NIXL), an untimed round and one timed: six (ten) tensors crossed n2's eth0.
+    assert row["pulled_bytes"] == link["pulled_bytes"] == (10 if nixl else 6) * row["total_bytes"]
     assert link["puller_rx_bytes"] >= link["pulled_bytes"]
     assert leftovers(link["run"], [holder["address"], puller["address"]]) == []
