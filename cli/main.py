@@ -79,7 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 BENCHMARKS = {
     "kvcache": ("pdserve.benchmarks.kvcache", "block hashing vs raw xxh3, BlockPool operations per second"),
     "engine": ("pdserve.benchmarks.engine", "offline batch throughput vs transformers, paged-KV memory use"),
-    "transfer": ("pdserve.benchmarks.transfer", "KV pull over gRPC and shared memory vs a raw TCP socket"),
+    "transfer": ("pdserve.benchmarks.transfer", "KV pull over gRPC, shared memory and NIXL vs a raw TCP socket"),
     "prefix": ("pdserve.benchmarks.prefix", "TTFT with a cached long prefix vs cold"),
     "serve": ("pdserve.benchmarks.serve", "open-loop load on 1P+1D vs monolithic; --http: via the OpenAI API"),
     "kvquant": ("pdserve.benchmarks.kv_quant", "FP8 KV cache vs unquantized: perplexity, greedy agreement, bytes"),
@@ -95,6 +95,7 @@ BENCHMARKS = {
     "peers-serve": ("pdserve.benchmarks.peers_serve", "pdserve up vs vllm serve: streamed TTFT, ITL, tok/s under load"),
     "steps": ("pdserve.benchmarks.steps", "where a decode step's time goes: scheduling, inputs, forward by part, sampling"),
     "tp": ("pdserve.benchmarks.tp", "tensor parallelism on the CPU: a decode step at TP=N vs TP=1, collective share"),
+    "overlap": ("pdserve.benchmarks.overlap", "a long prompt's handover with and without prefetching during its prefill"),
 }
 
 

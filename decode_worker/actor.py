@@ -26,6 +26,10 @@ class DecodeWorker:
         async for event in self.service.generate(spec, prefill):
             yield event
 
+    async def prefetch(self, spec: RequestSpec, address: str) -> bool:
+        """Pull ``spec``'s prompt blocks from the prefill worker at ``address`` while it prefills them."""
+        return self.service.prefetch(spec, address)
+
     async def metrics(self) -> list[Metric]:
         """This worker's Prometheus metric families (the router merges every worker's). Read in a
         thread: the engine's numbers wait for its lock, which a step holds, and the event loop

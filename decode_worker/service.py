@@ -7,12 +7,14 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.decode_worker.call import DecodeCall
+from pdserve.decode_worker.prefetch import Prefetches
 from pdserve.engine.cpu_threads import single_threaded_torch
 from pdserve.engine.engine import RequestOutput
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
 
 MAX_CONCURRENT_PULLS = 8
+MAX_CONCURRENT_PREFETCHES = 4  # on threads of their own: a prefetch waiting on its holder must not hold up a pull
 
 
 class DecodeService:
@@ -32,11 +34,22 @@ class DecodeService:
         self._pulls = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="kv-pull",
                                          initializer=single_threaded_torch)
         self._ender = ThreadPoolExecutor(1, thread_name_prefix="request-end", initializer=single_threaded_torch)
+        self._prefetching = ThreadPoolExecutor(MAX_CONCURRENT_PREFETCHES, thread_name_prefix="kv-prefetch",
+                                               initializer=single_threaded_torch)  # fmt: skip
+        self.prefetches = Prefetches(runtime, self._prefetching, MAX_CONCURRENT_PREFETCHES)
 
     def close(self) -> None:
-        """Wait for pulls, aborts and releases handed to this service's threads."""
+        """Wait for pulls, prefetches, aborts and releases handed to this service's threads."""
+        self.prefetches.close()
+        self._prefetching.shutdown(wait=True)
         self._pulls.shutdown(wait=True)
         self._ender.shutdown(wait=True)
+
+    def prefetch(self, spec: RequestSpec, address: str) -> bool:
+        """Start pulling ``spec``'s prompt blocks from the prefill worker at ``address`` while it
+        prefills them (``decode_worker/prefetch.py``); False when declined. ``generate`` for the
+        same request ends it."""
+        return self.prefetches.start(spec, address)
 
     async def generate(self, spec: RequestSpec, prefill: PrefillResult | None = None) -> AsyncIterator[DecodeEvent]:
         rt = self.rt
@@ -49,6 +62,7 @@ class DecodeService:
         local_hit = transferred = recomputed = 0
         # The prompt is computed here (locally, or again after a failed pull) and not yet counted.
         computes_prompt = prefill is None
+        self.prefetches.stop(spec.request_id)  # the request is here: its own pull takes what is left
         # The call owns the request and the lease from here on, and ends both.
         async with DecodeCall(rt, spec, prefill, self._pulls, self._ender) as call:
             load = call.register(on_output)

@@ -507,4 +507,5 @@ class LLMEngine:
                     req.request_id, new, status is not None, status.value if status else None,
                     req.num_prompt_tokens, req.num_cached_tokens, held, new_logprobs,
                 ))  # fmt: skip
+            self.handover.blocks_cached()  # this step's full blocks are written: readers waiting may take them
             return outputs

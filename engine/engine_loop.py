@@ -161,6 +161,10 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             failures = 0
+            # Threads waiting for the engine's lock (a pull pinning blocks, a prefetch's holder waiting
+            # for the next chunk's blocks) get it now: a lock is not fair, and this thread would
+            # otherwise take it back for the next step before they run.
+            time.sleep(0)
             if not outputs:
                 # Work is queued but nothing fits now (blocks held by leases or pulls): wait for
                 # a wake-up or a short timeout instead of spinning on the lock.

@@ -12,6 +12,9 @@ Producer (the engine that prefills; vLLM: ``request_finished`` with delayed free
   and its blocks stay held until ``KVHandover.release(request_id)``.
 * ``pin_cached(hashes)`` / ``unpin``: full blocks of the prefix cache, referenced for a reader
   outside any request (a pull by hash); blocks only the offload tier holds are restored first.
+  ``pin_cached_prefix`` pins the longest cached prefix, waiting for its first block: a prompt's
+  blocks are cached chunk by chunk as its prefill runs (the engine calls ``blocks_cached`` after
+  every step), so a reader can take them while later chunks compute.
 
 Consumer (the engine that continues; vLLM: ``get_num_new_matched_tokens`` +
 ``update_state_after_alloc``, then ``finished_recving``):
@@ -21,6 +24,9 @@ Consumer (the engine that continues; vLLM: ``get_num_new_matched_tokens`` +
 * ``LLMEngine.finish_load(request_id, ok)``: the bytes landed (the request continues from them,
   after the tokens sampled elsewhere, its seeded sampler advanced past those draws) or they did
   not (it recomputes its prompt here).
+* ``begin_prefetch(hashes)`` / ``end_prefetch``: blocks for cached KV that arrives ahead of its
+  request (pulled by hash while the prompt is still being prefilled elsewhere); what landed is
+  cached, so the request's ``add_remote`` finds it as its own prefix.
 
 Bytes: ``KVHandover.kv_tensor.block_bytes(block_id)`` of held, pinned or loading blocks;
 ``KVHandover.layout`` says what a block holds. A new source of external blocks (an offload
@@ -30,6 +36,7 @@ tier) or a new block layout (FP8 with scales, MLA latents) goes through the same
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,7 +45,7 @@ from pdserve.engine.kv_offload import OffloadTier, TierCorruptionError
 from pdserve.engine.kv_tensor import KVLayout, KVTensor
 from pdserve.engine.kvcache.manager import BlocksNotCachedError, KVCacheManager, KVRequest, cdiv
 
-__all__ = ["BlocksNotCachedError", "HeldKV", "KVHandover", "KVLoad", "PinnedKV", "RemotePrefill"]
+__all__ = ["BlocksNotCachedError", "HeldKV", "KVHandover", "KVLoad", "PinnedKV", "Prefetch", "RemotePrefill"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,15 @@ class HeldKV:
 @dataclass(frozen=True)
 class PinnedKV:
     """Cached full blocks referenced for one reader; give them back with ``KVHandover.unpin``."""
+
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """Blocks taken for cached KV arriving ahead of its request: ``block_ids[i]`` is to hold the
+    KV of ``block_hashes[i]``. Give them back with ``KVHandover.end_prefetch``."""
 
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
@@ -125,7 +141,8 @@ class KVHandover:
         self.kv_tensor = kv_tensor
         self.lock = lock or threading.RLock()
         self._held: dict[str, HeldKV] = {}
-        self._pins: Counter[int] = Counter()  # references taken by pin_cached, per block id
+        self._pins: Counter[int] = Counter()  # references outside requests (pins, prefetches), per block id
+        self._cached = threading.Condition(self.lock)  # notified after every engine step
         self.on_blocks_freed: Callable[[], None] | None = None
         # The engine's offload tier, if any: pin_cached restores from it what the pool lacks.
         self.tier: OffloadTier | None = None
@@ -191,6 +208,28 @@ class KVHandover:
             self._pins.update(b.block_id for b in blocks)
         return PinnedKV(tuple(b.block_id for b in blocks), hashes)
 
+    def pin_cached_prefix(self, block_hashes: Sequence[bytes], wait_s: float) -> PinnedKV:
+        """Reference the cached blocks of the longest cached prefix of ``block_hashes``, waiting up to
+        ``wait_s`` for its first block to be cached. Raises ``BlocksNotCachedError`` (the first hash)
+        when it was not in time; nothing is pinned then."""
+        hashes = tuple(bytes(h) for h in block_hashes)
+        deadline = time.monotonic() + wait_s
+        with self.lock:
+            n = self._manager.num_cached_prefix(hashes)
+            while n == 0 and (left := deadline - time.monotonic()) > 0:
+                self._cached.wait(left)
+                n = self._manager.num_cached_prefix(hashes)
+            if n == 0:
+                raise BlocksNotCachedError(list(hashes[:1]), len(hashes))
+            blocks = self._manager.pin_cached(hashes[:n])
+            self._pins.update(b.block_id for b in blocks)
+        return PinnedKV(tuple(b.block_id for b in blocks), hashes[:n])
+
+    def blocks_cached(self) -> None:
+        """Wake ``pin_cached_prefix`` waits: blocks may have been cached (the engine, after a step)."""
+        with self.lock:
+            self._cached.notify_all()
+
     def restore_from_tier(self, block_hashes: Sequence[bytes], keep: Sequence[bytes] = ()) -> bool:
         """Bring blocks back from the offload tier into the pool as cached, free blocks (a prefix
         lookup or ``pin_cached`` then finds them); ``keep``: cached hashes the room-making must
@@ -222,14 +261,21 @@ class KVHandover:
             finally:
                 self._manager.unpin(held)
 
-    def unpin(self, pinned: PinnedKV) -> None:
-        with self.lock:
+    def unpin(self, pinned: PinnedKV, wait: bool = True) -> bool:
+        """Drop ``pin_cached``'s references. ``wait`` False: only if the lock is free now (a step
+        holds it for as long as it runs); False when it was not, and nothing changed."""
+        if not self.lock.acquire(blocking=wait):
+            return False
+        try:
             blocks = [self._manager.pool.blocks[i] for i in pinned.block_ids]
             self._pins.subtract(pinned.block_ids)
             self._pins += Counter()  # drop zero counts
             self._manager.unpin(blocks)
+        finally:
+            self.lock.release()
         if self.on_blocks_freed is not None:
             self.on_blocks_freed()
+        return True
 
     # -- consumer ---------------------------------------------------------------------------
     def reserve(self, request: KVRequest, num_tokens: int) -> KVLoad | None:
@@ -268,6 +314,33 @@ class KVHandover:
             else:
                 request.num_computed_tokens = 0
                 self._manager.free(request)
+
+    def begin_prefetch(self, block_hashes: Sequence[bytes], max_blocks: int) -> Prefetch | None:
+        """Take free blocks for the hashes of ``block_hashes`` from the first one this pool does not
+        cache, at most ``max_blocks`` (fewer when the pool has fewer free); None when all are cached
+        or no block is free. The blocks are the prefetch's (no request's) until ``end_prefetch``."""
+        hashes = tuple(bytes(h) for h in block_hashes)
+        with self.lock:
+            start = self._manager.num_cached_prefix(hashes)
+            n = min(max_blocks, len(hashes) - start, self._manager.pool.get_num_free_blocks())
+            if n <= 0:
+                return None
+            blocks = self._manager.pool.get_new_blocks(n)
+            self._pins.update(b.block_id for b in blocks)
+        return Prefetch(tuple(b.block_id for b in blocks), hashes[start : start + n])
+
+    def end_prefetch(self, prefetch: Prefetch, num_written: int) -> None:
+        """The first ``num_written`` blocks of ``prefetch`` hold their hashes' KV: cache them. Every
+        block goes back to the pool (the cached ones free but found by the next prefix lookup)."""
+        pool = self._manager.pool
+        with self.lock:
+            blocks = [pool.blocks[i] for i in prefetch.block_ids]
+            pool.cache_restored_blocks(blocks[:num_written], prefetch.block_hashes[:num_written], self.block_size)
+            self._pins.subtract(prefetch.block_ids)
+            self._pins += Counter()  # drop zero counts
+            self._manager.unpin(blocks)  # the chain's tail first: evicted before its parents
+        if self.on_blocks_freed is not None:
+            self.on_blocks_freed()
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -173,12 +173,17 @@ class KVTransferClient:
         *,
         first_block: int = 0,
         timeout_s: float | None = None,
+        prefix_wait_s: float = 0.0,
     ) -> PullStats:
         """Pull blocks straight into ``kv_tensor``: block ``i`` of the pull lands in ``dest_block_ids[i]``.
 
         Name the blocks by ``lease_id`` (the lease's blocks from ``first_block`` on; the
         lease must have exactly ``len(dest_block_ids)`` of them left) or by
         ``block_hashes`` (one per destination block). The holder checks the local layout.
+        ``prefix_wait_s`` (by hash only): pull the longest prefix of the hashes the holder has cached,
+        waiting up to that long (capped by the holder) for the first (prompts still being prefilled);
+        the stats then say how many blocks landed, in ``dest_block_ids``' first places. Such pulls
+        go over the gRPC stream.
         Returns the stats (``transport``: what carried the bytes); raises a ``TransferError`` on
         any failure (module docstring).
         """
@@ -186,9 +191,12 @@ class KVTransferClient:
             raise InvalidPullError("pass exactly one of lease_id and block_hashes")
         if first_block and lease_id is None:
             raise InvalidPullError("first_block applies to lease pulls only")
+        if prefix_wait_s and block_hashes is None:
+            raise InvalidPullError("prefix_wait_s applies to pulls by hash only")
         hashes = [bytes(h) for h in block_hashes] if block_hashes is not None else None
         def receiver_for_pull() -> BlockReceiver:
-            return BlockReceiver(kv_tensor, dest_block_ids, first_block if lease_id is not None else 0, hashes)
+            first = first_block if lease_id is not None else 0
+            return BlockReceiver(kv_tensor, dest_block_ids, first, hashes, prefix=prefix_wait_s > 0)
 
         receiver = receiver_for_pull()
         request = pb.PullRequest(
@@ -196,6 +204,7 @@ class KVTransferClient:
             expected_layout=layout_to_proto(LayoutSpec.from_layout(kv_tensor.layout)),
             max_chunk_bytes=self.config.chunk_bytes,
             max_blocks_per_chunk=self.config.max_blocks_per_chunk,
+            prefix_wait_ms=min(round(prefix_wait_s * 1000), 1 << 31) if prefix_wait_s > 0 else 0,
         )
         if lease_id is not None:
             request.lease_id = lease_id
@@ -207,7 +216,7 @@ class KVTransferClient:
         deadline = time.monotonic() + timeout  # both transports' tries together
         call = None
         try:
-            socket_path = self._shm_socket()
+            socket_path = None if prefix_wait_s else self._shm_socket()  # a prefix pull goes by the stream
             if socket_path is not None:
                 try:
                     return self.shm.pull(socket_path, request, receiver, deadline)
@@ -220,7 +229,7 @@ class KVTransferClient:
                     else:
                         level = logging.DEBUG if isinstance(exc, RegionsBusy) else logging.INFO
                         logger.log(level, "shared-memory pull from %s fell back to gRPC: %s", self.address, str(exc))
-            elif self._nixl_offered():
+            elif self._nixl_offered() and not prefix_wait_s:
                 try:
                     return self.nixl.pull(request, receiver, deadline)
                 except NixlUnavailable as exc:  # the same pull over gRPC, into blocks written afresh

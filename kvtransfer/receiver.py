@@ -23,7 +23,8 @@ from pdserve.kvtransfer.wire import Chunk, PulledBlock, PullStats, checksum
 class BlockReceiver:
     """Receives one pull into ``dest_block_ids`` (block ``first_index + i`` of the pull goes to ``dest_block_ids[i]``).
 
-    ``expected_hashes`` (pulls by hash) are checked against each piece's hash.
+    ``expected_hashes`` (pulls by hash) are checked against each piece's hash. ``prefix``: the
+    holder may send only the first blocks (a prefix pull); the pull then covers what it announced.
     """
 
     def __init__(
@@ -32,6 +33,7 @@ class BlockReceiver:
         dest_block_ids: Sequence[int],
         first_index: int = 0,
         expected_hashes: Sequence[bytes] | None = None,
+        prefix: bool = False,
     ) -> None:
         ids = list(dest_block_ids)
         if not ids:
@@ -47,6 +49,7 @@ class BlockReceiver:
         self.dest = ids
         self.first_index = first_index
         self.expected_hashes = list(expected_hashes) if expected_hashes is not None else None
+        self.prefix = prefix
         self.block_nbytes = kv_tensor.layout.block_nbytes
         self.block_size = kv_tensor.layout.block_size
         self.received = [0] * len(ids)
@@ -64,6 +67,11 @@ class BlockReceiver:
             raise InvalidPullError(f"holder's blocks are {chunk.block_nbytes} bytes, local ones {self.block_nbytes}")
         totals = (chunk.total_blocks, chunk.total_tokens)
         if self._totals is None:
+            if self.prefix and 1 <= chunk.total_blocks < len(self.dest):  # the holder had the first ones only
+                n = chunk.total_blocks
+                self.dest, self.received = self.dest[:n], self.received[:n]
+                if self.expected_hashes is not None:
+                    self.expected_hashes = self.expected_hashes[:n]
             if chunk.total_blocks != len(self.dest):
                 raise InvalidPullError(
                     f"holder sends {chunk.total_blocks} blocks, {len(self.dest)} destination blocks were given"

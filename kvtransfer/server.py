@@ -110,11 +110,15 @@ class KVTransferServicer(RegionServicer, NixlServicer, pb_grpc.KVTransferService
             self.source.check_layout(layout_from_proto(request.expected_layout))
         which = request.WhichOneof("source")
         if which == "lease_id":
+            if request.prefix_wait_ms:
+                raise InvalidPullError("prefix_wait_ms applies to pulls by hash only")
             return self.source.open_lease(request.lease_id, request.first_block)
         if which == "block_hashes":
             if request.first_block:
                 raise InvalidPullError("first_block applies to lease pulls only")
-            return self.source.open_hashes(list(request.block_hashes.hashes))
+            # A prefix pull waits for blocks still being prefilled, well within the stall watchdog.
+            wait_s = min(request.prefix_wait_ms / 1000, self.config.stall_timeout_s / 2)
+            return self.source.open_hashes(list(request.block_hashes.hashes), wait_s)
         raise InvalidPullError("pull names no blocks: set lease_id or block_hashes")
 
 

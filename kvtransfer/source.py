@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pdserve.engine.kv_handover import BlocksNotCachedError, HeldKV, KVHandover
+from pdserve.engine.kv_handover import BlocksNotCachedError, HeldKV, KVHandover, PinnedKV
 from pdserve.kvtransfer.config import MAX_HASH_BYTES, TransferConfig
 from pdserve.kvtransfer.errors import BlockNotFoundError, InvalidPullError, LayoutMismatchError
 from pdserve.kvtransfer.leases import Lease, LeaseTable
@@ -67,6 +68,7 @@ class BlockSource:
         self.worker_id = worker_id
         self.leases = LeaseTable(self._free_lease, self.config.lease_ttl_s)
         self._flat = handover.kv_tensor.host_bytes()  # a CPU cache: pieces are slices of it
+        self._unpinner = ThreadPoolExecutor(1, thread_name_prefix="kv-unpin")
 
     def metadata(self) -> TransferMetadata:
         return TransferMetadata(self.model_fingerprint, self.layout, self.worker_id, self.config.chunk_bytes)
@@ -91,8 +93,10 @@ class BlockSource:
         self.handover.release(lease.request_id)
 
     def close(self) -> None:
-        """End every lease (blocks being pulled are freed when those pulls end)."""
+        """End every lease (blocks being pulled are freed when those pulls end) and wait for the
+        unpins handed to the unpinning thread."""
         self.leases.close()
+        self._unpinner.shutdown(wait=True)
 
     # -- pulls ----------------------------------------------------------------------------
     def check_layout(self, expected: LayoutSpec) -> None:
@@ -117,11 +121,12 @@ class BlockSource:
             unpin=lambda: self.leases.end_pull(lease_id),
         )
 
-    def open_hashes(self, block_hashes: Sequence[bytes]) -> PinnedBlocks:
+    def open_hashes(self, block_hashes: Sequence[bytes], prefix_wait_s: float = 0.0) -> PinnedBlocks:
         """Pin the cached blocks with these hashes for one pull.
 
         Raises ``BlockNotFoundError`` listing every hash not in the prefix cache; nothing
-        is pinned then.
+        is pinned then. With ``prefix_wait_s`` > 0: the longest cached prefix of them, waiting that
+        long for the first (``KVHandover.pin_cached_prefix``).
         """
         if not block_hashes:
             raise InvalidPullError("a pull by hash needs at least one hash")
@@ -129,7 +134,10 @@ class BlockSource:
             if not 0 < len(h) <= MAX_HASH_BYTES:
                 raise InvalidPullError(f"block hash of {len(h)} bytes (expected 1..{MAX_HASH_BYTES})")
         try:
-            pinned = self.handover.pin_cached(block_hashes)
+            if prefix_wait_s > 0:
+                pinned = self.handover.pin_cached_prefix(block_hashes, prefix_wait_s)
+            else:
+                pinned = self.handover.pin_cached(block_hashes)
         except BlocksNotCachedError as exc:
             raise BlockNotFoundError(f"{exc} (worker {self.worker_id!r})", missing_hashes=exc.missing) from None
         return PinnedBlocks(
@@ -137,8 +145,14 @@ class BlockSource:
             indices=list(range(len(pinned.block_ids))),
             hashes=list(pinned.block_hashes),
             num_tokens=[self.handover.block_size] * len(pinned.block_ids),
-            unpin=lambda: self.handover.unpin(pinned),
+            unpin=lambda: self._unpin(pinned),
         )
+
+    def _unpin(self, pinned: PinnedKV) -> None:
+        """Unpin now if the engine's lock is free, else on the unpinning thread once the step holding
+        it ends: a pull's end (the stream's status, a region or NIXL answer) never waits for a step."""
+        if not self.handover.unpin(pinned, wait=False):
+            self._unpinner.submit(self.handover.unpin, pinned)
 
     def chunks(self, pinned: PinnedBlocks, chunk_bytes: int, max_pieces: int) -> Iterator[Chunk]:
         """The pinned blocks as stream chunks, lazily: a chunk references only its own pieces' bytes."""

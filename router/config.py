@@ -22,6 +22,10 @@ class RouterConfig:
     kv_policy: str = "threshold"
     # Uncached prompt tokens at or below this are prefilled on the decode worker (no transfer).
     local_prefill_threshold: int = 32
+    # A prompt with at least this many tokens to prefill on a prefill worker is also prefetched: its
+    # decode worker pulls the blocks the prefill worker has computed while later chunks compute
+    # (decode_worker/prefetch.py), so only the last chunk's blocks cross after the prefill. 0: never.
+    kv_prefetch_min_tokens: int = 1024
     # score = overlap_tokens - load_weight * queued_tokens
     load_weight: float = 1.0
     # A decode worker's queued tokens count each request's prompt and at most this many of its
@@ -69,7 +73,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
-        for name in ("local_prefill_threshold", "decode_retries", "max_queued"):
+        for name in ("local_prefill_threshold", "decode_retries", "max_queued", "kv_prefetch_min_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")

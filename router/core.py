@@ -55,6 +55,11 @@ class WorkerClient(Protocol):
     def release(self, worker_id: str, lease_id: str) -> None:
         """Fire and forget: end a lease that no decode worker took over."""
 
+    def prefetch(self, decode_id: str, spec: RequestSpec, prefill_id: str) -> None:
+        """Fire and forget: have the decode worker pull the prompt's blocks from the prefill worker
+        while it prefills them (a no-op where the client cannot, e.g. the prefill worker's address
+        is not known yet)."""
+
     async def ping(self, worker_id: str) -> object:
         """Returns when the worker answers; raises when it cannot (asked only of workers that are down)."""
 
@@ -199,6 +204,9 @@ class RouterCore:
         computed_on_prefill = prompt_len - route.overlaps.get(p, 0) * bs
         if not self._pulls(route.decode, missing_on_decode, p, computed_on_prefill):
             return None
+        min_tokens = cfg.kv_prefetch_min_tokens
+        if min_tokens and computed_on_prefill >= min_tokens and missing_on_decode >= min_tokens:
+            self.workers.prefetch(route.decode, spec, p)  # beside the prefill: its blocks as they are computed
         return await self._prefill(spec, p, computed_on_prefill)
 
     def _pulls(self, d: str, missing_on_decode: int, p: str, computed_on_prefill: int) -> bool:

@@ -31,11 +31,14 @@ class RayWorkers:
         self.prefill_ids = list(prefill)
         self.decode_ids = list(decode)
         self._cleanups: set[asyncio.Task[None]] = set()
+        self._addresses: dict[str, str] = {}  # prefill worker -> its KV-transfer address, as its last result said
 
     async def prefill(self, worker_id: str, spec: RequestSpec) -> PrefillResult:
         ref = self.prefill_handles[worker_id].prefill.remote(spec)
         try:
-            return await ref
+            result: PrefillResult = await ref
+            self._addresses[worker_id] = result.address
+            return result
         except RayActorError as exc:
             raise WorkerUnavailableError(f"prefill worker {worker_id} is unavailable: {exc}") from exc
         except asyncio.CancelledError:
@@ -53,6 +56,14 @@ class RayWorkers:
         handle = self.prefill_handles.get(worker_id)
         if handle is not None:
             handle.release_request.remote(request_id)  # not awaited; idempotent
+
+    def prefetch(self, decode_id: str, spec: RequestSpec, prefill_id: str) -> None:
+        """Fire and forget (the decode worker declines what it cannot take); only once a prefill
+        result has told this prefill worker's address (a restarted worker's new one comes with its next)."""
+        address = self._addresses.get(prefill_id)
+        handle = self.decode_handles.get(decode_id)
+        if address is not None and handle is not None:
+            handle.prefetch.remote(spec, address)  # not awaited: a prefetch only saves time
 
     async def ping(self, worker_id: str) -> object:
         """The worker's ``ready`` answer (its registry info); raises while its actor cannot answer."""

@@ -2,7 +2,8 @@
 
 The engine's numbers are read at scrape time (``LLMEngine.stats``), so the serving path does no
 metrics work for them; the transfer metrics are recorded by the pulls (bytes, blocks and durations
-per ``transport``: ``grpc`` or ``shm``). Every series carries the ``worker`` label. The router
+per ``transport``: ``grpc``, ``shm`` or ``nixl``; blocks prefetched while their prompt was still
+being prefilled also count on their own). Every series carries the ``worker`` label. The router
 gathers these families from every worker for its ``/metrics``.
 """
 
@@ -81,6 +82,9 @@ class WorkerMetrics:
         }
         self._failures = Counter("pdserve_kv_transfer_failures", "KV pulls that failed (the prompt was recomputed).",
                                  ["worker"], registry=r).labels(worker=worker_id)  # fmt: skip
+        self._prefetched = Counter("pdserve_kv_prefetch_blocks", "KV blocks pulled while their prompt was still "
+                                   "being prefilled (decode_worker/prefetch.py).", ["worker"],
+                                   registry=r).labels(worker=worker_id)  # fmt: skip
 
     def transfer_done(self, num_bytes: int, num_blocks: int, seconds: float, transport: str = "grpc") -> None:
         """One pull that landed; ``transport`` carried its bytes (``PullStats.transport``)."""
@@ -88,6 +92,14 @@ class WorkerMetrics:
         bytes_.inc(num_bytes)
         blocks.inc(num_blocks)
         hist.observe(max(seconds, 0.0))
+
+    def prefetched(self, num_bytes: int, num_blocks: int, transport: str) -> None:
+        """One prefetch round that landed: counted with the transfers' bytes and blocks, not in the
+        per-request pull durations (a round includes the holder's wait for the next block)."""
+        bytes_, blocks, _ = self._transfers[transport]
+        bytes_.inc(num_bytes)
+        blocks.inc(num_blocks)
+        self._prefetched.inc(num_blocks)
 
     def transfer_failed(self) -> None:
         self._failures.inc()

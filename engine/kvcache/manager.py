@@ -302,6 +302,15 @@ class KVCacheManager:
         self.pool.touch(blocks)
         return blocks
 
+    def num_cached_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        """How many of ``block_hashes``, from the first on, are cached (stopping at the first that is not)."""
+        n = 0
+        for h in block_hashes:
+            if self.pool.get_cached_block(h) is None:
+                break
+            n += 1
+        return n
+
     def unpin(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Drop the references ``pin_cached`` took (chain tail first: evicted before its parents)."""
         self.pool.free_blocks(reversed(blocks))

@@ -57,20 +57,22 @@ class BlockHashes(_message.Message):
     def __init__(self, hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("lease_id", "block_hashes", "first_block", "expected_layout", "max_chunk_bytes", "max_blocks_per_chunk")
+    __slots__ = ("lease_id", "block_hashes", "first_block", "expected_layout", "max_chunk_bytes", "max_blocks_per_chunk", "prefix_wait_ms")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     block_hashes: BlockHashes
     first_block: int
     expected_layout: KVLayoutSpec
     max_chunk_bytes: int
     max_blocks_per_chunk: int
-    def __init__(self, lease_id: _Optional[str] = ..., block_hashes: _Optional[_Union[BlockHashes, _Mapping]] = ..., first_block: _Optional[int] = ..., expected_layout: _Optional[_Union[KVLayoutSpec, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., max_blocks_per_chunk: _Optional[int] = ...) -> None: ...
+    prefix_wait_ms: int
+    def __init__(self, lease_id: _Optional[str] = ..., block_hashes: _Optional[_Union[BlockHashes, _Mapping]] = ..., first_block: _Optional[int] = ..., expected_layout: _Optional[_Union[KVLayoutSpec, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., max_blocks_per_chunk: _Optional[int] = ..., prefix_wait_ms: _Optional[int] = ...) -> None: ...
 
 class BlockPiece(_message.Message):
     __slots__ = ("index", "block_hash", "num_tokens", "offset", "data", "checksum")

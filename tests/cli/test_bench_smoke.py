@@ -70,6 +70,17 @@ def test_transfer_bench_moves_the_bytes_every_way() -> None:
             assert "nixl_bare" not in r
 
 
+def test_overlap_bench_hands_over_with_and_without_prefetch(tmp_path: Path) -> None:
+    from pdserve.engine.model import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path / "tiny", seed=3))
+    out = bench("overlap", "--model", model, "--prompt-tokens", "160", "--chunk", "32", "--repeats", "1")
+    off, on = out["modes"]["off"], out["modes"]["on"]
+    assert off["prefetched"] == 0 and off["pulled_after_prefill"] == 160  # the whole prompt by lease
+    assert on["prefetched"] % 16 == 0 and on["prefetched"] + on["pulled_after_prefill"] == 160
+    assert out["transport"] == "grpc" and out["handover_saved_ms"] == off["handover_ms"] - on["handover_ms"]
+
+
 def test_serve_bench_tenant_salts_are_new_each_run_unless_fixed() -> None:
     """Two runs against one service: the same prompts under salts the cluster has not seen, so the
     second starts as cold as the first; a fixed --run-id reruns warm on purpose."""

@@ -3,6 +3,8 @@ local prefix reuse, failure and abort during a load), against a single engine's 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from pdserve import LLM, SamplingParams
@@ -218,3 +220,64 @@ def test_handoff_blocks_are_held_until_released(model: str) -> None:
     assert not eng.abort(out.request_id)  # finished here: only a release frees it
     assert eng.handover.release(out.request_id)
     assert_idle(eng)
+
+
+def test_a_reader_takes_a_prompts_blocks_chunk_by_chunk_while_it_is_prefilled(model: str) -> None:
+    """With a 16-token step, a 40-token prompt's blocks are cached two per step: a prefix pin takes
+    what is cached, waits (woken by the step) for the first block not yet there, and gives up after
+    its wait when none comes."""
+    src = LLM(model, num_blocks=32, block_size=BS, max_num_batched_tokens=16).engine
+    prompt = list(range(3, 43))
+    hashes = block_hashes(prompt, BS, src.config.cache.hash_seed)
+    with pytest.raises(BlocksNotCachedError):
+        src.handover.pin_cached_prefix(hashes, 0.01)  # nothing computed yet
+    req = src.make_request(prompt, SamplingParams(max_tokens=4), handoff=True)
+    src.enqueue(req)
+    src.step()  # tokens 0-15: blocks 0 and 1
+    pinned = src.handover.pin_cached_prefix(hashes, 0.0)
+    assert pinned.block_hashes == tuple(hashes[:2])
+    src.handover.unpin(pinned)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(src.handover.pin_cached_prefix(hashes[2:], 30.0)))
+    waiter.start()
+    src.step()  # tokens 16-31: blocks 2 and 3, and the waiter wakes
+    waiter.join(30)
+    assert not waiter.is_alive() and got[0].block_hashes == tuple(hashes[2:4])
+    src.handover.unpin(got[0])
+    assert run(src)[-1].finish_reason == "handoff" and src.handover.release(req.request_id)
+    assert_idle(src)
+
+
+def test_prefetched_blocks_are_cached_and_a_request_finds_them_as_its_prefix(model: str) -> None:
+    """A prefetch takes free blocks for the hashes the pool lacks; what landed is cached (the next
+    load finds it as a local hit and reserves only the rest), the rest is freed; nothing leaks."""
+    src, dst = engine(model), engine(model)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = list(range(7, 43))  # 36 tokens: 4 full blocks and a partial one
+    done = prefill_handoff(src, prompt, params)
+    held = done.kv_handoff
+    hashes = list(held.block_hashes)
+    prefetch = dst.handover.begin_prefetch(hashes, 3)
+    assert prefetch is not None and prefetch.block_hashes == tuple(hashes[:3])
+    for i, block_id in enumerate(prefetch.block_ids[:2]):  # two of the three land
+        dst.kv_tensor.block(block_id).copy_(src.kv_tensor.block(held.block_ids[i]))
+    dst.handover.end_prefetch(prefetch, 2)
+    dst.handover.check_invariants()
+    assert dst.kv_usage().free_blocks == dst.kv_usage().num_blocks  # cached, but free
+    again = dst.handover.begin_prefetch(hashes, 8)
+    assert again is not None and again.block_hashes == tuple(hashes[2:])  # from the first one missing
+    dst.handover.end_prefetch(again, 0)
+    req = dst.make_request(prompt, params)
+    load = dst.add_remote(req, RemotePrefill(len(prompt), tuple(done.new_token_ids)))
+    assert load is not None and load.num_local_hit_tokens == 2 * BS and load.first_block == 2
+    for s_id, d_id in zip(held.block_ids[2:], load.block_ids):
+        dst.kv_tensor.block(d_id).copy_(src.kv_tensor.block(s_id))
+    assert dst.begin_load(req.request_id)
+    dst.finish_load(req.request_id, ok=True)
+    outs = run(dst)
+    one = LLM(model, num_blocks=32, block_size=BS).generate([prompt], params)[0].token_ids
+    assert list(done.new_token_ids) + [t for o in outs for t in o.new_token_ids] == one
+    assert src.handover.release(held.request_id)
+    assert dst.handover.begin_prefetch(hashes[:4], 8) is None  # all four cached now
+    assert_idle(src)
+    assert_idle(dst)

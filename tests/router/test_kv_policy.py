@@ -34,6 +34,7 @@ class TimedWorkers:
     def __init__(self, prefill_s: float, local_s: float, pull_s: float) -> None:
         self.prefill_s, self.local_s, self.pull_s = prefill_s, local_s, pull_s
         self.paths: list[str] = []
+        self.prefetched: list[tuple[str, str, str]] = []
 
     async def prefill(self, worker_id: str, spec: RequestSpec) -> PrefillResult:
         await asyncio.sleep(self.prefill_s * len(spec.prompt_token_ids))
@@ -50,6 +51,9 @@ class TimedWorkers:
             self.paths.append("pull")
             await asyncio.sleep(self.pull_s * n)
             yield DecodeEvent(spec.request_id, (1,), True, "length", 0, n, pull_bytes=n * KV_BYTES_PER_TOKEN)
+
+    def prefetch(self, decode_id: str, spec: RequestSpec, prefill_id: str) -> None:
+        self.prefetched.append((decode_id, spec.request_id, prefill_id))  # no KV moves between these workers
 
     def release(self, worker_id: str, lease_id: str) -> None:
         pass
@@ -95,3 +99,28 @@ def test_fixed_policies_take_one_path(redis_server) -> None:  # noqa: ANN001
         assert workers.paths == [path] * 4
     with pytest.raises(ValueError, match="kv_policy must be one of threshold, auto, pull, recompute"):
         RouterConfig(kv_policy="sometimes")
+
+
+def test_long_prompts_pulled_from_a_prefill_worker_are_prefetched_beside_it(redis_server) -> None:  # noqa: ANN001
+    """A prompt of at least ``kv_prefetch_min_tokens`` that goes to a prefill worker has its decode
+    worker asked to prefetch it, before the prefill ends; shorter ones, recomputed ones, or with
+    prefetching off (0) are not."""
+    for min_tokens, policy, prefetched in ((150, "pull", ["r1"]), (0, "pull", []), (150, "recompute", [])):
+        index = IndexConfig(redis_server.url, namespace=unique_namespace())
+        workers = TimedWorkers(prefill_s=0, local_s=0, pull_s=0)
+        config = RouterConfig(kv_policy=policy, kv_prefetch_min_tokens=min_tokens)
+        core = RouterCore(config, CacheConfig(block_size=16), workers, PrefixLookup(index), StatsRecorder(index))
+
+        async def serve() -> None:
+            for rid, n in (("r0", 100), ("r1", 200)):
+                async for _ in core.generate(RequestSpec(rid, tuple(range(n)), SamplingParams(max_tokens=1))):
+                    pass
+
+        try:
+            asyncio.run(serve())
+        finally:
+            core.close()
+        assert [rid for _, rid, _ in workers.prefetched] == prefetched
+        assert all(d == "d0" and p == "p0" for d, _, p in workers.prefetched)
+    with pytest.raises(ValueError, match="kv_prefetch_min_tokens"):
+        RouterConfig(kv_prefetch_min_tokens=-1)

@@ -52,6 +52,9 @@ class ScriptedWorkers:
         if self.fail:
             raise WorkerUnavailableError("decode worker d0 died")
 
+    def prefetch(self, decode_id: str, spec: RequestSpec, prefill_id: str) -> None:
+        pass  # no KV moves between these scripted workers
+
     def release(self, worker_id: str, lease_id: str) -> None:
         pass
 

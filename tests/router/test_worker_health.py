@@ -56,6 +56,9 @@ class Fleet:
             raise WorkerUnavailableError("decode worker d0 is unavailable")
         yield DecodeEvent(spec.request_id, (9,), True, "length", 0, 0)
 
+    def prefetch(self, decode_id: str, spec: RequestSpec, prefill_id: str) -> None:
+        pass  # no KV moves between these scripted workers
+
     def release(self, worker_id: str, lease_id: str) -> None:
         self.released.append((worker_id, lease_id))
 
