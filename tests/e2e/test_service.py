@@ -290,3 +290,23 @@ def test_reused_client_request_id_is_isolated(service) -> None:
     ref = LLM(svc.model_dir, num_blocks=64).generate([a, b], GREEDY)
     assert [g.token_ids for g in got] == [ref[0].token_ids, ref[1].token_ids] * 2
     assert wait_until(lambda: all_idle(svc), timeout=30)
+
+
+def test_a_decode_actor_prefetches_a_prompt_its_prefill_actor_computed(service) -> None:
+    """The Ray hop of the overlap (``DecodeWorker.prefetch``, as the router's ``RayWorkers`` sends it):
+    a prompt prefilled on the prefill actor only is pulled by hash into the decode actor's cache."""
+    svc, _ = service
+    (p, prefill), (d, decode) = next(iter(svc.prefill.items())), next(iter(svc.decode.items()))
+    spec = RequestSpec("prefetch-e2e", tuple(prompt_ids(300, 80)), SamplingParams(max_tokens=4), cache_salt="pf-e2e")
+    result = ray.get(prefill.prefill.remote(spec), timeout=60)
+    assert result.lease_id and result.worker_id == p
+
+    def prefetched() -> float:
+        families = ray.get(decode.metrics.remote(), timeout=30)
+        return sum(s.value for f in families for s in f.samples if s.name == "pdserve_kv_prefetch_blocks_total")
+
+    before = prefetched()
+    assert ray.get(decode.prefetch.remote(spec, result.address), timeout=30)
+    assert wait_until(lambda: prefetched() - before == 80 // 16, timeout=30), (d, prefetched() - before)
+    ray.get(prefill.release.remote(result.lease_id), timeout=30)
+    assert wait_until(lambda: all_idle(svc), timeout=30)
