@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -60,6 +62,17 @@ def nixl_installed() -> bool:
     return True
 
 
+@contextmanager
+def _as_unavailable(doing: str) -> Iterator[None]:
+    """The library's own errors (its exception types, RuntimeError) as ``NixlUnavailable``."""
+    try:
+        yield
+    except NixlUnavailable:
+        raise
+    except Exception as exc:  # noqa: BLE001 - nixl raises its own types
+        raise NixlUnavailable(f"NIXL failed {doing}: {type(exc).__name__}: {exc}") from None
+
+
 def _descs(addrs: np.ndarray, nbytes: int, device: int = 0) -> np.ndarray:
     """NIXL's Nx3 descriptor array: address, length, device id (a GPU's index; 0 for host memory)."""
     out = np.zeros((len(addrs), 3), dtype=np.uint64)
@@ -97,8 +110,9 @@ class NixlAgent:
 
     # -- memory ---------------------------------------------------------------------------
     def register(self, tensor: torch.Tensor) -> Any:
-        """Register a contiguous tensor's memory (host or device); the handle ``unregister`` takes."""
-        with self._lock:
+        """Register a contiguous tensor's memory (host or device); the handle ``unregister`` takes.
+        Raises ``NixlUnavailable`` when the library refuses."""
+        with self._lock, _as_unavailable("registering memory"):
             return self._agent.register_memory(tensor)
 
     def unregister(self, handle: Any) -> None:
@@ -107,7 +121,7 @@ class NixlAgent:
 
     def partial_metadata(self, handle: Any) -> bytes:
         """Metadata that lets a peer reach this agent and the one registration ``handle``, no other."""
-        with self._lock:
+        with self._lock, _as_unavailable("making metadata"):
             return self._agent.get_partial_agent_metadata(handle, True)
 
     # -- peers ----------------------------------------------------------------------------
@@ -171,7 +185,7 @@ class NixlAgent:
 
     def poll_notifs(self) -> list[bytes]:
         """Progress this agent's worker and take the notifications that arrived since the last call."""
-        with self._lock:
+        with self._lock, _as_unavailable("progressing"):
             new = self._agent.get_new_notifs()
         return [msg for msgs in new.values() for msg in msgs]
 

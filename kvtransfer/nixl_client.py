@@ -52,7 +52,11 @@ class _Region:
         self.nbytes = nbytes
         self.addr = self.tensor.data_ptr()
         self.handle = agent.register(self.tensor)
-        self.metadata = agent.partial_metadata(self.handle)
+        try:
+            self.metadata = agent.partial_metadata(self.handle)
+        except NixlUnavailable:
+            agent.unregister(self.handle)
+            raise
         self.last_used = time.monotonic()
 
 
@@ -188,7 +192,8 @@ class NixlPuller:
             if self._region is None:
                 self._region = _Region(self._agent, self.config.nixl_region_bytes)
         except NixlUnavailable as exc:
-            self._off = exc
+            if exc.permanent:  # no agent in this process: NIXL is off for this client
+                self._off = exc
             raise
         return self._region
 
