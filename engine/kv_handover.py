@@ -317,12 +317,13 @@ class KVHandover:
 
     def begin_prefetch(self, block_hashes: Sequence[bytes], max_blocks: int) -> Prefetch | None:
         """Take free blocks for the hashes of ``block_hashes`` from the first one this pool does not
-        cache, at most ``max_blocks`` (fewer when the pool has fewer free); None when all are cached
-        or no block is free. The blocks are the prefetch's (no request's) until ``end_prefetch``."""
+        cache, at most ``max_blocks`` and half the free blocks (a prefetch only saves time: it must not
+        crowd out running requests, nor evict much of the prefix cache); None when all are cached or
+        too few blocks are free. The blocks are the prefetch's (no request's) until ``end_prefetch``."""
         hashes = tuple(bytes(h) for h in block_hashes)
         with self.lock:
             start = self._manager.num_cached_prefix(hashes)
-            n = min(max_blocks, len(hashes) - start, self._manager.pool.get_num_free_blocks())
+            n = min(max_blocks, len(hashes) - start, self._manager.pool.get_num_free_blocks() // 2)
             if n <= 0:
                 return None
             blocks = self._manager.pool.get_new_blocks(n)
