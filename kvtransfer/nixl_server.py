@@ -29,10 +29,10 @@ import torch
 from pdserve.engine.cpu_threads import single_threaded_torch
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.errors import InvalidPullError, TransferError
-from pdserve.kvtransfer.guard import PullGuard, peer_host
+from pdserve.kvtransfer.guard import peer_host
 from pdserve.kvtransfer.nixl import NixlAgent, NixlUnavailable, memory_of
-from pdserve.kvtransfer.source import BlockSource, PinnedBlocks
-from pdserve.kvtransfer.status import abort
+from pdserve.kvtransfer.source import PinnedBlocks
+from pdserve.kvtransfer.status import ServicerPart, abort
 from pdserve.kvtransfer.wire import checksum
 from pdserve.v1 import kvtransfer_pb2 as pb
 
@@ -101,18 +101,10 @@ class NixlExporter:
         self.agent.unregister(self._registration)
 
 
-class NixlServicer:
-    """The PullNixl call; the servicer supplies ``nixl`` (None: no NIXL transport), ``guard``,
-    ``config``, ``source`` and ``_open`` (a PullRequest's blocks, pinned)."""
+class NixlServicer(ServicerPart):
+    """The PullNixl call; the servicer also supplies ``nixl`` (None: no NIXL transport)."""
 
     nixl: NixlExporter | None
-    guard: PullGuard
-    config: TransferConfig
-    source: BlockSource
-
-    def _open(self, request: pb.PullRequest) -> PinnedBlocks:
-        """Supplied by the servicer: Pull's checks and pins (``KVTransferServicer._open``)."""
-        raise NotImplementedError
 
     def PullNixl(self, request: pb.PullNixlRequest, context: grpc.ServicerContext) -> pb.PullNixlResponse:
         nixl = self.nixl

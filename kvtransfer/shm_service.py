@@ -14,30 +14,20 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.errors import InvalidPullError, TransferError
-from pdserve.kvtransfer.guard import PullGuard, peer_host
+from pdserve.kvtransfer.guard import peer_host
 from pdserve.kvtransfer.protoconv import pull_offer_to_proto
 from pdserve.kvtransfer.shm import MAX_REGION_BYTES, MIN_REGION_BYTES, PullOffer, RegionBlock
 from pdserve.kvtransfer.shm_ring import HolderPull
 from pdserve.kvtransfer.shm_server import HolderRegion, ShmExporter
-from pdserve.kvtransfer.source import BlockSource, PinnedBlocks
-from pdserve.kvtransfer.status import abort, clamp
+from pdserve.kvtransfer.status import ServicerPart, abort, clamp
 from pdserve.v1 import kvtransfer_pb2 as pb
 
 
-class RegionServicer:
-    """The two calls; the servicer supplies ``shm`` (None: no same-host transport), ``guard``,
-    ``config``, ``source`` and ``_open`` (a PullRequest's blocks, pinned)."""
+class RegionServicer(ServicerPart):
+    """The two calls; the servicer also supplies ``shm`` (None: no same-host transport)."""
 
     shm: ShmExporter | None
-    guard: PullGuard
-    config: TransferConfig
-    source: BlockSource
-
-    def _open(self, request: pb.PullRequest) -> PinnedBlocks:
-        """Supplied by the servicer: Pull's checks and pins (``KVTransferServicer._open``)."""
-        raise NotImplementedError
 
     def AttachRegion(self, request: pb.AttachRegionRequest, context: grpc.ServicerContext) -> pb.AttachRegionResponse:
         shm, n = self.shm, request.region_bytes

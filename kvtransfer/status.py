@@ -1,4 +1,5 @@
-"""How the holder's servicer answers: a ``TransferError`` as a gRPC status, and the puller's caps.
+"""How the holder's servicer answers: a ``TransferError`` as a gRPC status, the puller's caps, and what
+a transport's calls take from the servicer (``ServicerPart``).
 
 Shared by the stream (``kvtransfer.server``) and the same-host calls (``kvtransfer.shm_service``), so
 that a pull fails with the same status whichever transport was asked for.
@@ -6,12 +7,18 @@ that a pull fails with the same status whichever transport was asked for.
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
 
 from pdserve.kvtransfer.errors import BlockNotFoundError, InvalidPullError, LayoutMismatchError, TransferError
 from pdserve.kvtransfer.wire import MISSING_HASHES_KEY
+
+if TYPE_CHECKING:  # annotations only: the servicer's parts import this module
+    from pdserve.kvtransfer.config import TransferConfig
+    from pdserve.kvtransfer.guard import PullGuard
+    from pdserve.kvtransfer.source import BlockSource, PinnedBlocks
+    from pdserve.v1 import kvtransfer_pb2 as pb
 
 _MAX_MISSING_IN_METADATA = 64  # keeps the trailer far below gRPC's header size limit
 
@@ -36,3 +43,17 @@ def abort(context: grpc.ServicerContext, exc: TransferError) -> NoReturn:
         code = grpc.StatusCode.INTERNAL
     context.abort(code, str(exc))
     raise AssertionError("unreachable: context.abort raises")
+
+
+class ServicerPart:
+    """What a transport's calls (``shm_service.RegionServicer``, ``nixl_server.NixlServicer``) take from
+    the ``KVTransferServicer`` they are part of: its ``guard``, ``config`` and ``source``, and ``_open``
+    (a PullRequest's checks and pinned blocks, as Pull has them)."""
+
+    guard: PullGuard
+    config: TransferConfig
+    source: BlockSource
+
+    def _open(self, request: pb.PullRequest) -> PinnedBlocks:
+        """Supplied by the servicer (``KVTransferServicer._open``)."""
+        raise NotImplementedError

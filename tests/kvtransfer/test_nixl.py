@@ -36,6 +36,7 @@ from tests.kvtransfer.test_transfer import (
     expected,
     local_worker,
     pull,
+    running,
 )
 from tests.support.polling import wait_until
 from tests.support.transfer_peer import block_data
@@ -83,14 +84,9 @@ def all_released(holder: Holder, leases: list[str]) -> bool:
 def nixl_peers():
     if not nixl_installed():
         pytest.skip("NIXL is not installed (pip install 'pdserve[nixl]')")
-    started = {"main": Peer("--nixl"), "stall": Peer("--nixl", "--stall-nixl-from-block", "1", "--stall-s", "30")}
-    try:
-        for p in started.values():
-            assert p.info["port"] > 0
+    with running({"main": Peer("--nixl"),
+                  "stall": Peer("--nixl", "--stall-nixl-from-block", "1", "--stall-s", "30")}) as started:  # fmt: skip
         yield started
-    finally:
-        for p in started.values():
-            p.kill()
 
 
 @requires_nixl

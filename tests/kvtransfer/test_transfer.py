@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -93,16 +94,9 @@ class Peer:
         self.proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def peers() -> Iterator[dict[str, Peer]]:
-    # Started together so their (torch-import) startup overlaps.
-    started = {
-        "main": Peer(),
-        "corrupt": Peer("--corrupt-chunk", "1"),
-        "stall": Peer("--stall-after-chunk", "0", "--stall-s", "30"),
-        "doomed": Peer("--stall-after-chunk", "0", "--stall-s", "30"),
-        "other": Peer("--head-dim", "16"),
-    }
+@contextmanager
+def running(started: dict[str, Peer]) -> Iterator[dict[str, Peer]]:
+    """Peers started together (their torch imports overlap), each waited for, all killed at the end."""
     try:
         for p in started.values():
             assert p.info["port"] > 0
@@ -110,6 +104,18 @@ def peers() -> Iterator[dict[str, Peer]]:
     finally:
         for p in started.values():
             p.kill()
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[dict[str, Peer]]:
+    with running({
+        "main": Peer(),
+        "corrupt": Peer("--corrupt-chunk", "1"),
+        "stall": Peer("--stall-after-chunk", "0", "--stall-s", "30"),
+        "doomed": Peer("--stall-after-chunk", "0", "--stall-s", "30"),
+        "other": Peer("--head-dim", "16"),
+    }) as started:  # fmt: skip
+        yield started
 
 
 def local_worker() -> tuple[KVCacheManager, KVHandover]:
