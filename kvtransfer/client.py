@@ -183,7 +183,7 @@ class KVTransferClient:
         ``prefix_wait_s`` (by hash only): pull the longest prefix of the hashes the holder has cached,
         waiting up to that long (capped by the holder) for the first (prompts still being prefilled);
         the stats then say how many blocks landed, in ``dest_block_ids``' first places. Such pulls
-        go over the gRPC stream.
+        go by shared memory or the gRPC stream, not NIXL.
         Returns the stats (``transport``: what carried the bytes); raises a ``TransferError`` on
         any failure (module docstring).
         """
@@ -216,7 +216,7 @@ class KVTransferClient:
         deadline = time.monotonic() + timeout  # both transports' tries together
         call = None
         try:
-            socket_path = None if prefix_wait_s else self._shm_socket()  # a prefix pull goes by the stream
+            socket_path = self._shm_socket()
             if socket_path is not None:
                 try:
                     return self.shm.pull(socket_path, request, receiver, deadline)
@@ -229,7 +229,7 @@ class KVTransferClient:
                     else:
                         level = logging.DEBUG if isinstance(exc, RegionsBusy) else logging.INFO
                         logger.log(level, "shared-memory pull from %s fell back to gRPC: %s", self.address, str(exc))
-            elif self._nixl_offered() and not prefix_wait_s:
+            elif self._nixl_offered() and not prefix_wait_s:  # NIXL windows need the whole pull's size up front
                 try:
                     return self.nixl.pull(request, receiver, deadline)
                 except NixlUnavailable as exc:  # the same pull over gRPC, into blocks written afresh

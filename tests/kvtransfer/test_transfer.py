@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 import torch
@@ -173,15 +174,20 @@ def test_pull_by_hash_from_prefix_cache(peers: dict[str, Peer]) -> None:
     assert [b.block_hash for b in stats.blocks] == hashes
 
 
-def test_a_prefix_pull_takes_the_cached_blocks_before_the_first_missing_one(peers: dict[str, Peer]) -> None:
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_a_prefix_pull_takes_the_cached_blocks_before_the_first_missing_one(peers: dict[str, Peer],
+                                                                            transport: str) -> None:  # fmt: skip
     """``prefix_wait_s``: the holder sends the longest cached prefix of the hashes (the blocks of a
-    prompt it is still prefilling); none cached within the wait is NOT_FOUND; a lease pull cannot ask."""
+    prompt it is still prefilling), by either transport; none cached within the wait is NOT_FOUND; a
+    lease pull cannot ask."""
     peer = peers["main"]
     hashes = [bytes.fromhex(h) for h in peer.request("cached-0")["block_hashes"]]
     later = [bytes([7]) * 16, bytes([8]) * 16]  # blocks the holder has not computed (yet)
     kv = local_worker()[1].kv_tensor
-    with KVTransferClient(peer.address, CFG) as client:
+    with KVTransferClient(peer.address, replace(CFG, shm=transport == "shm")) as client:
+        client.metadata()  # what negotiates the transport
         stats = client.pull_into(kv, [3, 4, 5, 6, 7, 8], block_hashes=hashes + later, prefix_wait_s=0.05)
+        assert stats.transport == transport
         assert (stats.num_blocks, stats.num_tokens) == (4, 16) and [b.block_id for b in stats.blocks] == [3, 4, 5, 6]
         for j in range(4):
             assert torch.equal(kv.block(3 + j), expected("cached-0", j))
