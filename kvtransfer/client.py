@@ -194,6 +194,7 @@ class KVTransferClient:
         if prefix_wait_s and block_hashes is None:
             raise InvalidPullError("prefix_wait_s applies to pulls by hash only")
         hashes = [bytes(h) for h in block_hashes] if block_hashes is not None else None
+
         def receiver_for_pull() -> BlockReceiver:
             first = first_block if lease_id is not None else 0
             return BlockReceiver(kv_tensor, dest_block_ids, first, hashes, prefix=prefix_wait_s > 0)
@@ -204,7 +205,7 @@ class KVTransferClient:
             expected_layout=layout_to_proto(LayoutSpec.from_layout(kv_tensor.layout)),
             max_chunk_bytes=self.config.chunk_bytes,
             max_blocks_per_chunk=self.config.max_blocks_per_chunk,
-            prefix_wait_ms=min(round(prefix_wait_s * 1000), 1 << 31) if prefix_wait_s > 0 else 0,
+            prefix_wait_ms=min(max(round(prefix_wait_s * 1000), 1), 1 << 31) if prefix_wait_s > 0 else 0,
         )
         if lease_id is not None:
             request.lease_id = lease_id

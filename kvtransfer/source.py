@@ -151,8 +151,12 @@ class BlockSource:
     def _unpin(self, pinned: PinnedKV) -> None:
         """Unpin now if the engine's lock is free, else on the unpinning thread once the step holding
         it ends: a pull's end (the stream's status, a region or NIXL answer) never waits for a step."""
-        if not self.handover.unpin(pinned, wait=False):
+        if self.handover.unpin(pinned, wait=False):
+            return
+        try:
             self._unpinner.submit(self.handover.unpin, pinned)
+        except RuntimeError:  # the source is closing: unpin here, waiting for the lock
+            self.handover.unpin(pinned)
 
     def chunks(self, pinned: PinnedBlocks, chunk_bytes: int, max_pieces: int) -> Iterator[Chunk]:
         """The pinned blocks as stream chunks, lazily: a chunk references only its own pieces' bytes."""
