@@ -10,7 +10,7 @@ for each ``--cached-tokens`` entry (``cached-<k>``) does the same but frees the 
 leaving its full blocks in the prefix cache only. Then it serves them and prints one
 ready line, ``READY {json}``, with the port, the layout, and per request its id, token
 ids, block hashes (hex; "" for a partial block) and lease id. It serves until killed
-(SIGTERM: clean stop).
+(SIGTERM, or its parent gone: clean stop).
 
 Faults: ``--corrupt-chunk N`` flips a byte of chunk N of every pull (the checksum is left
 as it was); ``--stall-after-chunk N --stall-s S`` prints ``STALL <lease or hash pull>``
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -149,10 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     server = start_transfer_server(source, port=args.port, servicer=servicer)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    threading.Thread(target=_stop_when_orphaned, args=(stop,), daemon=True).start()
     print("READY " + json.dumps({"port": server.port, **info}), flush=True)
     stop.wait()
     server.stop(0)
     return 0
+
+
+def _stop_when_orphaned(stop: threading.Event) -> None:
+    """A test process that dies without killing its peers (a crash) leaves none behind."""
+    parent = os.getppid()
+    while not stop.wait(1.0):
+        if os.getppid() != parent:
+            stop.set()
 
 
 if __name__ == "__main__":
