@@ -182,8 +182,7 @@ class KVTransferClient:
         ``block_hashes`` (one per destination block). The holder checks the local layout.
         ``prefix_wait_s`` (by hash only): pull the longest prefix of the hashes the holder has cached,
         waiting up to that long (capped by the holder) for the first (prompts still being prefilled);
-        the stats then say how many blocks landed, in ``dest_block_ids``' first places. Such pulls
-        go by shared memory or the gRPC stream, not NIXL.
+        the stats then say how many blocks landed, in ``dest_block_ids``' first places.
         Returns the stats (``transport``: what carried the bytes); raises a ``TransferError`` on
         any failure (module docstring).
         """
@@ -230,7 +229,7 @@ class KVTransferClient:
                     else:
                         level = logging.DEBUG if isinstance(exc, RegionsBusy) else logging.INFO
                         logger.log(level, "shared-memory pull from %s fell back to gRPC: %s", self.address, str(exc))
-            elif self._nixl_offered() and not prefix_wait_s:  # NIXL windows need the whole pull's size up front
+            elif self._nixl_offered():
                 try:
                     return self.nixl.pull(request, receiver, deadline)
                 except NixlUnavailable as exc:  # the same pull over gRPC, into blocks written afresh

@@ -123,32 +123,47 @@ class NixlPuller:
     def _windows(self, plan: _Plan, request: pb.PullRequest, receiver: BlockReceiver, deadline: float) -> PullStats:
         """Windows in order, each in slot ``k % slots`` of the region: window k+slots is asked for as
         soon as window k has been taken, so the holder writes the next while this thread checks and
-        copies the last."""
+        copies the last. A prefix pull (``receiver.prefix``) asks for its first window alone: its
+        answer says how many blocks the holder had, and the pull is those (every later window within
+        them, under the first answer's totals)."""
         total = len(receiver.dest)
-        starts = list(range(0, total, plan.per_window))
         in_flight: deque[_Window] = deque()
         landed: set[bytes] = set()
+        totals: tuple[int, int] | None = None
         try:
-            for k, skip in enumerate(starts):
-                while len(in_flight) < plan.slots and len(in_flight) + k < len(starts):
+            k = 0
+            while k * plan.per_window < total:
+                ahead = 1 if receiver.prefix and totals is None else plan.slots
+                while len(in_flight) < ahead and (k + len(in_flight)) * plan.per_window < total:
                     j = k + len(in_flight)
-                    in_flight.append(self._ask(plan, j % plan.slots, request, starts[j], total, deadline))
+                    in_flight.append(self._ask(plan, j % plan.slots, request, j * plan.per_window, total, deadline))
                 window = in_flight.popleft()
                 answer = self._wait(window, landed, deadline)
-                if not answer.blocks or len(answer.blocks) > plan.per_window or answer.blocks[0].index < skip:
-                    raise InvalidPullError(f"a NIXL window of {len(answer.blocks)} blocks for {plan.per_window}")
-                nb, view = answer.block_nbytes, plan.region.view[window.offset : window.offset + plan.slot_bytes]
-                pieces = tuple(
-                    Piece(b.index, b.block_hash, b.num_tokens, 0, view[i * nb : (i + 1) * nb], b.checksum)
-                    for i, b in enumerate(answer.blocks)
-                )
-                receiver.accept(Chunk(k, answer.total_blocks, answer.total_tokens, nb, pieces))
+                if totals is None:
+                    totals = (answer.total_blocks, answer.total_tokens)
+                    total = min(total, answer.total_blocks) if receiver.prefix else total
+                own = (answer.total_blocks, answer.total_tokens)  # a lease's or a whole hash list's never change
+                self._take(plan, window, answer, k, k * plan.per_window, totals if receiver.prefix else own, receiver)
+                k += 1
         finally:
             for window in in_flight:
                 window.future.cancel()
         stats = receiver.finish()
         stats.transport = "nixl"
         return stats
+
+    @staticmethod
+    def _take(plan: _Plan, window: _Window, answer: pb.PullNixlResponse, seq: int, skip: int,
+              totals: tuple[int, int], receiver: BlockReceiver) -> None:  # fmt: skip
+        """Window ``seq``'s blocks, from the region's slot, through the receiver's checks into the KV."""
+        if not answer.blocks or len(answer.blocks) > plan.per_window or answer.blocks[0].index < skip:
+            raise InvalidPullError(f"a NIXL window of {len(answer.blocks)} blocks for {plan.per_window}")
+        nb, view = answer.block_nbytes, plan.region.view[window.offset : window.offset + plan.slot_bytes]
+        pieces = tuple(
+            Piece(b.index, b.block_hash, b.num_tokens, 0, view[i * nb : (i + 1) * nb], b.checksum)
+            for i, b in enumerate(answer.blocks)
+        )
+        receiver.accept(Chunk(seq, *totals, nb, pieces))
 
     def _ask(self, plan: _Plan, slot: int, request: pb.PullRequest, skip: int, total: int,
              deadline: float) -> _Window:  # fmt: skip

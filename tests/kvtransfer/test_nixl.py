@@ -126,6 +126,20 @@ def test_a_pull_by_hash_goes_by_nixl(nixl_peers: dict[str, Peer]) -> None:
 
 
 @requires_nixl
+def test_a_prefix_pull_goes_by_nixl_and_takes_what_the_holder_has(nixl_peers: dict[str, Peer]) -> None:
+    """A prefetch's pull (``prefix_wait_s``): the first window alone learns that the holder has 4 of the
+    6 named blocks; the pull is those 4, in two windows of 2."""
+    peer = nixl_peers["main"]
+    hashes = [bytes.fromhex(h) for h in peer.request("cached-0")["block_hashes"]] + [bytes([9]) * 16] * 2
+    _, handover = local_worker()
+    with nixl_client(peer.address, replace(NIXL, nixl_region_bytes=4 * NB)) as client:
+        stats = client.pull_into(handover.kv_tensor, list(range(6)), block_hashes=hashes, prefix_wait_s=0.05)
+    assert (stats.transport, stats.num_blocks, stats.num_chunks, stats.num_tokens) == ("nixl", 4, 2, 16)
+    for j in range(4):
+        assert torch.equal(handover.kv_tensor.block(j), block_data(LAYOUT, 0, "cached-0", j))
+
+
+@requires_nixl
 def test_a_holder_killed_mid_pull_fails_it_and_every_block_is_returned(nixl_peers: dict[str, Peer]) -> None:
     """The holder dies after the first window landed: the pull fails (no fallback can reach a dead
     holder), and the decode side's blocks all go back."""

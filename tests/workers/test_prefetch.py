@@ -4,6 +4,7 @@ still prefilling it (``decode_worker/prefetch.py``). Real runtimes (engines, gRP
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import pytest
@@ -12,6 +13,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.decode_worker.service import DecodeService
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.kvindex.config import IndexConfig
+from pdserve.kvtransfer.nixl import nixl_installed
 from pdserve.prefill_worker.service import PrefillService
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.messages import RequestSpec
@@ -23,10 +25,14 @@ from tests.workers.test_worker_services import SECRET, metric
 BLOCK, CHUNK = 16, 32  # the prefill worker computes a prompt 32 tokens (two blocks) per step
 
 
-def runtime(model: str, url: str, ns: str, wid: str, role: str) -> WorkerRuntime:
+TRANSFERS = {"shm": SECRET, "grpc": dataclasses.replace(SECRET, shm=False),
+             "nixl": dataclasses.replace(SECRET, shm=False, nixl=True)}  # fmt: skip
+
+
+def runtime(model: str, url: str, ns: str, wid: str, role: str, transport: str = "shm") -> WorkerRuntime:
     engine = EngineConfig(model, device="cpu", cache=CacheConfig(BLOCK, 64),
                           scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK))  # fmt: skip
-    return WorkerRuntime(WorkerConfig(wid, role, engine, IndexConfig(url, namespace=ns), SECRET,
+    return WorkerRuntime(WorkerConfig(wid, role, engine, IndexConfig(url, namespace=ns), TRANSFERS[transport],
                                       bind_host="127.0.0.1"))  # fmt: skip
 
 
@@ -64,14 +70,17 @@ class SteppingGate:
         self._open.set()
 
 
-def test_blocks_cross_while_the_prompt_is_prefilled_and_the_lease_pull_takes_the_rest(tiny_model: str,
-                                                                                      redis_server) -> None:  # fmt: skip
+@pytest.mark.parametrize("transport", ["shm", "grpc", "nixl"])
+def test_blocks_cross_while_the_prompt_is_prefilled_and_the_lease_pull_takes_the_rest(tiny_model: str, redis_server,
+                                                                                      transport: str) -> None:  # fmt: skip
     """The prefill worker is held after 3 of its 7 steps (96 of 200 tokens computed): the decode
-    worker's prefetch has those 6 blocks meanwhile. After the prefill, the lease pull moves only the
-    rest, the tokens are one engine's, and both pools end idle."""
+    worker's prefetch has those 6 blocks meanwhile, by each transport. After the prefill, the lease pull
+    moves only the rest, the tokens are one engine's, and both pools end idle."""
+    if transport == "nixl" and not nixl_installed():
+        pytest.skip("NIXL is not installed (pip install 'pdserve[nixl]')")
     ns = unique_namespace()
-    prt = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill")
-    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode")
+    prt = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill", transport)
+    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode", transport)
     decode = DecodeService(drt)
     try:
         params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -98,6 +107,7 @@ def test_blocks_cross_while_the_prompt_is_prefilled_and_the_lease_pull_takes_the
         assert hit >= 96 and hit % BLOCK == 0 and hit + moved == 200 and events[-1].num_recomputed_tokens == 0
         assert wait_until(lambda: decode.prefetches.running() == 0)
         assert metric(drt, "pdserve_kv_prefetch_blocks_total") * BLOCK >= hit  # every local hit was prefetched
+        assert metric(drt, "pdserve_kv_transfer_blocks_total", transport=transport) >= 6 + moved // BLOCK
         assert wait_until(lambda: idle(prt)) and wait_until(lambda: idle(drt))
         drt.engine.handover.check_invariants()
     finally:
