@@ -229,8 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true",
                    help="print the service config these flags and --config give (JSON, secrets hidden) and exit")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
-                   help="tensor-parallel ranks of every worker (default 1; CPU: ranks are processes joined by "
-                        "gloo); the model's heads must divide by N")
+                   help="tensor-parallel ranks of every worker (default 1; CPU: Ray actors in one placement group "
+                        "per worker, joined by gloo); the model's heads must divide by N")
     p.add_argument("--prefill-tensor-parallel-size", "--prefill-tp", dest="prefill_tp", type=int, default=None,
                    metavar="N", help="tensor-parallel ranks of each prefill worker (default --tensor-parallel-size)")
     p.add_argument("--decode-tensor-parallel-size", "--decode-tp", dest="decode_tp", type=int, default=None,

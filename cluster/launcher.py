@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.errors import WorkerStartError
 from pdserve.cluster.logs import configure_text_logging, ray_runtime_env
-from pdserve.cluster.placement import placement_problem
+from pdserve.cluster.placement import placement_problem, worker_placement
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.loader import check_model
@@ -124,6 +124,7 @@ class Service:
         self.http_port: int | None = None  # the OpenAI-compatible API's, once started (None: off)
         self.metrics_port: int | None = None  # /metrics on its own port, once started (None: not asked)
         self._kv_blocks: int | None = None
+        self._groups: list[ray.util.placement_group.PlacementGroup] = []  # tensor-parallel workers' (their ranks)
         self._started_ray = False
         self._tmp: tempfile.TemporaryDirectory | None = None
         # The KV-transfer plane always authenticates: without a configured secret, one for this run.
@@ -150,7 +151,10 @@ class Service:
         if role is None:
             return engine
         tp = self.config.tensor_parallel_size(role)
-        return replace(engine, parallel=replace(engine.parallel, tensor_parallel_size=tp))
+        # A served worker's ranks are Ray actors in its placement group (cluster/placement.py).
+        backend = "ray" if tp > 1 else engine.parallel.distributed_executor_backend
+        return replace(engine, parallel=replace(engine.parallel, tensor_parallel_size=tp,
+                                                distributed_executor_backend=backend))  # fmt: skip
 
     def index_config(self) -> IndexConfig:
         """The index config of every process: the service's, with the Redis URL settled at start."""
@@ -232,26 +236,25 @@ class Service:
         from pdserve.decode_worker.actor import DecodeWorker
         from pdserve.prefill_worker.actor import PrefillWorker
 
-        # A tensor-parallel worker is one actor whose ranks are its child processes (on its node,
-        # by construction): it asks for every rank's CPUs.
-        opts = {role: dict(num_cpus=c.cpus_per_rank(role) * c.tensor_parallel_size(role), num_gpus=c.gpus_per_worker,
-                           max_restarts=-1, max_task_retries=0) for role in ("prefill", "decode")}  # fmt: skip
+        # A tensor-parallel worker of N ranks is N actors in one placement group on one node: the worker's
+        # own actor (rank 0) and the ranks it starts (cluster/placement.py).
         roles = {"prefill": c.prefill_resources, "decode": c.decode_resources}
         nodes = ray.nodes()
         for role, custom in roles.items():
-            need = {"CPU": opts[role]["num_cpus"], "GPU": c.gpus_per_worker, **custom}
+            tp = c.tensor_parallel_size(role)
+            need = {"CPU": c.cpus_per_rank(role) * tp, "GPU": c.gpus_per_worker * tp, **custom}
             if (problem := placement_problem(role, nodes, need)) is not None:
                 raise WorkerStartError(problem)
-        for i in range(c.prefill):
-            wid = f"prefill-{i}"
-            self.prefill[wid] = ray.remote(PrefillWorker).options(
-                name=f"pdserve-{wid}", resources=dict(c.prefill_resources), **opts["prefill"]
-            ).remote(self._worker_config(wid, "prefill"))
-        for i in range(c.decode):
-            wid = f"decode-{i}"
-            self.decode[wid] = ray.remote(DecodeWorker).options(
-                name=f"pdserve-{wid}", resources=dict(c.decode_resources), **opts["decode"]
-            ).remote(self._worker_config(wid, "decode"))
+        actors = {"prefill": (self.prefill, PrefillWorker, c.prefill), "decode": (self.decode, DecodeWorker, c.decode)}
+        for role, (handles, cls, count) in actors.items():
+            for i in range(count):
+                wid = f"{role}-{i}"
+                options, group = worker_placement(f"pdserve-{wid}", c.tensor_parallel_size(role), c.cpus_per_rank(role),
+                                                  c.gpus_per_worker, roles[role])  # fmt: skip
+                if group is not None:
+                    self._groups.append(group)
+                handles[wid] = ray.remote(cls).options(name=f"pdserve-{wid}", max_restarts=-1, max_task_retries=0,
+                                                       **options).remote(self._worker_config(wid, role))  # fmt: skip
         pending = {h.ready.remote(): wid for wid, h in {**self.prefill, **self.decode}.items()}
         total, t0 = len(pending), time.monotonic()
         pool_blocks: list[int] = []
@@ -370,8 +373,14 @@ class Service:
                     ray.kill(h, no_restart=True)
                 except Exception:  # noqa: BLE001
                     pass
+            for group in self._groups:  # and with them the ranks in them
+                try:
+                    ray.util.remove_placement_group(group)
+                except Exception:  # noqa: BLE001
+                    pass
             if self._started_ray:
                 ray.shutdown()
+        self._groups.clear()
         self.prefill.clear()
         self.decode.clear()
         self.router = None

@@ -90,16 +90,25 @@ class ParallelConfig:
     ``collective_timeout_s``: how long one step's collective waits for a rank before the step fails
     (a rank that died fails it at once: its sockets close). ``start_timeout_s``: how long the
     driver waits for every rank to load its shard and report ready.
+
+    ``distributed_executor_backend`` (vLLM's name): where ranks 1..N-1 run. ``"mp"``: child
+    processes of the engine's process (an engine of its own: ``LLM``, benchmarks). ``"ray"``: Ray
+    actors in the bundles of the placement group the engine's own actor runs in (a served worker;
+    ``pdserve up`` sets it).
     """
 
     tensor_parallel_size: int = 1
     collective_timeout_s: float = 60.0
     start_timeout_s: float = 600.0
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 64:
             raise ValueError(f"tensor_parallel_size must be an integer in [1, 64], got {tp!r}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got "
+                             f"{self.distributed_executor_backend!r}")  # fmt: skip
         for name in ("collective_timeout_s", "start_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):

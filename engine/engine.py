@@ -31,7 +31,7 @@ from pdserve.engine.limits import RequestLimits
 from pdserve.engine.model import ModelConfig, load_model, load_tokenizer
 from pdserve.engine.model.dtype import resolve_dtype
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.parallel.ranks import RankProcesses
+from pdserve.engine.parallel.ranks import RankLauncher, Ranks
 from pdserve.engine.parallel.shard import TPShard
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
@@ -391,14 +391,23 @@ class LLMEngine:
                 self.ranks.fail("the engine was closed", log=False)
                 torch.set_num_threads(self._threads_before)
 
-    def _start_ranks(self, layout: KVLayout, num_blocks: int) -> RankProcesses:
+    def _start_ranks(self, layout: KVLayout, num_blocks: int) -> Ranks:
         """Ranks 1..N-1 of a tensor-parallel engine, each with its shard loaded, joined with this
-        process (rank 0) in one group. The CPU's threads are shared out among the ranks (this
-        process keeps its share)."""
+        process (rank 0) in one group. Child processes share out this process's CPU threads (it keeps
+        its share); Ray actors each have a bundle's CPUs, as many as this process's."""
         parallel = self.config.parallel
         size = parallel.tensor_parallel_size
+        launcher: RankLauncher
+        if parallel.distributed_executor_backend == "ray":
+            from pdserve.engine.parallel.rank_actors import ActorLauncher
+
+            launcher = ActorLauncher()
+        else:
+            from pdserve.engine.parallel.rank_processes import ProcessLauncher
+
+            launcher = ProcessLauncher()
         self._threads_before = torch.get_num_threads()  # given back by close()
-        threads = max(1, self._threads_before // size)
+        threads = max(1, self._threads_before // size) if launcher.shares_cpus else self._threads_before
         torch.set_num_threads(threads)
         spec = {
             "model": self.config.model, "dtype": str(self.dtype).removeprefix("torch."), "onednn": self.onednn,
@@ -409,13 +418,14 @@ class LLMEngine:
                        "kind": layout.kind, "rope_dim": layout.rope_dim},
         }  # fmt: skip
         try:
-            ranks = RankProcesses(spec, self.kv_tensor, size, parallel.collective_timeout_s,
-                                  parallel.start_timeout_s, self._on_rank_lost)  # fmt: skip
+            ranks = Ranks(launcher, spec, self.kv_tensor, size, parallel.collective_timeout_s,
+                          parallel.start_timeout_s, self._on_rank_lost)  # fmt: skip
         except BaseException:
             torch.set_num_threads(self._threads_before)  # no engine: the process keeps its threads
             raise
         self.model.join(ranks.group)
-        logger.info("tensor parallel: %d ranks, %d CPU thread(s) each", size, threads)
+        logger.info("tensor parallel: %d ranks (%s), %d CPU thread(s) each", size,
+                    parallel.distributed_executor_backend, threads)  # fmt: skip
         return ranks
 
     def _plan_pool(self, layout: KVLayout) -> int:

@@ -7,7 +7,7 @@ import torch
 from pdserve.engine.kernels import plan_attention
 from pdserve.engine.kernels.metadata import AttentionMetadata
 from pdserve.engine.kv_tensor import KVTensor
-from pdserve.engine.parallel.ranks import RankLost, RankProcesses
+from pdserve.engine.parallel.ranks import RankLost, Ranks
 from pdserve.engine.parallel.step_plan import StepPlan
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import TokenLogprobs
@@ -27,7 +27,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: torch.nn.Module, kv_tensor: KVTensor, block_size: int,
-                 ranks: RankProcesses | None = None) -> None:  # fmt: skip
+                 ranks: Ranks | None = None) -> None:  # fmt: skip
         self.model = model
         self.kv_tensor = kv_tensor
         self.block_size = block_size

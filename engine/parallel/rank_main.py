@@ -1,28 +1,29 @@
-"""A tensor-parallel rank's process (``python -m pdserve.engine.parallel.rank_main``), started by
-:mod:`engine.parallel.ranks`.
+"""A tensor-parallel rank: what ranks 1..N-1 of a worker run, in a process of their own
+(``python -m pdserve.engine.parallel.rank_main``, started by :mod:`engine.parallel.rank_processes`)
+or in a Ray actor (:mod:`engine.parallel.rank_actors`).
 
-Its standard input carries frames (``step_plan.read_frame``): first the rank's spec (JSON), then
-one step plan per step. It loads its shard, maps the worker's shared KV cache (the memfd it
-inherits), reports one JSON line on standard output (``{"loaded": true}`` or ``{"error": ...}``),
-joins the group, and then runs every step it is sent. It ends when its input ends (the driver
-closed it, or died) and exits non-zero when a step fails (a peer died or timed out).
+:func:`run_rank` reads frames (``step_plan.read_frame``) from its driver: first the rank's spec
+(JSON), then one step plan per step. It loads its shard, maps the worker's shared KV cache (the
+memfd ``spec["kv_fd"]``), reports one JSON object (``{"loaded": true, "pid": ...}`` or
+``{"error": ...}``), joins the group, and then runs every step it is sent. It returns when the
+frames end (the driver closed them, or died): 0, or 1 when loading or a step failed (a peer died or
+timed out).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import torch
 
 logger = logging.getLogger("pdserve.engine.parallel.rank")
 
-
-def _report(message: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
+Report = Callable[[dict[str, Any]], None]
 
 
 def _load(spec: dict[str, Any]) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -43,12 +44,12 @@ def _load(spec: dict[str, Any]) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, kv.tensor
 
 
-def _serve(model: torch.nn.Module, kv: torch.Tensor, stream: BinaryIO, block_size: int) -> int:
+def _serve(model: torch.nn.Module, kv: torch.Tensor, frames: BinaryIO, block_size: int) -> int:
     from pdserve.engine.kernels import plan_attention
     from pdserve.engine.parallel.step_plan import StepPlan, read_frame
 
     sliding = model.config.sliding_window
-    while (frame := read_frame(stream)) is not None:
+    while (frame := read_frame(frames)) is not None:
         plan = StepPlan.decode(frame)
         m = plan.meta
         m.torch_plan = plan_attention(m.block_tables, m.seq_lens, m.query_start_loc, block_size, sliding)
@@ -59,8 +60,28 @@ def _serve(model: torch.nn.Module, kv: torch.Tensor, stream: BinaryIO, block_siz
     return 0
 
 
-def main() -> int:
+def run_rank(spec: dict[str, Any], frames: BinaryIO, report: Report) -> int:
+    """Load rank ``spec["rank"]``'s shard, report, join the group and run the steps ``frames``
+    carries until they end. Never raises: a failure is reported (before loading) or logged."""
     from pdserve.engine.parallel.group import TPGroup
+
+    try:
+        model, kv = _load(spec)
+    except Exception as e:  # noqa: BLE001 - reported to the driver, which raises it
+        report({"error": f"{type(e).__name__}: {e}"})
+        return 1
+    report({"loaded": True, "pid": os.getpid()})
+    try:
+        group = TPGroup(spec["store"], int(spec["rank"]), int(spec["size"]), float(spec["timeout_s"]))
+        group.barrier()  # every rank has joined: the driver removes the rendezvous file after this
+        model.join(group)
+        return _serve(model, kv, frames, int(spec["layout"]["block_size"]))
+    except Exception:  # a peer died or timed out: this rank's worker cannot step any more
+        logger.exception("tensor-parallel rank %s failed", spec["rank"])
+        return 1
+
+
+def main() -> int:
     from pdserve.engine.parallel.step_plan import read_frame
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-rank %(levelname)s %(message)s")
@@ -68,21 +89,12 @@ def main() -> int:
     first = read_frame(stream)
     if first is None:
         return 1
-    spec = json.loads(first)
-    try:
-        model, kv = _load(spec)
-    except Exception as e:  # noqa: BLE001 - reported to the driver, which raises it
-        _report({"error": f"{type(e).__name__}: {e}"})
-        return 1
-    _report({"loaded": True})
-    try:
-        group = TPGroup(spec["store"], int(spec["rank"]), int(spec["size"]), float(spec["timeout_s"]))
-        group.barrier()  # every rank has joined: the driver removes the rendezvous file after this
-        model.join(group)
-        return _serve(model, kv, stream, int(spec["layout"]["block_size"]))
-    except Exception:  # a peer died or timed out: this rank's worker cannot step any more
-        logger.exception("tensor-parallel rank %s failed", spec["rank"])
-        return 1
+
+    def report(message: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(message) + "\n")
+        sys.stdout.flush()
+
+    return run_rank(json.loads(first), stream, report)
 
 
 if __name__ == "__main__":

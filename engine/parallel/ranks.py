@@ -1,16 +1,20 @@
-"""The driver's side of a tensor-parallel worker: ranks 1..N-1 as child processes.
+"""The driver's side of a tensor-parallel worker: ranks 1..N-1, wherever they run.
 
 The engine's own process is rank 0 (the driver): it holds the scheduler, the block pool and the
-sampler, and before each forward sends the step's plan (``step_plan``) down every other rank's
-standard input; then all ranks run the same forward, joined by the group's collectives. The KV
-cache is one shared-memory tensor (``KVTensor(shared=True)``) that every rank maps and in which
-each rank reads and writes only its own heads' slice, so block ids, block bytes and everything
-that moves blocks (the KV wire, the offload tier) are those of a single-device worker.
+sampler, and before each forward sends the step's plan (``step_plan``) to every other rank; then
+all ranks run the same forward, joined by the group's collectives. The KV cache is one
+shared-memory tensor (``KVTensor(shared=True)``) that every rank maps and in which each rank reads
+and writes only its own heads' slice, so block ids, block bytes and everything that moves blocks
+(the KV wire, the offload tier) are those of a single-device worker.
 
-Lifetime: :class:`RankProcesses` owns the children. A rank that dies fails the step it was in (its
-sockets close: the driver's collective raises at once) or the next send (its pipe is closed),
-with an error naming it; the worker cannot step again (:attr:`failure`). :meth:`close` ends every
-child (closing its input ends it; a kill after a grace period).
+Where the other ranks run is a :class:`RankLauncher`'s business: child processes
+(``rank_processes``, for an engine of its own) or Ray actors in the worker's placement group
+(``rank_actors``, for a served worker). Each started rank is a :class:`RankLink`: a byte stream
+for its plans, one for its reports, and a way to tell whether it is still there.
+
+Lifetime: :class:`Ranks` owns them. A rank that dies fails the step it was in (its sockets close:
+the driver's collective raises at once) or the next send (its input is closed), with an error
+naming it; the worker cannot step again (:attr:`Ranks.failure`). :meth:`Ranks.close` ends every rank.
 """
 
 from __future__ import annotations
@@ -20,13 +24,12 @@ import logging
 import os
 import select
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 from pdserve.engine.kv_tensor import KVTensor
 from pdserve.engine.parallel.group import TPGroup
@@ -38,35 +41,73 @@ class RankLost(RuntimeError):
     """A tensor-parallel rank of this worker died or stopped answering: it cannot step again."""
 
 
-class RankProcesses:
-    """Start ranks ``1..size-1`` of a worker whose rank 0 is this process, each loading its shard.
+class RankLink(ABC):
+    """One started rank, as its driver sees it."""
+
+    rank: int
+    reports: BinaryIO  # the rank's report lines (one JSON object each)
+
+    @abstractmethod
+    def write(self, frame: bytes) -> None:
+        """Send the rank a frame; OSError or ValueError when it is gone."""
+
+    @abstractmethod
+    def exit_status(self) -> str | None:
+        """How the rank ended ("exited with code 1"), or None while it runs."""
+
+    @abstractmethod
+    def end(self, grace_s: float) -> None:
+        """Close the rank's input (which ends it), wait up to ``grace_s``, then kill it. Idempotent."""
+
+
+class RankLauncher(ABC):
+    """Starts ranks 1..size-1 of one worker."""
+
+    shares_cpus: bool = False  # True: the ranks run on the driver's CPUs, which it shares out among them
+
+    @abstractmethod
+    def launch(self, specs: list[dict[str, Any]], kv_fd: int, deadline: float) -> list[RankLink]:
+        """Start one rank per spec (rank 1 first), each handed ``kv_fd`` (the shared KV cache's memfd)
+        and its spec; return their links once all are started. RuntimeError (every rank started
+        ended first) when one cannot be by ``deadline``."""
+
+    def close(self) -> None:
+        """Release what launching held (not the ranks: their links end them)."""
+
+
+class Ranks:
+    """Ranks ``1..size-1`` of a worker whose rank 0 is this process, each with its shard loaded.
 
     ``spec``: what every rank needs besides its number (model path, dtype, layout...: see
     ``rank_main``). Returns once every rank has loaded its shard and joined :attr:`group`;
     RuntimeError naming the rank and its error when one fails to, or takes longer than
-    ``start_timeout_s`` (every child started is ended first).
+    ``start_timeout_s`` (every rank started is ended first).
 
     ``on_lost``: called once (from a watcher thread) with the reason when a rank exits before
     :meth:`close`, even while the worker is idle; a serving worker ends its process there so that
     its supervisor (Ray) restarts it whole.
     """
 
-    def __init__(self, spec: dict[str, Any], kv: KVTensor, size: int, collective_timeout_s: float,
-                 start_timeout_s: float, on_lost: Callable[[str], None] | None = None) -> None:  # fmt: skip
+    def __init__(self, launcher: RankLauncher, spec: dict[str, Any], kv: KVTensor, size: int,
+                 collective_timeout_s: float, start_timeout_s: float,
+                 on_lost: Callable[[str], None] | None = None) -> None:  # fmt: skip
         if kv.fd is None:
             raise ValueError("tensor-parallel ranks share the KV cache: make it with KVTensor(shared=True)")
         self.size = size
         self.failure: str | None = None
+        self.loaded: list[dict[str, Any]] = []  # each rank's report once loaded (its pid, where it runs), rank 1 first
         self._closed = threading.Event()
         self._on_lost = on_lost
+        self._launcher = launcher
+        self._links: list[RankLink] = []
         self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")  # mode 0700: the group's rendezvous file
-        self._procs: list[subprocess.Popen[bytes]] = []
         store = os.path.join(self._dir, "store")
+        deadline = time.monotonic() + start_timeout_s
         try:
-            for rank in range(1, size):
-                self._procs.append(self._spawn({**spec, "rank": rank, "size": size, "kv_fd": kv.fd,
-                                                "store": store, "timeout_s": collective_timeout_s}, kv.fd))  # fmt: skip
-            self._wait_loaded(time.monotonic() + start_timeout_s)
+            specs = [{**spec, "rank": rank, "size": size, "store": store, "timeout_s": collective_timeout_s}
+                     for rank in range(1, size)]  # fmt: skip
+            self._links = launcher.launch(specs, kv.fd, deadline)
+            self._wait_loaded(deadline)
             self.group = TPGroup(store, 0, size, collective_timeout_s)
             # Past this barrier every rank has joined: the rendezvous file is done with. Removed now, it
             # is not left behind by a worker that is killed rather than closed.
@@ -77,6 +118,11 @@ class RankProcesses:
             raise
         threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
 
+    @property
+    def rendezvous_dir(self) -> str:
+        """The private directory of this worker's rendezvous (and launcher sockets); gone once started."""
+        return self._dir
+
     def _watch(self) -> None:
         while not self._closed.wait(0.2):
             why = self.exited()
@@ -86,52 +132,49 @@ class RankProcesses:
                     self._on_lost(why)
                 return
 
-    @staticmethod
-    def _spawn(spec: dict[str, Any], fd: int) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.parallel.rank_main"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,))  # fmt: skip
-        assert proc.stdin is not None
-        body = json.dumps(spec).encode()
-        proc.stdin.write(len(body).to_bytes(8, "little") + body)
-        proc.stdin.flush()
-        return proc
-
     def _wait_loaded(self, deadline: float) -> None:
-        waiting = {p.stdout.fileno(): (rank, p) for rank, p in enumerate(self._procs, 1) if p.stdout is not None}
+        waiting = {link.reports.fileno(): link for link in self._links}
+        loaded: dict[int, dict[str, Any]] = {}
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(f"tensor-parallel rank(s) {sorted(r for r, _ in waiting.values())} did not load "
-                                   "their shard in time (ParallelConfig.start_timeout_s)")  # fmt: skip
+                raise RuntimeError(f"tensor-parallel rank(s) {sorted(k.rank for k in waiting.values())} did not "
+                                   "load their shard in time (ParallelConfig.start_timeout_s)")  # fmt: skip
             ready, _, _ = select.select(list(waiting), [], [], min(left, 1.0))
             for fd in ready:
-                rank, proc = waiting.pop(fd)
-                assert proc.stdout is not None
-                line = proc.stdout.readline()
+                link = waiting.pop(fd)
+                line = link.reports.readline()
                 try:
                     message = json.loads(line) if line else {}
                 except ValueError:
                     message = {}
                 if not message.get("loaded"):
-                    why = message.get("error") or f"exited with code {proc.wait(timeout=10)} before loading"
-                    raise RuntimeError(f"tensor-parallel rank {rank}: {why}")
+                    why = message.get("error") or self._ended(link, 10.0) or "ended before loading"
+                    raise RuntimeError(f"tensor-parallel rank {link.rank}: {why}")
+                loaded[link.rank] = message
+        self.loaded = [loaded[link.rank] for link in self._links]
 
     @property
     def pids(self) -> list[int]:
-        """The rank processes' ids, rank 1 first."""
-        return [p.pid for p in self._procs]
+        """The ranks' process ids, rank 1 first."""
+        return [int(message["pid"]) for message in self.loaded]
+
+    @staticmethod
+    def _ended(link: RankLink, wait_s: float) -> str | None:
+        deadline = time.monotonic() + wait_s
+        while (why := link.exit_status()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return why
 
     def send(self, frame: bytes) -> None:
         """Hand every rank the next step (RankLost when one is gone)."""
         if self.failure is not None:
             raise RankLost(self.failure)
-        for rank, proc in enumerate(self._procs, 1):
-            assert proc.stdin is not None
+        for link in self._links:
             try:
-                proc.stdin.write(frame)
-                proc.stdin.flush()
-            except (BrokenPipeError, ValueError):
-                self.fail(f"tensor-parallel rank {rank} exited with code {proc.poll()}")
+                link.write(frame)
+            except (OSError, ValueError):
+                self.fail(f"tensor-parallel rank {link.rank} {self._ended(link, 1.0) or 'stopped reading its plans'}")
                 raise RankLost(self.failure) from None
 
     def fail(self, why: str, log: bool = True) -> None:
@@ -146,9 +189,9 @@ class RankProcesses:
         socket just closed may not have been reaped yet)."""
         deadline = time.monotonic() + wait_s
         while True:
-            for rank, proc in enumerate(self._procs, 1):
-                if proc.poll() is not None:
-                    return f"tensor-parallel rank {rank} exited with code {proc.returncode}"
+            for link in self._links:
+                if (why := link.exit_status()) is not None:
+                    return f"tensor-parallel rank {link.rank} {why}"
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
@@ -156,19 +199,8 @@ class RankProcesses:
     def close(self) -> None:
         """End every rank (idempotent): closing a rank's input ends it; a kill after 5 s."""
         self._closed.set()
-        for proc in self._procs:
-            if proc.stdin is not None:
-                try:
-                    proc.stdin.close()
-                except OSError:
-                    pass
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
-        self._procs = []
+        for link in self._links:
+            link.end(5.0)
+        self._links = []
+        self._launcher.close()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -23,3 +23,14 @@ def test_no_node_fits_names_the_need_and_the_offers() -> None:
                        "nodes offer 10.0.0.1: CPU=4; 10.0.0.2: CPU=8, GPU=2, decode_node=2")  # fmt: skip
     assert placement_problem("decode", NODES, {"CPU": 16}) is not None  # totals: more than any node has
     assert placement_problem("decode", [], {"CPU": 1}).endswith("nothing (no node is alive)")
+
+
+def test_a_tensor_parallel_worker_asks_one_bundle_per_rank_and_its_labels_once() -> None:
+    from pdserve.cluster.placement import rank_bundles
+
+    assert rank_bundles(3, 2.0, 0.0, {"decode_node": 1, "unused": 0}) == [
+        {"CPU": 2.0, "decode_node": 1},
+        {"CPU": 2.0},
+        {"CPU": 2.0},
+    ]
+    assert rank_bundles(1, 1.0, 1.0, {}) == [{"CPU": 1.0, "GPU": 1.0}]

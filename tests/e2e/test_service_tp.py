@@ -1,11 +1,11 @@
-"""End to end with tensor-parallel workers: real Ray actors whose ranks are real processes joined
-by gloo, real Redis, real gRPC. Prefill and decode workers of different TP sizes exchange blocks
-(TP changes neither block ids, bytes nor hashes) and both sides hit their prefix caches."""
+"""End to end with tensor-parallel workers: each a placement group of real Ray actors (the
+worker's own and its ranks') joined by gloo, real Redis, real gRPC. Prefill and decode workers of
+different TP sizes exchange blocks (TP changes neither block ids, bytes nor hashes) and both sides
+hit their prefix caches."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import ray
@@ -15,7 +15,7 @@ from pdserve import SamplingParams
 from pdserve.cli.client import build_request, generate
 from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.launcher import Service
-from tests.support.polling import wait_until
+from tests.support.polling import process_gone, wait_until
 from tests.support.service import all_idle, stub_for
 
 pytestmark = pytest.mark.slow
@@ -59,6 +59,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 def test_pulls_between_tp_sizes_equal_transformers(tiny_model: str, reference, prefill_tp: int,
                                                    decode_tp: int) -> None:  # fmt: skip
     svc = _start(tiny_model, prefill_tp, decode_tp)
+    rank_pids: list[int] = []
     try:
         assert svc.port is not None
         channel, stub = stub_for(f"127.0.0.1:{svc.port}")
@@ -72,44 +73,54 @@ def test_pulls_between_tp_sizes_equal_transformers(tiny_model: str, reference, p
         assert second.usage["cached_tokens"] == 64  # the prefill worker's prefix hit
         assert second.usage["transferred_tokens"] == 30  # the decode worker held the prefix: only the rest moves
         assert wait_until(lambda: all_idle(svc), timeout=30)
+        for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+            handles = svc.prefill if role == "prefill" else svc.decode
+            if tp > 1:  # its ranks are Ray actors in its placement group, on its node
+                ((_, handle),) = handles.items()
+                loaded = _ranks(handle)[1]
+                assert len(loaded) == tp - 1
+                rank_pids.extend(r["pid"] for r in loaded)
         if decode_tp > 1 and prefill_tp == 1:  # on this service too: a decode rank dies
-            _kill_a_decode_rank_and_recover(svc, stub, reference)
+            rank_pids.append(_kill_a_decode_rank_and_recover(svc, stub, reference))
         channel.close()
     finally:
         svc.stop()
+    assert wait_until(lambda: all(process_gone(pid) for pid in rank_pids), timeout=30)  # stop ends every rank
 
 
-def _rank_pids(parent: int) -> list[int]:
-    """The tensor-parallel rank processes whose parent is ``parent``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == parent and b"pdserve.engine.parallel.rank_main" in cmdline:
-            pids.append(int(entry.name))
-    return pids
+def _ranks(handle) -> tuple[int, list[dict]]:  # noqa: ANN001
+    """A worker actor's process id and its ranks' reports (pid, node, placement group), after
+    checking that its ranks are Ray actors in its own placement group on its own node."""
+
+    def look(worker) -> tuple[int, list[dict], str | None, str]:  # noqa: ANN001
+        context = ray.get_runtime_context()
+        ranks = worker.rt.engine.ranks
+        return os.getpid(), list(ranks.loaded), context.get_placement_group_id(), context.get_node_id()
+
+    pid, loaded, group, node = ray.get(handle.__ray_call__.remote(look), timeout=30)
+    assert group is not None
+    assert loaded and all(r["placement_group_id"] == group and r["node_id"] == node for r in loaded)
+    assert all(r["pid"] != pid for r in loaded)
+    table = ray.util.placement_group_table()[group]
+    assert table["strategy"] == "STRICT_PACK" and len(table["bundles"]) == len(loaded) + 1
+    return pid, loaded
 
 
-def _kill_a_decode_rank_and_recover(svc: Service, stub, reference) -> None:  # noqa: ANN001
+def _kill_a_decode_rank_and_recover(svc: Service, stub, reference) -> int:  # noqa: ANN001
     """A decode worker's rank dies: the worker ends, Ray restarts it whole (a new rank with it),
-    and the service serves the reference tokens again."""
+    and the service serves the reference tokens again. Returns the new rank's pid."""
     p = _prompt(3, 40)
     (handle,) = svc.decode.values()
-    worker_pid = ray.get(handle.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
-    (rank,) = _rank_pids(worker_pid)
+    worker_pid, loaded = _ranks(handle)
+    (rank,) = [r["pid"] for r in loaded]
     os.kill(rank, 9)
 
     def restarted() -> bool:
         try:
-            pid = ray.get(handle.__ray_call__.remote(lambda _self: os.getpid()), timeout=10)
+            pid, loaded = _ranks(handle)
         except Exception:  # noqa: BLE001 - still restarting
             return False
-        return pid != worker_pid and len(_rank_pids(pid)) == 1
+        return pid != worker_pid and len(loaded) == 1 and loaded[0]["pid"] != rank
 
     assert wait_until(restarted, timeout=120, interval=0.5)
 
@@ -121,3 +132,5 @@ def _kill_a_decode_rank_and_recover(svc: Service, stub, reference) -> None:  # n
 
     assert wait_until(serves, timeout=60, interval=0.5)
     assert wait_until(lambda: all_idle(svc), timeout=30)
+    assert process_gone(rank)
+    return int(_ranks(handle)[1][0]["pid"])

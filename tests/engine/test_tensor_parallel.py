@@ -268,7 +268,8 @@ def test_offload_tier_and_fp8_cache_under_two_ranks(tiny_model: str, kv_cache_dt
 def test_a_rank_that_cannot_load_its_shard_is_named_and_nothing_is_left(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     from pdserve.engine.kv_tensor import KVLayout, KVTensor
-    from pdserve.engine.parallel.ranks import RankProcesses
+    from pdserve.engine.parallel.rank_processes import ProcessLauncher
+    from pdserve.engine.parallel.ranks import Ranks
 
     # The rendezvous directory this start makes (by name: a worker of another test, still ending
     # on a loaded machine, may make its own meanwhile).
@@ -279,6 +280,6 @@ def test_a_rank_that_cannot_load_its_shard_is_named_and_nothing_is_left(tmp_path
     spec = {"model": str(tmp_path / "missing"), "dtype": "float32", "onednn": False, "quantized": False,
             "threads": 1, "num_blocks": 4, "layout": {}}  # fmt: skip
     with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1: FileNotFoundError: .*missing"):
-        RankProcesses(spec, kv, 2, collective_timeout_s=10, start_timeout_s=120)
+        Ranks(ProcessLauncher(), spec, kv, 2, collective_timeout_s=10, start_timeout_s=120)
     assert not list(tmp_path.iterdir())
     assert len(made) == 1 and Path(made[0]).name.startswith("pdserve-tp-") and not Path(made[0]).exists()
