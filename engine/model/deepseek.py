@@ -33,9 +33,11 @@ from pdserve.engine.kernels.mla import (
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.deepseek_config import YarnRopeScaling
 from pdserve.engine.model.linear import Linear
-from pdserve.engine.model.llama import MLP, DecoderLayer, LlamaForCausalLM, RMSNorm
+from pdserve.engine.model.llama import MLP, DecoderLayer, LlamaForCausalLM, RMSNorm, read_shard
 from pdserve.engine.model.moe import MoE, MoEGate
 from pdserve.engine.model.rope import apply_rotary, apply_rotary_interleaved
+from pdserve.engine.model.tp_layers import TPComm
+from pdserve.engine.parallel.shard import TPShard
 
 MLA_FORMS = ("auto", "absorbed", "naive")
 _LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' default, not rms_norm_eps
@@ -43,13 +45,21 @@ _LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' default, 
 
 class MLAAttention(nn.Module):
     """Multi-head latent attention with HF's module names (``q_proj`` or ``q_a_proj`` +
-    ``q_a_layernorm`` + ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``)."""
+    ``q_a_layernorm`` + ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``).
 
-    def __init__(self, config: ModelConfig) -> None:
+    Under tensor parallelism (``comm``) a rank holds its heads' rows of ``q_proj`` / ``q_b_proj``
+    and ``kv_b_proj`` and their columns of ``o_proj`` (whose partial outputs are summed), and the
+    whole of the latent projections: the latent row a token caches is the same on every rank, and
+    every rank writes it itself (the same bytes), so that what it reads in a step is its own write.
+    """
+
+    def __init__(self, config: ModelConfig, comm: TPComm | None = None) -> None:
         super().__init__()
         assert config.mla is not None
         mla = config.mla
-        self.num_heads = h = config.num_attention_heads
+        shard = comm.shard if comm is not None else TPShard()
+        self.comm = comm
+        self.num_heads = h = shard.split(config.num_attention_heads)[1]
         self.rank, self.nope, self.rope, self.v_dim = (mla.kv_lora_rank, mla.qk_nope_head_dim,
                                                        mla.qk_rope_head_dim, mla.v_head_dim)  # fmt: skip
         self.form = "auto"
@@ -65,7 +75,7 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(hidden, mla.cache_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LORA_NORM_EPS)
         self.kv_b_proj = Linear(mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
-        self.o_proj = Linear(h * mla.v_head_dim, hidden, bias=bias)
+        self.o_proj = Linear(h * mla.v_head_dim, hidden, bias=bias and shard.rank == 0)
         self.scale = mla.qk_head_dim**-0.5
         if isinstance(config.rope_scaling, YarnRopeScaling):
             self.scale *= config.rope_scaling.softmax_mscale
@@ -95,18 +105,19 @@ class MLAAttention(nn.Module):
             if meta.mla_plan is None:  # the first layer plans the step for all of them
                 meta.mla_plan = plan_mixed(meta.block_tables, meta.seq_lens, meta.query_start_loc, cache.shape[1])
             out = mla_attention_mixed(q_nope, q_pe, cache, w, *batch, kv_scale=self.kv_scale, plan=meta.mla_plan)
-        return self.o_proj(out.reshape(n, h * self.v_dim))
+        out = self.o_proj(out.reshape(n, h * self.v_dim))
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class DeepseekDecoderLayer(DecoderLayer):
     """Pre-norm block with MLA, and MoE from ``first_k_dense_replace`` on (a dense SwiGLU before)."""
 
     def make_attention(self, config: ModelConfig) -> nn.Module:
-        return MLAAttention(config)
+        return MLAAttention(config, self.comm)
 
     def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         assert config.moe is not None
-        return MoE(config) if config.moe.is_moe_layer(layer_idx) else MLP(config)
+        return MoE(config, self.comm) if config.moe.is_moe_layer(layer_idx) else MLP(config, comm=self.comm)
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -179,6 +190,49 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             return param.data.narrow(0, 0 if module == "gate_proj" else half, half)
         param = params.get(name)
         return None if param is None else param.data
+
+    def weight_shard(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, length) of checkpoint weight ``name`` that this rank holds (see
+        :class:`MLAAttention` and :class:`MoE`); None: all of it."""
+        if self.shard.size == 1:
+            return None
+        c, shard = self.config, self.shard
+        assert c.mla is not None
+        *_, module, kind = name.split(".")
+        start, count = shard.split(c.num_attention_heads)
+        per_head = {"q_proj": c.mla.qk_head_dim, "q_b_proj": c.mla.qk_head_dim,
+                    "kv_b_proj": c.mla.qk_nope_head_dim + c.mla.v_head_dim}  # fmt: skip
+        if module in per_head:
+            return 0, start * per_head[module], count * per_head[module]
+        if module == "o_proj" and kind == "weight":
+            return 1, start * c.mla.v_head_dim, count * c.mla.v_head_dim
+        if module in ("gate_proj", "up_proj", "down_proj"):
+            start, count = shard.split(self._intermediate_size(name))
+            return (1 if module == "down_proj" else 0), start, count
+        if module in ("embed_tokens", "lm_head"):
+            return (0, *shard.vocab(c.vocab_size))
+        return None
+
+    def _intermediate_size(self, name: str) -> int:
+        """The whole intermediate width of the SwiGLU that checkpoint weight ``name`` belongs to."""
+        c = self.config
+        if ".mlp.experts." in name or ".mlp.shared_experts." in name:
+            assert c.moe is not None
+            shared = c.moe.n_shared_experts if ".shared_experts." in name else 1
+            return c.moe.moe_intermediate_size * shared
+        return c.intermediate_size
+
+    def read_weight(self, name: str, source: torch.Tensor | object) -> torch.Tensor:
+        fused = _FUSED_EXPERTS.fullmatch(name)
+        if fused is None or self.shard.size == 1:
+            return super().read_weight(name, source)
+        assert self.config.moe is not None
+        whole = read_shard(source, None)  # stacked experts: this rank's columns of each
+        start, count = self.shard.split(self.config.moe.moe_intermediate_size)
+        if fused[2] == "down_proj":  # [E, hidden, I]
+            return whole.narrow(2, start, count)
+        inter = self.config.moe.moe_intermediate_size  # [E, 2I, hidden]: gate rows, then up rows
+        return torch.cat([whole.narrow(1, start, count), whole.narrow(1, inter + start, count)], dim=1)
 
     def skip_weight(self, name: str) -> bool:
         layer = _LAYER.match(name)  # V3's multi-token-prediction layers come right after the stack

@@ -102,12 +102,14 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU with fused gate/up projection (gate first, then up). Under tensor parallelism
-    (``comm``) it holds its rank's intermediate columns and sums ``down_proj``'s partial outputs."""
+    (``comm``) it holds its rank's intermediate columns and sums ``down_proj``'s partial outputs
+    (unless ``reduce`` is False: its caller sums them with others, in one all-reduce)."""
 
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, comm: TPComm | None = None) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, comm: TPComm | None = None,
+                 reduce: bool = True) -> None:  # fmt: skip
         super().__init__()
         inter = intermediate_size or config.intermediate_size
-        self.comm = comm
+        self.comm = comm if reduce else None
         self.inter = inter = inter if comm is None else comm.shard.split(inter)[1]
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False)
         self.down_proj = Linear(inter, config.hidden_size, bias=False)
@@ -323,6 +325,10 @@ class LlamaForCausalLM(nn.Module):
             return (0, *shard.vocab(c.vocab_size))
         return None
 
+    def read_weight(self, name: str, source: torch.Tensor | object) -> torch.Tensor:
+        """This rank's part of checkpoint weight ``name`` (a tensor or a lazy slice)."""
+        return read_shard(source, self.weight_shard(name))
+
     def covered_names(self, name: str) -> list[str]:
         """The :meth:`checkpoint_weight_names` a loaded checkpoint weight accounts for."""
         return [name]
@@ -376,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
             if target is None:
                 unexpected.append(name)
                 continue
-            tensor = read_shard(tensor, self.weight_shard(name))
+            tensor = self.read_weight(name, tensor)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"

@@ -13,6 +13,7 @@ from torch import nn
 
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.llama import MLP
+from pdserve.engine.model.tp_layers import TPComm
 
 
 class MoEGate(nn.Module):
@@ -61,12 +62,13 @@ class MoEGate(nn.Module):
 
 class Experts(nn.Module):
     """The routed experts' SwiGLU weights as stacked tensors: ``gate_up_proj [E, 2I, hidden]``
-    (gate rows, then up rows) and ``down_proj [E, hidden, I]``."""
+    (gate rows, then up rows) and ``down_proj [E, hidden, I]``, ``I`` being ``inter`` (a
+    tensor-parallel rank's columns of every expert) or the whole ``moe_intermediate_size``."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, inter: int | None = None) -> None:
         super().__init__()
         assert config.moe is not None
-        e, inter = config.moe.n_routed_experts, config.moe.moe_intermediate_size
+        e, inter = config.moe.n_routed_experts, inter or config.moe.moe_intermediate_size
         self.inter = inter
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, config.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(e, config.hidden_size, inter))
@@ -94,17 +96,26 @@ class Experts(nn.Module):
 
 class MoE(nn.Module):
     """``experts(x) + shared_experts(x)``: routed experts weighted by the gate, plus the
-    always-on shared experts (one SwiGLU of ``n_shared_experts * moe_intermediate_size``)."""
+    always-on shared experts (one SwiGLU of ``n_shared_experts * moe_intermediate_size``).
 
-    def __init__(self, config: ModelConfig) -> None:
+    Under tensor parallelism (``comm``) every rank holds the whole gate (so every rank routes each
+    token alike) and its share of every expert's intermediate columns, routed and shared, as
+    vLLM's tensor-parallel MoE does; one all-reduce sums the ranks' partial outputs of both."""
+
+    def __init__(self, config: ModelConfig, comm: TPComm | None = None) -> None:
         super().__init__()
         assert config.moe is not None
         m = config.moe
+        self.comm = comm
+        inter = m.moe_intermediate_size if comm is None else comm.shard.split(m.moe_intermediate_size)[1]
         self.gate = MoEGate(config)
-        self.experts = Experts(config)
-        self.shared_experts = MLP(config, m.moe_intermediate_size * m.n_shared_experts) if m.n_shared_experts else None
+        self.experts = Experts(config, inter)
+        self.shared_experts = (MLP(config, m.moe_intermediate_size * m.n_shared_experts, comm, reduce=False)
+                               if m.n_shared_experts else None)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out if self.comm is None else self.comm.all_reduce(out)

@@ -2,8 +2,10 @@
 
 Attention heads, KV heads and MLP columns split evenly across ranks; with fewer KV heads than ranks
 each KV head is replicated on ``size / num_kv_heads`` consecutive ranks (as vLLM does); each of them
-writes the head's K/V itself (the same bytes), so that what it reads in a step is its own write. The vocabulary splits in ``ceil(V / size)`` rows per rank (the
-last rank may hold fewer). Block ids, block tables and block hashes do not depend on any of this.
+writes the head's K/V itself (the same bytes), so that what it reads in a step is its own write. An
+MLA latent is whole on every rank, and MoE experts split by their intermediate columns (every rank
+holds a share of every expert). The vocabulary splits in ``ceil(V / size)`` rows per rank (the last
+rank may hold fewer). Block ids, block tables and block hashes do not depend on any of this.
 """
 
 from __future__ import annotations
@@ -53,15 +55,17 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     if size == 1:
         return
     name = config.architecture
-    if config.mla is not None or config.moe is not None:
-        raise ValueError(f"{name}: tensor_parallel_size > 1 is supported for the Llama family (Llama, Mistral, "
-                         "Qwen2) only; DeepSeek's MLA and MoE layers run on one device")  # fmt: skip
     heads, kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     if heads % size:
         raise ValueError(f"{name}: num_attention_heads={heads} does not divide by tensor_parallel_size={size}; "
                          f"use a size that divides {heads}")  # fmt: skip
-    if kv % size and size % kv:
+    if config.mla is None and kv % size and size % kv:  # (an MLA latent is whole on every rank)
         raise ValueError(f"{name}: num_key_value_heads={kv} and tensor_parallel_size={size}: one must divide the "
                          "other (KV heads are split, or replicated when fewer than the ranks)")  # fmt: skip
-    if inter % size:
+    moe = config.moe
+    dense = moe is None or any(not moe.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    if dense and inter % size:
         raise ValueError(f"{name}: intermediate_size={inter} does not divide by tensor_parallel_size={size}")
+    if moe is not None and moe.moe_intermediate_size % size:
+        raise ValueError(f"{name}: moe_intermediate_size={moe.moe_intermediate_size} does not divide by "
+                         f"tensor_parallel_size={size}")  # fmt: skip

@@ -134,3 +134,30 @@ def _kill_a_decode_rank_and_recover(svc: Service, stub, reference) -> int:  # no
     assert wait_until(lambda: all_idle(svc), timeout=30)
     assert process_gone(rank)
     return int(_ranks(handle)[1][0]["pid"])
+
+
+def test_deepseek_mla_between_tensor_parallel_workers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """DeepSeek-V3 (MLA latents, MoE) with both roles at TP=2: the latent rows a prefill worker's
+    ranks cached are pulled whole by the decode worker, whose ranks decode transformers' tokens."""
+    from tests.engine.test_engine import hf_greedy
+    from tests.support.deepseek_models import make_deepseek_checkpoint
+    from tests.support.models import load_hf_reference
+
+    path = make_deepseek_checkpoint(tmp_path_factory.mktemp("deepseek") / "v3", "v3", seed=31)
+    hf = load_hf_reference(path)
+    svc = _start(str(path), 2, 2)
+    try:
+        assert svc.port is not None
+        channel, stub = stub_for(f"127.0.0.1:{svc.port}")
+        base = _prompt(41, 70)
+        first = generate(stub, build_request(base, GREEDY))
+        assert first.token_ids == hf_greedy(hf, base, 12)
+        assert first.usage["transferred_tokens"] == 70
+        tail = base[:64] + _prompt(8, 30)
+        second = generate(stub, build_request(tail, GREEDY))
+        assert second.token_ids == hf_greedy(hf, tail, 12)
+        assert second.usage["cached_tokens"] == 64 and second.usage["transferred_tokens"] == 30
+        assert wait_until(lambda: all_idle(svc), timeout=30)
+        channel.close()
+    finally:
+        svc.stop()
