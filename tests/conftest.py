@@ -44,8 +44,8 @@ _SHARED_GROUPS = {
     "netns": ("tests/cluster/test_simnet.py", "tests/e2e/test_multinode.py", "tests/e2e/test_multinode_faults.py",
               "tests/e2e/test_deploy_scripts.py", "tests/cli/test_bench_smoke.py::test_links_bench",
               "tests/cli/test_bench_transfer_netns.py"),
-    "tp-rendezvous": ("tests/engine/test_tensor_parallel.py", "tests/engine/test_rank_actors.py",
-                      "tests/e2e/test_service_tp.py", "tests/cli/test_bench_tp.py"),
+    "tp-rendezvous": ("tests/engine/test_tensor_parallel.py", "tests/engine/test_tensor_parallel_deepseek.py",
+                      "tests/engine/test_rank_actors.py", "tests/e2e/test_service_tp.py", "tests/cli/test_bench_tp.py"),
 }
 
 
