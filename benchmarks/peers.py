@@ -128,11 +128,12 @@ def ours_run(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float
 
 
 def compare(model: str, dtype: str, side: VLLMSide, prompts: list[list[int]], max_tokens: int,
-            repeats: int) -> dict[str, Any]:  # fmt: skip
+            repeats: int, disable_cascade_attn: bool = False) -> dict[str, Any]:  # fmt: skip
     from pdserve import LLM
 
     longest = max(len(p) for p in prompts) + max_tokens
-    llm = LLM(model, dtype=dtype, num_blocks=len(prompts) * (-(-longest // 16)) + 16)
+    llm = LLM(model, dtype=dtype, num_blocks=len(prompts) * (-(-longest // 16)) + 16,
+              disable_cascade_attn=disable_cascade_attn)  # fmt: skip
     side.call(cmd="load", model=model, dtype=dtype)
     try:
         ours_run(llm, prompts[:2], 4)  # warm-up, both sides
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--disable-cascade-attn", action="store_true",
+                    help="pdserve's decodes gather the shared prefix each (the engine option of that name)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     python = vllm_python(args.vllm_python)
@@ -178,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         result: dict[str, Any] = {"model": model, "prompts": args.prompts, "max_tokens": args.max_tokens,
                                   "repeats": args.repeats}  # fmt: skip
         for dtype in args.dtypes.split(","):
-            result[dtype] = compare(model, dtype, side, prompts, args.max_tokens, args.repeats)
+            result[dtype] = compare(model, dtype, side, prompts, args.max_tokens, args.repeats,
+                                    args.disable_cascade_attn)  # fmt: skip
     finally:
         side.close()
     emit(result, args.json, report_rows(result, args.dtypes.split(",")))

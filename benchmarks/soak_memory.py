@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import psutil
 
+import psutil
 
 _ACTORS = {"Router": "router", "PrefillWorker": "prefill", "DecodeWorker": "decode"}
 

@@ -1,7 +1,8 @@
 """Where a decode step's time goes: the engine's host work against the model's compute.
 
 ``--prompts`` prompts (a 221-token shared prefix and their own tails, as in ``bench peers``) are
-prefilled, then every decode step of ``--max-tokens`` greedy tokens is timed part by part (means
+prefilled (after a warm-up that caches the prefix, so that their decodes share its blocks, read
+once per layer by cascade attention unless ``--disable-cascade-attn``), then every decode step of ``--max-tokens`` greedy tokens is timed part by part (means
 over the steps, so that the parts add up to the step): the
 scheduler's ``schedule``, the model runner's input build (``prepare``: token ids, positions, slot
 mapping, block tables, the attention plan), the forward, the LM head (``compute_logits``), sampling,
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="4 prompts x 8 tokens")
+    ap.add_argument("--disable-cascade-attn", action="store_true",
+                    help="every decode gathers the shared prefix itself (the engine option of that name)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
@@ -118,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or smollm2()
     prompts = workload(ModelConfig.from_path(model).vocab_size, args.prompts)
     longest = max(len(p) for p in prompts) + args.max_tokens
-    llm = LLM(model, dtype=args.dtype, num_blocks=len(prompts) * (-(-longest // 16)) + 16)
+    llm = LLM(model, dtype=args.dtype, num_blocks=len(prompts) * (-(-longest // 16)) + 16,
+              disable_cascade_attn=args.disable_cascade_attn)  # fmt: skip
     try:
         engine = llm.engine
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -132,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     step = statistics.fmean(steps)
     parts = {p: totals[p] / len(steps) for p in PARTS}
     parts["outputs and bookkeeping"] = max(0.0, step - sum(parts.values()))
-    result = {"model": model, "dtype": args.dtype, "batch": args.prompts, "mean_step_ms": step * 1e3,
+    result = {"model": model, "dtype": args.dtype, "batch": args.prompts, "cascade": not args.disable_cascade_attn,
+              "mean_step_ms": step * 1e3,
               "output_tok_per_s": args.prompts / step, "parts_ms": {k: v * 1e3 for k, v in parts.items()},
               "forward_op_share": ops}  # fmt: skip
     emit(result, args.json, report_rows(result))

@@ -23,7 +23,7 @@ import grpc
 from pdserve.cli.stats import format_stats
 from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.launcher import Service
-from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.config import EngineConfig
 from pdserve.kvindex.config import tenant_digest
 from pdserve.kvindex.stats import read_stats
 from pdserve.v1 import router_pb2 as pb

@@ -226,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "their own sample from (default: not seeded)")
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="Jinja chat template replacing the checkpoint's: a file, or the template itself")
+    p.add_argument("--disable-cascade-attn", action="store_true", default=None,
+                   help="CPU: decodes sharing prefix blocks gather them each instead of reading them once together")
     p.add_argument("--print-config", action="store_true",
                    help="print the service config these flags and --config give (JSON, secrets hidden) and exit")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",

@@ -137,6 +137,9 @@ class EngineConfig:
     # rows, bfloat16 on every row count, on prepacked weights). Costs a second copy of the linear
     # weights; False keeps torch's F.linear everywhere.
     cpu_onednn: bool = True
+    # vLLM's --disable-cascade-attn: on the CPU's torch path, decodes that share prefix blocks read
+    # them once together (engine/kernels/cascade.py) unless this is set.
+    disable_cascade_attn: bool = False
     # vLLM's --revision / --download-dir: which revision of a Hugging Face Hub id ``model`` names
     # (a branch, tag or commit; None: "main") and the Hub cache to use (None: $HF_HOME/hub).
     # Read where the id is resolved to a local directory (engine/model/hub.py); a local path
@@ -163,8 +166,9 @@ class EngineConfig:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(2**63) <= self.seed < 2**64):  # fmt: skip
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
-        if not isinstance(self.cpu_onednn, bool):
-            raise ValueError(f"cpu_onednn must be a bool, got {self.cpu_onednn!r}")
+        for name in ("cpu_onednn", "disable_cascade_attn"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16 (or half, float), got {self.dtype!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):

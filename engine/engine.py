@@ -146,6 +146,8 @@ class LLMEngine:
             (*mc.eos_token_ids, *self.tokenizer.info.generation_eos_token_ids)))  # fmt: skip
         tp = config.parallel.tensor_parallel_size
         self._on_rank_lost = on_rank_lost
+        # Cascade attention (the torch path's shared-prefix decodes), where its layout has K/V heads.
+        self.cascade = not config.disable_cascade_attn and mc.kv_cache_kind == "mha"
         if tp > 1 and self.device.type != "cpu":
             raise ValueError(f"tensor_parallel_size={tp}: tensor parallelism runs on the CPU (gloo) in this version; "
                              f"use tensor_parallel_size=1 on {self.device}")  # fmt: skip
@@ -184,7 +186,8 @@ class LLMEngine:
 
             self.kv_manager.pool.eviction_sink = offload
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.runner = ModelRunner(self.model, self.kv_tensor, cc.block_size, self.ranks)
+        self.runner = ModelRunner(self.model, self.kv_tensor, cc.block_size, self.ranks,
+                                  cascade=self.cascade)  # fmt: skip
         # Compiles structured-output constraints (once each) on the first request that has one.
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.lock = threading.RLock()
@@ -411,7 +414,7 @@ class LLMEngine:
         torch.set_num_threads(threads)
         spec = {
             "model": self.config.model, "dtype": str(self.dtype).removeprefix("torch."), "onednn": self.onednn,
-            "quantized": bool(layout.kv_scales), "threads": threads, "num_blocks": num_blocks,
+            "quantized": bool(layout.kv_scales), "threads": threads, "num_blocks": num_blocks, "cascade": self.cascade,
             "layout": {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
                        "head_dim": layout.head_dim, "block_size": layout.block_size,
                        "dtype": str(layout.dtype).removeprefix("torch."), "kv_scales": list(layout.kv_scales),

@@ -21,14 +21,17 @@ class ModelRunner:
     into the slots its block table names, and each request with ``samples=True`` gets
     exactly one sampled token back, in scheduling order.
 
+    ``cascade``: decodes that share prefix blocks read them once (``engine/kernels/cascade.py``).
+
     ``ranks``: the worker's other tensor-parallel ranks (``model`` is then rank 0's shard): each
     step's plan goes to them before the forward, which they run alongside. A step that loses a rank
     raises :class:`RankLost`, as does every step after it.
     """
 
     def __init__(self, model: torch.nn.Module, kv_tensor: KVTensor, block_size: int,
-                 ranks: Ranks | None = None) -> None:  # fmt: skip
+                 ranks: Ranks | None = None, cascade: bool = False) -> None:  # fmt: skip
         self.model = model
+        self.cascade = cascade  # plan cascade attention for shared-prefix decodes (torch path)
         self.kv_tensor = kv_tensor
         self.block_size = block_size
         self.device = kv_tensor.device
@@ -70,9 +73,8 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
         )
         if dev.type == "cpu":
-            meta.torch_plan = plan_attention(
-                meta.block_tables, meta.seq_lens, meta.query_start_loc, bs, self.model.config.sliding_window
-            )
+            meta.torch_plan = plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs,
+                                             self.model.config.sliding_window, self.cascade)  # fmt: skip
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         return ids, pos_t, meta, sample_rows

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.kernels.cascade import CascadePrefix, attention_lse, merge, plan_prefix
 from pdserve.engine.kernels.quant import dequantize, is_fp8, quantize
 
 
@@ -60,6 +61,20 @@ class DecodeGroup:
     padded_len: int
     all_rows: bool  # rows == arange(num_tokens): no row selection needed
     buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # With a cascade (``TorchAttentionPlan.cascade``): where each of these rows sits among the
+    # prefix's rows (None: no cascade, or the group holds all of them in order). The gathered
+    # blocks are then each sequence's suffix only.
+    prefix_pos: torch.Tensor | None = None
+    masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive form of ``mask``, per dtype
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """``mask`` as 0 / -inf in ``dtype`` (what the flash operator takes)."""
+        found = self.masks.get(dtype)
+        if found is None:
+            found = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            found.masked_fill_(~self.mask, float("-inf"))
+            self.masks[dtype] = found
+        return found
 
 
 @dataclass
@@ -75,6 +90,7 @@ class TorchAttentionPlan:
     prefills: list[tuple[int, int, int]]  # (seq, start row, seq_len) of sequences with q_len > 1
     starts: list[int]  # query_start_loc as a list; starts[-1] is the number of query rows
     sliding_window: int | None = None
+    cascade: CascadePrefix | None = None  # the decodes' shared prefix, read once (engine/kernels/cascade.py)
 
 
 def _length_buckets(seqs: list[int], lens: list[int], min_fill: float = 0.75) -> list[list[int]]:
@@ -99,11 +115,14 @@ def plan_attention(
     query_start_loc: torch.Tensor,
     block_size: int,
     sliding_window: int | None = None,
+    cascade: bool = False,
 ) -> TorchAttentionPlan:
     """Group the decodes, precompute gather indices, padding rows and masks for one step.
 
     With a ``sliding_window`` a decode reads only the blocks that hold its last
-    ``sliding_window`` positions; the mask hides the rest of those blocks.
+    ``sliding_window`` positions; the mask hides the rest of those blocks. With ``cascade``
+    (no window), decodes that all start with the same blocks read those once together
+    (:mod:`engine.kernels.cascade`) and gather only the rest.
     """
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -112,8 +131,13 @@ def plan_attention(
     device = block_tables.device
     groups: list[DecodeGroup] = []
     decode = [s for s in range(num_seqs) if q_lens[s] == 1]
-    # First block each decode reads: past the window, whole blocks are skipped.
+    shared = plan_prefix(block_tables, lens, decode, starts, block_size) if cascade and sliding_window is None else None
+    # First block each decode reads: past the window, whole blocks are skipped; with a cascade,
+    # the shared ones.
     first = [0 if sliding_window is None else max(lens[s] - sliding_window, 0) // block_size for s in range(num_seqs)]
+    if shared is not None:
+        for s in decode:
+            first[s] = shared.num_tokens // block_size
     spans = [lens[s] - first[s] * block_size for s in range(num_seqs)]  # positions gathered
     for group in _length_buckets(decode, spans):
         group.sort()  # batch order = row order, so a single all-decode group needs no row shuffle
@@ -132,18 +156,20 @@ def plan_attention(
             visible &= pos >= (gspans - sliding_window)[:, None]
         mask = visible.view(len(group), 1, 1, padded)
         rows = [starts[s] for s in group]
+        row_t = torch.tensor(rows, dtype=torch.int64, device=device)
         groups.append(
             DecodeGroup(
-                rows=torch.tensor(rows, dtype=torch.int64, device=device),
+                rows=row_t,
                 block_index=torch.tensor(table, dtype=torch.int64, device=device).view(-1),
                 pad_rows=torch.tensor(pad, dtype=torch.int64, device=device),
                 mask=mask,
                 padded_len=padded,
                 all_rows=rows == list(range(starts[-1])),
+                prefix_pos=None if shared is None or len(group) == len(decode) else torch.searchsorted(shared.rows, row_t),
             )
         )
     prefills = [(s, starts[s], lens[s]) for s in range(num_seqs) if q_lens[s] > 1]
-    return TorchAttentionPlan(block_size, groups, prefills, starts, sliding_window)
+    return TorchAttentionPlan(block_size, groups, prefills, starts, sliding_window, shared)
 
 
 def _gather(cache: torch.Tensor, group: DecodeGroup, which: int) -> torch.Tensor:
@@ -174,17 +200,42 @@ def _read(kv: torch.Tensor, dtype: torch.dtype, kv_scale: float) -> torch.Tensor
 
 def _decode_group(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Attention for the group's single-token queries ``q [B, Hq, D]``; returns ``[B, Hq, D]``."""
+    """Attention for the group's single-token queries ``q [B, Hq, D]``; returns ``[B, Hq, D]``.
+
+    ``prefix``: these rows' attention over the cascade's shared prefix (``_prefix_part``), merged
+    with theirs over the gathered suffixes."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     k = _read(_gather(k_cache, group, 0), q.dtype, k_scale).transpose(1, 2)  # [B, Hkv, L, D]
     v = _read(_gather(v_cache, group, 1), q.dtype, v_scale).transpose(1, 2)
     # Query heads h*group .. h*group+group-1 share KV head h: fold them into q_len.
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scale)
+    if prefix is None:
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scale)
+    else:
+        own, own_lse = attention_lse(qg, k, v, scale, group.additive_mask(q.dtype))
+        out = merge(*prefix, own, own_lse).to(q.dtype)
     return out.reshape(batch, num_heads, head_dim)
+
+
+def _prefix_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix: CascadePrefix, scale: float,
+                 k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Every decode row's attention over the shared prefix, in one call: ``([B, Hkv, group, D],
+    float32 log-sum-exp [B, Hkv, group])``, B in ``prefix.rows`` order."""
+    rows = q if prefix.rows.numel() == q.shape[0] else q[prefix.rows]
+    batch, num_heads, head_dim = rows.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k = _read(k_cache.index_select(0, prefix.block_index), q.dtype, k_scale).view(1, -1, num_kv_heads, head_dim)
+    v = _read(v_cache.index_select(0, prefix.block_index), q.dtype, v_scale).view(1, -1, num_kv_heads, head_dim)
+    # Every sequence's query heads of KV head h read the same keys: one query axis of B * group rows.
+    qa = rows.view(batch, num_kv_heads, group, head_dim).transpose(0, 1).reshape(1, num_kv_heads, batch * group,
+                                                                                 head_dim)  # fmt: skip
+    out, lse = attention_lse(qa, k.transpose(1, 2), v.transpose(1, 2), scale)
+    return (out.view(num_kv_heads, batch, group, head_dim).transpose(0, 1),
+            lse.view(num_kv_heads, batch, group).transpose(0, 1))  # fmt: skip
 
 
 def _gather_seq(cache: torch.Tensor, table_row: torch.Tensor, start: int, seq_len: int) -> torch.Tensor:
@@ -258,12 +309,17 @@ def paged_attention_torch(
     if q.shape[0] == 0 or not plan.starts[-1]:
         return torch.zeros_like(q, memory_format=torch.contiguous_format)
     groups = plan.decode_groups
+    shared = None if plan.cascade is None else _prefix_part(q, k_cache, v_cache, plan.cascade, scale, k_scale, v_scale)
     if len(groups) == 1 and groups[0].all_rows and q.shape[0] == plan.starts[-1]:
         # Hot path: one decode group covering every row.
-        return _decode_group(q, k_cache, v_cache, groups[0], scale, k_scale, v_scale)
+        return _decode_group(q, k_cache, v_cache, groups[0], scale, k_scale, v_scale, shared)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     for group in groups:
-        out.index_copy_(0, group.rows, _decode_group(q[group.rows], k_cache, v_cache, group, scale, k_scale, v_scale))
+        part = shared
+        if shared is not None and group.prefix_pos is not None:
+            part = (shared[0][group.prefix_pos], shared[1][group.prefix_pos])
+        out.index_copy_(0, group.rows, _decode_group(q[group.rows], k_cache, v_cache, group, scale, k_scale, v_scale,
+                                                     part))  # fmt: skip
     for s, start, seq_len in plan.prefills:
         end = plan.starts[s + 1]
         out[start:end] = _prefill_one(q[start:end], k_cache, v_cache, block_tables[s], seq_len, scale, sliding_window,

@@ -44,7 +44,7 @@ def _load(spec: dict[str, Any]) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, kv.tensor
 
 
-def _serve(model: torch.nn.Module, kv: torch.Tensor, frames: BinaryIO, block_size: int) -> int:
+def _serve(model: torch.nn.Module, kv: torch.Tensor, frames: BinaryIO, block_size: int, cascade: bool) -> int:
     from pdserve.engine.kernels import plan_attention
     from pdserve.engine.parallel.step_plan import StepPlan, read_frame
 
@@ -52,7 +52,7 @@ def _serve(model: torch.nn.Module, kv: torch.Tensor, frames: BinaryIO, block_siz
     while (frame := read_frame(frames)) is not None:
         plan = StepPlan.decode(frame)
         m = plan.meta
-        m.torch_plan = plan_attention(m.block_tables, m.seq_lens, m.query_start_loc, block_size, sliding)
+        m.torch_plan = plan_attention(m.block_tables, m.seq_lens, m.query_start_loc, block_size, sliding, cascade)
         with torch.inference_mode():
             hidden = model(plan.input_ids, plan.positions, kv, m)
             if plan.sample_rows:
@@ -75,7 +75,7 @@ def run_rank(spec: dict[str, Any], frames: BinaryIO, report: Report) -> int:
         group = TPGroup(spec["store"], int(spec["rank"]), int(spec["size"]), float(spec["timeout_s"]))
         group.barrier()  # every rank has joined: the driver removes the rendezvous file after this
         model.join(group)
-        return _serve(model, kv, frames, int(spec["layout"]["block_size"]))
+        return _serve(model, kv, frames, int(spec["layout"]["block_size"]), bool(spec["cascade"]))
     except Exception:  # a peer died or timed out: this rank's worker cannot step any more
         logger.exception("tensor-parallel rank %s failed", spec["rank"])
         return 1

@@ -17,7 +17,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.cli.main import build_parser
-from pdserve.cli.up import build_config, config_json
+from pdserve.cli.up import build_config
 from pdserve.cluster.config import ServiceConfig
 from pdserve.engine.model import make_tiny_model
 from tests.engine.test_hub import COMMIT, fake_hub_snapshot
@@ -77,6 +77,7 @@ FLAGS = [
     (["--chat-template", TEMPLATE], "engine.chat_template", TEMPLATE),
     (["--revision", "v1.0"], "engine.revision", "v1.0"),
     (["--download-dir", "/data/hf"], "engine.download_dir", "/data/hf"),
+    (["--disable-cascade-attn"], "engine.disable_cascade_attn", True),
 ]
 
 
