@@ -145,9 +145,11 @@ def test_links_carry_their_profiles_delay_and_rate(net: SimCluster) -> None:
     for node in ("a", "b"):
         net.set_profile(node, "fast")
     fast_rtts, fast_gbps = rtts(net), throughput_gbps(net, 1.0)
-    # slow: 5 ms on each direction of each link, so 2 * (5 + 5) ms a round trip; fast: 0.8 ms
+    # slow: 5 ms on each direction of each link, so 2 * (5 + 5) ms a round trip; fast: 0.8 ms. The least
+    # round trip of each bounds the delay the links hold: a busy machine only adds to some of them (the
+    # nfqueue backend's daemons wait for a CPU), so the fast profile is judged by its least too.
     assert slow_rtts[0] >= 10.0, slow_rtts
-    assert fast_rtts[len(fast_rtts) // 2] < 5.0, fast_rtts
+    assert fast_rtts[0] < 5.0, fast_rtts
     assert slow_gbps <= 1.1, slow_gbps  # tbf at 1 Gbit/s
     assert fast_gbps >= 2 * slow_gbps, (slow_gbps, fast_gbps)
 
