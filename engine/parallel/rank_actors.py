@@ -19,7 +19,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pdserve.engine.parallel.ranks import RankLauncher, RankLink
+from pdserve.engine.parallel.ranks import RankLauncher, RankLink, end_links
 
 _RANK = 8  # bytes: the rank number a connecting actor sends first
 
@@ -66,12 +66,14 @@ class ActorLink(RankLink):
         ready, _ = ray.wait([self.done], timeout=0)
         return None if not ready else _outcome(self.done)
 
-    def end(self, grace_s: float) -> None:
+    def close_input(self) -> None:
         try:
             self.conn.shutdown(socket.SHUT_WR)  # the rank's frames end: it returns
         except OSError:
             pass
-        ray.wait([self.done], timeout=grace_s)
+
+    def finish(self, deadline: float) -> None:
+        ray.wait([self.done], timeout=max(0.0, deadline - time.monotonic()))
         self.reports.close()
         self.conn.close()
         ray.kill(self.actor, no_restart=True)  # its process (and its bundle's share) goes now
@@ -136,8 +138,7 @@ class ActorLauncher(RankLauncher):
                 conn.sendall(len(body).to_bytes(8, "little") + body)
                 links.append(ActorLink(rank, *started.pop(rank), conn))
         except BaseException:
-            for link in links:
-                link.end(0.0)
+            end_links(links, 0.0)
             for actor, _ in started.values():
                 ray.kill(actor, no_restart=True)
             raise

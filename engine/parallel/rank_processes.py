@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from typing import Any
 
-from pdserve.engine.parallel.ranks import RankLauncher, RankLink
+from pdserve.engine.parallel.ranks import RankLauncher, RankLink, end_links
 
 
 class ProcessLink(RankLink):
@@ -33,14 +34,16 @@ class ProcessLink(RankLink):
         code = self.proc.poll()
         return None if code is None else f"exited with code {code}"
 
-    def end(self, grace_s: float) -> None:
+    def close_input(self) -> None:
         if self.proc.stdin is not None:
             try:
                 self.proc.stdin.close()
             except OSError:
                 pass
+
+    def finish(self, deadline: float) -> None:
         try:
-            self.proc.wait(timeout=grace_s)
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -59,7 +62,6 @@ class ProcessLauncher(RankLauncher):
             for spec in specs:
                 links.append(ProcessLink(int(spec["rank"]), spec, kv_fd))
         except BaseException:
-            for link in links:
-                link.end(5.0)
+            end_links(links, 5.0)
             raise
         return links

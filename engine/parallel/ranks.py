@@ -56,8 +56,23 @@ class RankLink(ABC):
         """How the rank ended ("exited with code 1"), or None while it runs."""
 
     @abstractmethod
-    def end(self, grace_s: float) -> None:
-        """Close the rank's input (which ends it), wait up to ``grace_s``, then kill it. Idempotent."""
+    def close_input(self) -> None:
+        """Close the rank's input: a rank that reads it returns. Idempotent."""
+
+    @abstractmethod
+    def finish(self, deadline: float) -> None:
+        """Wait until the rank ends or ``deadline`` (``time.monotonic()``) passes, then kill it and release
+        its link. Idempotent."""
+
+
+def end_links(links: list[RankLink], grace_s: float) -> None:
+    """End every rank of ``links``: all inputs are closed first, then the ranks still running ``grace_s``
+    later are killed (one grace for all, not one each)."""
+    for link in links:
+        link.close_input()
+    deadline = time.monotonic() + grace_s
+    for link in links:
+        link.finish(deadline)
 
 
 class RankLauncher(ABC):
@@ -196,11 +211,11 @@ class Ranks:
                 return None
             time.sleep(0.05)
 
-    def close(self) -> None:
-        """End every rank (idempotent): closing a rank's input ends it; a kill after 5 s."""
+    def close(self, grace_s: float = 5.0) -> None:
+        """End every rank (idempotent): closing a rank's input ends it; the ranks still running
+        ``grace_s`` after all inputs were closed are killed (one grace for all, not one each)."""
         self._closed.set()
-        for link in self._links:
-            link.end(5.0)
+        end_links(self._links, grace_s)
         self._links = []
         self._launcher.close()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -10,6 +10,7 @@ import os
 import signal
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -214,6 +215,24 @@ def test_close_ends_every_rank(checkpoints: dict[str, Path]) -> None:
     llm.close()
 
     assert wait_until(lambda: process_gone(pid), timeout=10)
+
+
+def test_close_kills_hung_ranks_after_one_grace_for_all(checkpoints: dict[str, Path]) -> None:
+    """Ranks that stop reading their input (stopped here) are killed once one grace has passed for all
+    of them, not one grace after another."""
+    llm = LLM(str(checkpoints["mqa"]), num_blocks=32, tensor_parallel_size=4)
+    assert llm.engine.ranks is not None
+    pids = llm.engine.ranks.pids
+    assert len(pids) == 3
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    grace = 3.0
+    started = time.monotonic()
+    llm.engine.ranks.close(grace_s=grace)
+    elapsed = time.monotonic() - started
+    llm.close()
+    assert all(process_gone(pid) for pid in pids)
+    assert grace <= elapsed < 2 * grace, elapsed  # one after another would take 3 graces
 
 
 @pytest.mark.slow
