@@ -25,6 +25,9 @@ Used by ``pdserve demo``/``up`` when no ``--redis-url`` is given, and by tests
   stopped then too (``weakref.finalize`` runs at exit like ``atexit``).
 - ``restart()`` stops and starts again on the same port (an outage, for tests);
   the data is gone afterwards, as after a real crash without persistence.
+- A killed owner runs no finalizer: its server ends with it (``PR_SET_PDEATHSIG``)
+  but its directory stays. Each directory names its owner (pid and start time), and
+  ``start()`` first removes the directories of this user's owners that are gone.
 """
 
 from __future__ import annotations
@@ -142,6 +145,43 @@ def _terminate(proc: subprocess.Popen, workdir: str, grace_s: float = 5.0) -> No
     shutil.rmtree(workdir, ignore_errors=True)
 
 
+_DIR_PREFIX = "pdserve-redis-"
+_OWNER_NAME = "owner"  # "PID START_TIME" of the process that started the server
+
+
+def _owner_stamp(pid: int) -> str | None:
+    """``"PID START_TIME"`` of a running process (its start time tells a reused pid apart), None when gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return None if fields[0] in ("Z", "X") else f"{pid} {fields[19]}"
+
+
+def sweep_stale_workdirs(base: str | None = None) -> int:
+    """Remove the server directories under ``base`` (default: the temp directory) whose owner, a process
+    of this user, is gone. Directories without an owner stamp (one being created) are kept; so is all of
+    it where there is no ``/proc`` to tell. Returns how many were removed."""
+    base = base or tempfile.gettempdir()
+    if _owner_stamp(os.getpid()) is None:
+        return 0
+    removed = 0
+    for entry in os.scandir(base):
+        if not entry.name.startswith(_DIR_PREFIX):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+                continue
+            stamp = Path(entry.path, _OWNER_NAME).read_text().strip()
+            if _owner_stamp(int(stamp.split()[0])) != stamp:
+                shutil.rmtree(entry.path)
+                removed += 1
+        except (OSError, ValueError, IndexError):  # removed meanwhile, not ours, or no stamp yet
+            continue
+    return removed
+
+
 class _PortTaken(RuntimeError):
     """The server could not bind its port."""
 
@@ -239,7 +279,9 @@ class EmbeddedRedis:
     def _start_once(self) -> EmbeddedRedis:
         if _server_pid(self.host, self.port, self.username, self.password) is not None:
             raise _PortTaken(f"a Redis server already answers on {self.host}:{self.port}")
-        workdir = tempfile.mkdtemp(prefix="pdserve-redis-")
+        sweep_stale_workdirs()
+        workdir = tempfile.mkdtemp(prefix=_DIR_PREFIX)
+        Path(workdir, _OWNER_NAME).write_text(f"{_owner_stamp(os.getpid()) or os.getpid()}\n")
         log_path = os.path.join(workdir, _LOG_NAME)
         # Output goes to a file, not a pipe: a full pipe nobody reads would stall the server.
         with open(log_path, "wb") as log:

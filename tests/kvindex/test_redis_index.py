@@ -21,7 +21,7 @@ import xxhash
 from pdserve.engine.kvcache import BlockPool, block_hashes
 from pdserve.engine.kvcache.events import BlockStored
 from pdserve.kvindex.config import IndexConfig, tenant_digest
-from pdserve.kvindex.embedded import EmbeddedRedis
+from pdserve.kvindex.embedded import EmbeddedRedis, sweep_stale_workdirs
 from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.publisher import KVEventPublisher, remove_worker_blocks
 from pdserve.kvindex.registry import WorkerRegistry
@@ -566,16 +566,24 @@ def test_config_validation_and_tls_url() -> None:
 
 def test_an_embedded_redis_ends_with_its_owner_even_a_killed_one() -> None:
     """redis-server runs in a session of its own (a terminal's Ctrl-C is for `up` to handle), so a
-    signal to the owner's process group misses it: it must still end when its owner is SIGKILLed."""
+    signal to the owner's process group misses it: it must still end when its owner is SIGKILLed. The
+    directory it leaves goes when the next server starts; a live owner's stays."""
     script = ("from pdserve.kvindex.embedded import EmbeddedRedis\n"
-              "r = EmbeddedRedis().start()\nprint(r._proc.pid, flush=True)\nimport time\ntime.sleep(600)\n")  # fmt: skip
+              "r = EmbeddedRedis().start()\nprint(r._proc.pid, r.config_path, flush=True)\n"
+              "import time\ntime.sleep(600)\n")  # fmt: skip
     owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         assert owner.stdout is not None
-        pid = int(owner.stdout.readline())
+        pid_text, config = owner.stdout.readline().split()
+        pid, workdir = int(pid_text), Path(config).parent
         assert os.getpgid(pid) != os.getpgid(owner.pid)
         owner.kill()
         owner.wait(timeout=30)
         assert wait_until(lambda: not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), timeout=30)
+        assert workdir.is_dir()  # no finalizer ran
+        with EmbeddedRedis() as live:
+            assert not workdir.exists()
+            assert live.config_path is not None
+            assert sweep_stale_workdirs() == 0 and Path(live.config_path).exists()
     finally:
         owner.kill()
