@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +39,7 @@ logger.addFilter(RateLimitFilter())  # connections of another user must not floo
 
 SOCKET_NAME = "kv.sock"
 DIR_PREFIX = "pdserve-kv-"
+NAMING_GRACE_S = 60.0  # a directory still without its socket this long after it was made is a dead worker's
 _MAX_SUN_PATH = 107  # sockaddr_un.sun_path holds 108 bytes, NUL included
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -58,8 +61,10 @@ def private_dir(base: str | None = None) -> str:
 
 def sweep_stale(base: str) -> int:
     """Remove the socket directories under ``base`` that this user's dead workers left: those whose
-    socket refuses connections (nobody listens). A live server's socket always accepts, since it is
-    given its name only once it listens. Returns how many were removed."""
+    socket refuses connections (nobody listens), and those without a socket ``NAMING_GRACE_S`` after
+    they were made (a worker that died before it named its socket). A live server's socket always
+    accepts, since it is given its name only once it listens, moments after its directory is made.
+    Returns how many were removed."""
     try:
         entries = list(os.scandir(base))
     except OSError:
@@ -72,9 +77,12 @@ def sweep_stale(base: str) -> int:
             if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.geteuid():
                 continue
             path = os.path.join(entry.path, SOCKET_NAME)
-            if _refuses(path):
-                os.unlink(path)
-                os.rmdir(entry.path)
+            if os.path.lexists(path):
+                stale = _refuses(path)
+            else:
+                stale = time.time() - entry.stat(follow_symlinks=False).st_mtime > NAMING_GRACE_S
+            if stale:
+                shutil.rmtree(entry.path)
                 removed += 1
         except OSError:  # another worker swept it first, or it is not ours to remove
             continue

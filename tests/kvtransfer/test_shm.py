@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +26,7 @@ from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.errors import BlockNotFoundError, ChecksumError, TransferError
 from pdserve.kvtransfer.pull import pull_kv
 from pdserve.kvtransfer.shm import host_id
+from pdserve.kvtransfer.shm_socket import NAMING_GRACE_S
 from pdserve.v1 import kvtransfer_pb2 as pb
 from tests.kvtransfer.shm_support import (
     GRPC,
@@ -133,8 +135,17 @@ def test_a_killed_workers_socket_directory_is_swept_by_the_next(tmp_path: Path) 
     dead.mkdir(mode=0o700)
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(dead / "kv.sock"))
+    unnamed = tmp_path / "pdserve-kv-unnamed"  # one killed before it named its socket
+    unnamed.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(unnamed / "kv.sock.new"))
+    old = time.time() - NAMING_GRACE_S - 1
+    os.utime(unnamed, (old, old))
+    starting = tmp_path / "pdserve-kv-starting"  # one made just now: its worker may be naming it
+    starting.mkdir(mode=0o700)
     with Holder(shm_dir=str(tmp_path)) as first:
-        assert not dead.exists()
+        assert not dead.exists() and not unnamed.exists() and starting.is_dir()
+        starting.rmdir()
         with Holder(shm_dir=str(tmp_path)) as second:  # a live neighbour's directory stays
             assert Path(first.shm.socket_path).is_socket() and Path(second.shm.socket_path).is_socket()
             assert first.shm.server.directory != second.shm.server.directory
