@@ -60,13 +60,15 @@ class HolderRegion:
         self._mm = mm
         self.array = np.frombuffer(mm, dtype=np.uint8)
         self.pending: HolderPull | None = None  # the pull filed for it, until it ends
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._busy = False
         self._gone = False
 
-    def reserve(self) -> bool:
-        """Take the region for one pull; False while another pull has it, or once it is gone."""
+    def reserve(self, wait_s: float = 0.0) -> bool:
+        """Take the region for one pull, waiting up to ``wait_s`` for the pull that has it to end;
+        False when it is still taken then, or once it is gone."""
         with self._lock:
+            self._lock.wait_for(lambda: not self._busy or self._gone, timeout=wait_s)
             if self._busy or self._gone:
                 return False
             self._busy = True
@@ -77,6 +79,7 @@ class HolderRegion:
         with self._lock:
             self._busy = False
             self.pending = None
+            self._lock.notify_all()
 
     def abort(self) -> None:
         """End the channel (its thread sees the end of the stream and unmaps the region)."""
@@ -92,6 +95,7 @@ class HolderRegion:
                 return
             self._gone = True
             pending, self.pending = self.pending, None
+            self._lock.notify_all()
         if pending is not None:
             pending.close()
         self.array = np.empty(0, dtype=np.uint8)  # drops the export of the mapping

@@ -23,6 +23,10 @@ from pdserve.kvtransfer.shm_server import HolderRegion, ShmExporter
 from pdserve.kvtransfer.status import ServicerPart, abort, clamp
 from pdserve.v1 import kvtransfer_pb2 as pb
 
+# A puller asks for its next pull on a region once it has acknowledged the last slot of the one
+# before, which the holder's channel thread may not have seen yet: the holder waits that long for it.
+REGION_FREE_WAIT_S = 1.0
+
 
 class RegionServicer(ServicerPart):
     """The two calls; the servicer also supplies ``shm`` (None: no same-host transport)."""
@@ -45,7 +49,7 @@ class RegionServicer(ServicerPart):
         region = shm.region(request.region_id) if shm is not None and not refused else None
         if region is not None and not 1 <= request.slot_bytes <= region.nbytes:
             abort(context, InvalidPullError(f"slot_bytes {request.slot_bytes} outside a region of {region.nbytes}"))
-        if shm is None or region is None or not region.reserve():
+        if shm is None or region is None or not region.reserve(REGION_FREE_WAIT_S):
             refused = refused or ("unknown region" if region is None else "the region carries another pull")
             return pull_offer_to_proto(PullOffer(refused=refused))
         pull = self._region_pull(region, request)

@@ -9,6 +9,7 @@ import os
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -90,6 +91,30 @@ def test_pull_tickets_are_good_once_and_on_their_own_region_only() -> None:
         refused = holder.pull_region(lease, region_b, host="another-boot-id/0").refused
         assert refused == "the puller runs on another host"
         sock_b.close()
+
+
+def test_a_region_whose_last_pull_is_still_ending_on_the_holder_is_waited_for() -> None:
+    """The puller asks for its next pull once it acknowledged the last slot; the holder's channel
+    thread may not have ended that pull yet (a loaded machine): the holder waits, it does not refuse."""
+    with Holder() as holder:
+        lease = holder.lease("r", 10)
+        sock, region_id = holder.attach()
+        region = holder.shm.region(region_id)
+        assert region is not None and region.reserve()  # the pull before, not yet ended on the holder
+        asked, reserve = threading.Event(), region.reserve
+
+        def reserve_seen(wait_s: float = 0.0) -> bool:
+            asked.set()
+            return reserve(wait_s)
+
+        region.reserve = reserve_seen  # type: ignore[method-assign]
+        with ThreadPoolExecutor(1) as pool:
+            offer = pool.submit(holder.pull_region, lease, region_id)
+            assert asked.wait(10)
+            region.end_pull()
+            assert not offer.result(timeout=10).refused
+        sock.close()  # the puller goes: the holder drops the region and the filed pull's pins
+        assert wait_until(lambda: len(holder.shm) == 0 and holder.source.leases.active_pulls(lease) == 0)
 
 
 def test_a_region_is_only_ever_used_by_the_holder_it_was_given_to() -> None:
