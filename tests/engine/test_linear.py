@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.model.linear import ONEDNN_MIN_BUCKET, ONEDNN_MIN_ROWS, Linear, bucket_rows, onednn_supported
+from pdserve.engine.model.linear import (
+    ONEDNN_MIN_BUCKET,
+    ONEDNN_MIN_ROWS,
+    SKINNY_ROWS,
+    Linear,
+    bucket_rows,
+    onednn_supported,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -29,6 +36,26 @@ def test_packed_matches_f_linear(rows: int, bias: bool) -> None:
     out = layer(x)
     assert out.shape == ref.shape and out.dtype == torch.float32 and out.is_contiguous()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_few_float32_rows_run_as_the_transposed_product(packed: bool, bias: bool) -> None:
+    """2..7 rows: ``(weight @ x.T).T`` (the BLAS's fast kernel for a skinny right-hand side), equal to
+    F.linear to float32 rounding, contiguous, also from a strided input; one row stays F.linear."""
+    layer = make_linear(96, 160, bias, seed=7)
+    if packed:
+        layer.pack()
+    for rows in [1, *SKINNY_ROWS]:
+        x = torch.randn(rows, 2 * 96)[:, ::2]  # strided, as a slice of a wider activation is
+        out = layer(x)
+        assert out.shape == (rows, 160) and out.is_contiguous()
+        torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        if rows in SKINNY_ROWS:
+            t = torch.mm(layer.weight, x.t()) if not bias else torch.addmm(layer.bias[:, None], layer.weight, x.t())
+            assert torch.equal(out, t.t())  # this path, not F.linear's
+        else:
+            assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
 
 
 def test_dispatch_by_rows() -> None:
