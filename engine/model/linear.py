@@ -114,9 +114,9 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) that may run large inputs through oneDNN.
 
     After :meth:`pack`, 2-D inputs of at least ``ONEDNN_MIN_ROWS`` rows (float32) or of any
-    row count (bfloat16) use the oneDNN copy; everything else (and every unpacked layer) is
-    plain ``F.linear``. Results agree with ``F.linear`` to the dtype's rounding (the summation
-    order may differ).
+    row count (bfloat16) use the oneDNN copy; float32 CPU inputs of ``SKINNY_ROWS`` rows run as
+    the transposed product; everything else is plain ``F.linear``. Results agree with
+    ``F.linear`` to the dtype's rounding (the summation order may differ).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
