@@ -211,6 +211,9 @@ def test_decode_node_dies_under_load_then_comes_back(fleet: Fleet) -> None:
         return all(len(s[i]["token_ids"]) >= 3 for i in sids)
 
     assert wait_until(streaming, timeout=60)
+    # Which decode worker serves a stream is read from Redis, which names it holder of the prompt's blocks
+    # once its publisher has run: not necessarily by the time the stream's first tokens arrive.
+    assert wait_until(lambda: all(f.holders(p) & set(DECODES) for p in prompts), timeout=30)
     now = f.probe.call("streams")
     assert not any(now[i]["done"] for i in sids)
     on_victim = {i for i, p in zip(sids, prompts) if victim in f.holders(p)}
