@@ -51,6 +51,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from pdserve.procstat import proc_stat
+
 _LOG_NAME = "redis-server.log"
 
 
@@ -151,12 +153,8 @@ _OWNER_NAME = "owner"  # "PID START_TIME" of the process that started the server
 
 def _owner_stamp(pid: int) -> str | None:
     """``"PID START_TIME"`` of a running process (its start time tells a reused pid apart), None when gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return None if fields[0] in ("Z", "X") else f"{pid} {fields[19]}"
+    fields = proc_stat(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else f"{pid} {fields[19]}"
 
 
 def sweep_stale_workdirs(base: str | None = None) -> int:

@@ -36,10 +36,11 @@ from pdserve.cluster.simnet.errors import SimnetError
 from pdserve.cluster.simnet.leftovers import cleanup, list_runs, run_is_stale
 from pdserve.cluster.simnet.netns import NETNS_DIR, NODE_IFACE, RUN_PREFIX, RUN_RE, LinkBytes
 from pdserve.cluster.simnet.nodes import NodeSpec, SimNode
-from pdserve.cluster.simnet.procs import empty_netns, pids_in_netns, proc_start_time, process_alive, wait_for
+from pdserve.cluster.simnet.procs import empty_netns, pids_in_netns, wait_for
 from pdserve.cluster.simnet.ray_nodes import RAY_ENV_DROP, RAY_READY
 from pdserve.cluster.simnet.shaping import PROFILES, LinkProfile, profile_of
 from pdserve.cluster.simnet.state import BASE_DIR, read_state
+from pdserve.procstat import proc_start_time, process_alive
 
 __all__ = [
     "BASE_DIR",

@@ -17,8 +17,9 @@ from typing import Any
 from pdserve.cluster.simnet.errors import SimnetError
 from pdserve.cluster.simnet.netns import RUN_PREFIX, ip, netns_exec
 from pdserve.cluster.simnet.nodes import SimNode
-from pdserve.cluster.simnet.procs import process_alive, wait_for
+from pdserve.cluster.simnet.procs import wait_for
 from pdserve.cluster.simnet.shaping import PROFILES, tbf_args, tc
+from pdserve.procstat import process_alive
 
 
 def delayd_argv(*args: str) -> list[str]:

@@ -7,8 +7,9 @@ import shutil
 
 from pdserve.cluster.simnet.errors import SimnetError
 from pdserve.cluster.simnet.netns import RUN_RE, remove_network, run_links, run_namespaces, run_of
-from pdserve.cluster.simnet.procs import empty_netns, process_alive
+from pdserve.cluster.simnet.procs import empty_netns
 from pdserve.cluster.simnet.state import BASE_DIR, read_state
+from pdserve.procstat import process_alive
 
 
 def list_runs() -> list[str]:

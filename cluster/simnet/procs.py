@@ -1,5 +1,6 @@
-"""Processes by pid, read from /proc: alive or not, which network namespace, stopping every process in
-one, the processes a run started or saw (``RunProcesses``), and polling until something holds.
+"""Processes by pid, read from /proc: which network namespace, stopping every process in one, the
+processes a run started or saw (``RunProcesses``), and polling until something holds (liveness and
+start times: ``pdserve.procstat``).
 
 Namespaces share the process table, so ``ray stop`` or a ``pkill`` would reach every node (and every Ray
 on the machine); the harness stops only the processes whose network namespace (``/proc/PID/ns/net``) is
@@ -13,11 +14,11 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
 from pdserve.cluster.simnet.errors import SimnetError
 from pdserve.cluster.simnet.netns import NETNS_DIR
+from pdserve.procstat import proc_start_time, proc_stat
 
 T = TypeVar("T")
 
@@ -33,29 +34,6 @@ def wait_for(cond: Callable[[], T], timeout: float, what: str, interval: float =
         if time.monotonic() >= deadline:
             raise SimnetError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (state first), or None when gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rfind(")") + 2 :].split()
-
-
-def proc_start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (tells a reused pid apart), None when gone."""
-    fields = _proc_stat(pid)
-    return int(fields[19]) if fields else None
-
-
-def process_alive(pid: int, start_time: int | None = None) -> bool:
-    """Whether ``pid`` runs (a zombie does not) and, when ``start_time`` is given, is that same process."""
-    fields = _proc_stat(pid)
-    if fields is None or fields[0] in ("Z", "X"):
-        return False
-    return start_time is None or int(fields[19]) == start_time
 
 
 def pids_in_netns(ns: str) -> set[int]:
@@ -82,7 +60,7 @@ def descendants(roots: Iterable[int]) -> set[int]:
     children: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
-            fields = _proc_stat(int(entry.name))
+            fields = proc_stat(int(entry.name))
             if fields:
                 children.setdefault(int(fields[1]), []).append(int(entry.name))
     found, todo = set(), list(roots)

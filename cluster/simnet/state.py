@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve.cluster.simnet.nodes import NodeSpec, SimNode
-from pdserve.cluster.simnet.procs import proc_start_time
 from pdserve.cluster.simnet.shaping import LinkProfile
+from pdserve.procstat import proc_start_time
 
 if TYPE_CHECKING:
     from pdserve.cluster.simnet.cluster import SimCluster

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -564,14 +565,19 @@ def test_config_validation_and_tls_url() -> None:
         cfg.namespace = "x"  # type: ignore[misc]
 
 
-def test_an_embedded_redis_ends_with_its_owner_even_a_killed_one() -> None:
+def test_an_embedded_redis_ends_with_its_owner_even_a_killed_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """redis-server runs in a session of its own (a terminal's Ctrl-C is for `up` to handle), so a
     signal to the owner's process group misses it: it must still end when its owner is SIGKILLed. The
-    directory it leaves goes when the next server starts; a live owner's stays."""
+    directory it leaves goes when the next server starts; a live owner's stays. (Both use a temp
+    directory of the test's own: a server another test starts meanwhile would sweep a shared one.)"""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     script = ("from pdserve.kvindex.embedded import EmbeddedRedis\n"
               "r = EmbeddedRedis().start()\nprint(r._proc.pid, r.config_path, flush=True)\n"
               "import time\ntime.sleep(600)\n")  # fmt: skip
-    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
     try:
         assert owner.stdout is not None
         pid_text, config = owner.stdout.readline().split()
@@ -580,7 +586,7 @@ def test_an_embedded_redis_ends_with_its_owner_even_a_killed_one() -> None:
         owner.kill()
         owner.wait(timeout=30)
         assert wait_until(lambda: not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), timeout=30)
-        assert workdir.is_dir()  # no finalizer ran
+        assert workdir.is_dir() and workdir.parent == tmp_path  # no finalizer ran
         with EmbeddedRedis() as live:
             assert not workdir.exists()
             assert live.config_path is not None
