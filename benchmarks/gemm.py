@@ -4,8 +4,9 @@ against bfloat16.
 1. Projections (``x @ W.T`` for the model's qkv, o, gate_up, down and LM-head shapes; SmolLM2-135M's
    by default: hidden 576, 9 q / 3 kv heads of 64, intermediate 1536, vocab 49152) at several row
    counts (1: one decode; 8, 32: decode batches; 256: a prefill chunk), four ways: torch's
-   ``F.linear`` and the engine's own path (``engine/model/linear.py``: a packed ``Linear``, which
-   picks oneDNN or ``F.linear`` per call as the engine does), each in float32 and bfloat16. The
+   ``F.linear`` and the engine's own path (``engine/model/linear.py``: a ``Linear``, packed where
+   oneDNN has kernels for the dtype, which picks its product per call as the engine does), each in
+   float32 and bfloat16 (on a CPU without bfloat16 kernels the engine's bfloat16 path is unpacked). The
    four run interleaved, round after round; TFLOP/s from the median round (2 x rows x in x out
    flops per call). ``large`` is a 2048^3 GEMM through the engine's path: what the cores reach.
 2. The engine: ``LLM.generate`` of ``--prompts`` prompts (16..128 random tokens, new ones each
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from pdserve.benchmarks.common import emit
 from pdserve.engine.cpu_features import cpu_bf16_units
 from pdserve.engine.model.config import ModelConfig
-from pdserve.engine.model.linear import Linear
+from pdserve.engine.model.linear import Linear, onednn_supported
 from pdserve.engine.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -82,10 +83,13 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, roun
 
 
 def packed_layer(weight: torch.Tensor) -> Linear:
+    """A ``Linear`` over ``weight`` as the engine would build it: packed for oneDNN where oneDNN serves
+    this dtype on this CPU (bfloat16 needs AVX512 kernels), else plain (``F.linear`` and its variants)."""
     layer = Linear(weight.shape[1], weight.shape[0], bias=False)
     layer.requires_grad_(False)
     layer.weight.data = weight
-    layer.pack()
+    if onednn_supported(weight.dtype, weight.device):
+        layer.pack()
     return layer
 
 
