@@ -41,7 +41,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -51,7 +50,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pdserve.procstat import proc_stat
+from pdserve.procstat import make_owned_dir, sweep_dead_owners
 
 _LOG_NAME = "redis-server.log"
 
@@ -148,36 +147,12 @@ def _terminate(proc: subprocess.Popen, workdir: str, grace_s: float = 5.0) -> No
 
 
 _DIR_PREFIX = "pdserve-redis-"
-_OWNER_NAME = "owner"  # "PID START_TIME" of the process that started the server
-
-
-def _owner_stamp(pid: int) -> str | None:
-    """``"PID START_TIME"`` of a running process (its start time tells a reused pid apart), None when gone."""
-    fields = proc_stat(pid)
-    return None if fields is None or fields[0] in ("Z", "X") else f"{pid} {fields[19]}"
 
 
 def sweep_stale_workdirs(base: str | None = None) -> int:
     """Remove the server directories under ``base`` (default: the temp directory) whose owner, a process
-    of this user, is gone. Directories without an owner stamp (one being created) are kept; so is all of
-    it where there is no ``/proc`` to tell. Returns how many were removed."""
-    base = base or tempfile.gettempdir()
-    if _owner_stamp(os.getpid()) is None:
-        return 0
-    removed = 0
-    for entry in os.scandir(base):
-        if not entry.name.startswith(_DIR_PREFIX):
-            continue
-        try:
-            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.geteuid():
-                continue
-            stamp = Path(entry.path, _OWNER_NAME).read_text().strip()
-            if _owner_stamp(int(stamp.split()[0])) != stamp:
-                shutil.rmtree(entry.path)
-                removed += 1
-        except (OSError, ValueError, IndexError):  # removed meanwhile, not ours, or no stamp yet
-            continue
-    return removed
+    of this user, is gone (``pdserve.procstat.sweep_dead_owners``). Returns how many were removed."""
+    return sweep_dead_owners(_DIR_PREFIX, base)
 
 
 class _PortTaken(RuntimeError):
@@ -277,9 +252,7 @@ class EmbeddedRedis:
     def _start_once(self) -> EmbeddedRedis:
         if _server_pid(self.host, self.port, self.username, self.password) is not None:
             raise _PortTaken(f"a Redis server already answers on {self.host}:{self.port}")
-        sweep_stale_workdirs()
-        workdir = tempfile.mkdtemp(prefix=_DIR_PREFIX)
-        Path(workdir, _OWNER_NAME).write_text(f"{_owner_stamp(os.getpid()) or os.getpid()}\n")
+        workdir = make_owned_dir(_DIR_PREFIX)  # and the directories of killed owners go
         log_path = os.path.join(workdir, _LOG_NAME)
         # Output goes to a file, not a pipe: a full pipe nobody reads would stall the server.
         with open(log_path, "wb") as log:

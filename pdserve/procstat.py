@@ -1,4 +1,5 @@
-"""A process's state and start time, read from ``/proc/PID/stat``.
+"""A process's state and start time, read from ``/proc/PID/stat``, and temporary directories that
+name their owner so that the next owner removes those a killed one left.
 
 The start time (clock ticks since boot) tells a reused pid apart, so an owner recorded as
 ``(pid, start_time)`` is known to be gone even once its pid names another process.
@@ -6,7 +7,12 @@ The start time (clock ticks since boot) tells a reused pid apart, so an owner re
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
+
+OWNER_FILE = "owner"  # in an owned directory: "PID START_TIME" of the process that made it
 
 
 def proc_stat(pid: int) -> list[str] | None:
@@ -30,3 +36,42 @@ def process_alive(pid: int, start_time: int | None = None) -> bool:
     if fields is None or fields[0] in ("Z", "X"):
         return False
     return start_time is None or int(fields[19]) == start_time
+
+
+def owner_stamp(pid: int) -> str | None:
+    """``"PID START_TIME"`` of a running process, None when gone (or a zombie)."""
+    fields = proc_stat(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else f"{pid} {fields[19]}"
+
+
+def make_owned_dir(prefix: str) -> str:
+    """A new private (0700) directory under the temp directory, stamped with this process as its owner,
+    after removing this user's ``prefix`` directories whose owner is gone (a killed process runs no
+    cleanup). The caller still removes its own directory when done."""
+    sweep_dead_owners(prefix)
+    path = tempfile.mkdtemp(prefix=prefix)
+    Path(path, OWNER_FILE).write_text(f"{owner_stamp(os.getpid()) or os.getpid()}\n")
+    return path
+
+
+def sweep_dead_owners(prefix: str, base: str | None = None) -> int:
+    """Remove the directories named ``prefix*`` under ``base`` (default: the temp directory) that
+    belong to this user and whose stamped owner is gone. Directories without a stamp (one being
+    made) are kept; so is everything where there is no ``/proc`` to tell. Returns how many went."""
+    base = base or tempfile.gettempdir()
+    if owner_stamp(os.getpid()) is None:
+        return 0
+    removed = 0
+    for entry in os.scandir(base):
+        if not entry.name.startswith(prefix):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+                continue
+            stamp = Path(entry.path, OWNER_FILE).read_text().strip()
+            if owner_stamp(int(stamp.split()[0])) != stamp:
+                shutil.rmtree(entry.path)
+                removed += 1
+        except (OSError, ValueError, IndexError):  # removed meanwhile, not ours, or no stamp yet
+            continue
+    return removed

@@ -24,7 +24,6 @@ import logging
 import os
 import select
 import shutil
-import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -33,6 +32,7 @@ from typing import Any, BinaryIO
 
 from pdserve.engine.kv_tensor import KVTensor
 from pdserve.engine.parallel.group import TPGroup
+from pdserve.procstat import make_owned_dir
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,9 @@ class Ranks:
         self._on_lost = on_lost
         self._launcher = launcher
         self._links: list[RankLink] = []
-        self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")  # mode 0700: the group's rendezvous file
+        # Mode 0700: the group's rendezvous file. Owned, so that the next worker removes one a worker
+        # killed while its ranks started left behind.
+        self._dir = make_owned_dir("pdserve-tp-")
         store = os.path.join(self._dir, "store")
         deadline = time.monotonic() + start_timeout_s
         try:
