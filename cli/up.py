@@ -91,8 +91,8 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
 def settle_model(config: ServiceConfig) -> ServiceConfig:
     """``config`` with ``engine.model`` a local checkpoint (``resolve_model``) and
     ``engine.chat_template`` template text (``load_chat_template``), as every process needs them."""
+    from pdserve.engine.chat_template import load_chat_template
     from pdserve.engine.model.hub import resolve_model
-    from pdserve.engine.model.loader import load_chat_template
 
     engine, router = config.engine, config.router
     if engine.model is not None:

@@ -22,8 +22,8 @@ from pdserve.cluster.errors import WorkerStartError
 from pdserve.cluster.logs import configure_text_logging, ray_runtime_env
 from pdserve.cluster.placement import placement_problem, worker_placement
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.model.checkpoint import check_model
 from pdserve.engine.model.config import ModelConfig
-from pdserve.engine.model.loader import check_model
 from pdserve.engine.parallel.shard import check_tensor_parallel
 from pdserve.kvindex.config import IndexConfig, redact_url
 from pdserve.kvindex.embedded import EmbeddedRedis
@@ -255,6 +255,7 @@ class Service:
                     self._groups.append(group)
                 handles[wid] = ray.remote(cls).options(name=f"pdserve-{wid}", max_restarts=-1, max_task_retries=0,
                                                        **options).remote(self._worker_config(wid, role))  # fmt: skip
+        self.router = self._create_router()  # its process starts while the workers load the model
         pending = {h.ready.remote(): wid for wid, h in {**self.prefill, **self.decode}.items()}
         total, t0 = len(pending), time.monotonic()
         pool_blocks: list[int] = []
@@ -287,22 +288,26 @@ class Service:
         port = self.metrics_port if self.metrics_port is not None else self.http_port
         return None if port is None else f"http://{self.config.host}:{port}/metrics"
 
-    def _start_router(self, port: int, http_port: int | None, metrics_port: int | None,
-                      attempts: int = 1) -> tuple[int, int | None, int | None]:  # fmt: skip
-        """Create the router actor and serve gRPC on ``port``, HTTP on ``http_port`` and /metrics
-        alone on ``metrics_port`` (None: not served); returns the bound ports.
-
-        The router runs on this (the head) node, where users reach its port. Ray does not restart
-        it (a restarted actor would not re-bind its port: ``start`` is a call); ``supervise`` does.
-        """
+    def _create_router(self) -> ray.actor.ActorHandle:
+        """The router actor, on this (the head) node, where users reach its port. Ray does not
+        restart it (a restarted actor would not re-bind its port: ``start`` is a call);
+        ``supervise`` does."""
         from pdserve.router.actor import Router
 
         c = self.config
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.router = ray.remote(Router).options(
+        return ray.remote(Router).options(
             name="pdserve-router", num_cpus=0, max_restarts=0, scheduling_strategy=here
-        ).remote(c.router, self.engine_config(), self.index_config(), self.prefill, self.decode,
-                 kv_blocks=self._kv_blocks)  # fmt: skip
+        ).remote(c.router, self.engine_config(), self.index_config(), self.prefill, self.decode)  # fmt: skip
+
+    def _start_router(self, port: int, http_port: int | None, metrics_port: int | None,
+                      attempts: int = 1) -> tuple[int, int | None, int | None]:  # fmt: skip
+        """Give the router (``_create_router``) the workers' pool size and serve gRPC on ``port``,
+        HTTP on ``http_port`` and /metrics alone on ``metrics_port`` (None: not served); returns
+        the bound ports."""
+        c = self.config
+        assert self.router is not None and self._kv_blocks is not None
+        ray.get(self.router.set_kv_blocks.remote(self._kv_blocks))
         bound: int | None = None
         http: int | None = None
         for attempt in range(attempts):
@@ -341,6 +346,7 @@ class Service:
             except Exception:  # noqa: BLE001
                 pass
             assert self.port is not None
+            self.router = self._create_router()
             self._start_router(self.port, self.http_port, self.metrics_port, attempts=20)
             notes.append(f"router had stopped: restarted, listening on {self.config.host}:{self.port}")
         return notes

@@ -16,6 +16,7 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -111,3 +112,26 @@ def render_chat(
         raise ChatTemplateError(f"chat template: {e}") from e
     except (TypeError, ValueError, KeyError, AttributeError) as e:  # the template met data it cannot handle
         raise ChatTemplateError(f"chat template cannot render these messages: {type(e).__name__}: {e}") from e
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's ``--chat-template`` value as template text: the contents of the file ``value``
+    names, or ``value`` itself when it is an inline template (it has ``{`` or a newline).
+
+    ValueError (one line) for a file that cannot be read, a value that is neither, and a
+    template with a Jinja syntax error.
+    """
+    if "{" in value or "\n" in value:
+        text = value
+    else:
+        try:
+            text = Path(value).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ValueError(f"chat template: cannot read the file {value!r} ({why}); give a template file "
+                             "or the template itself") from None  # fmt: skip
+    try:
+        _compile(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template: Jinja syntax error on line {e.lineno}: {e.message}") from None
+    return text

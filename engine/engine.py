@@ -28,8 +28,10 @@ from pdserve.engine.kv_tensor import KVLayout, KVTensor
 from pdserve.engine.kvcache.events import EventSink
 from pdserve.engine.kvcache.manager import KVCacheManager
 from pdserve.engine.limits import RequestLimits
-from pdserve.engine.model import ModelConfig, load_model, load_tokenizer
+from pdserve.engine.model.checkpoint import load_tokenizer
+from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.dtype import resolve_dtype
+from pdserve.engine.model.loader import load_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.parallel.ranks import RankLauncher, Ranks
 from pdserve.engine.parallel.shard import TPShard

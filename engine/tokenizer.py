@@ -398,3 +398,23 @@ def _byte_chars() -> list[str]:
 
 _BYTE_CHARS = _byte_chars()
 _NOT_IN_UTF8 = {0xC0, 0xC1, *range(0xF5, 0x100)}  # bytes no valid UTF-8 text contains
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """The byte-level BPE alphabet: every byte maps to one printable character.
+
+    Printable Latin-1 bytes map to themselves; the rest are shifted to code points
+    from 256 upward in byte order. This is the alphabet the ``ByteLevel``
+    pre-tokenizer emits, so a vocab over it covers any byte string.
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    kept = set(keep)
+    mapping: dict[int, str] = {}
+    shifted = 0
+    for b in range(256):
+        if b in kept:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + shifted)
+            shifted += 1
+    return mapping

@@ -20,7 +20,8 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.limits import RequestLimits
-from pdserve.engine.model import ModelConfig, load_tokenizer
+from pdserve.engine.model.checkpoint import load_tokenizer
+from pdserve.engine.model.config import ModelConfig
 from pdserve.kvindex.config import IndexConfig
 from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.stats import StatsRecorder
@@ -52,7 +53,11 @@ if not any(isinstance(f, RateLimitFilter) for f in _uvicorn_log.filters):
 
 class Router:
     """``engine`` is the workers' engine config (model, cache, scheduler limits); ``kv_blocks``
-    the smallest worker pool, when known, so oversize requests are refused before any work."""
+    the smallest worker pool, when known, so oversize requests are refused before any work.
+
+    A launcher may create the router before its workers have reported their pools (its process
+    then starts while they load the model) and give the pool size with ``set_kv_blocks``
+    before ``start``."""
 
     def __init__(
         self,
@@ -64,21 +69,17 @@ class Router:
         kv_blocks: int | None = None,
     ) -> None:
         assert engine.model is not None
-        mc = ModelConfig.from_path(engine.model)
+        self._model_config = ModelConfig.from_path(engine.model)
+        self._engine = engine
         self.tokenizer = load_tokenizer(engine.model, engine.chat_template)
         _ = self.tokenizer.token_bound  # computed once, now, rather than in the first request
         self.workers = RayWorkers(prefill, decode)
         self.core = RouterCore(config, engine.cache, self.workers, PrefixLookup(index), StatsRecorder(index))
-        limits = RequestLimits.for_engine(mc, engine, kv_blocks)
         # Tokenization (and chat rendering) of both edges runs here: bounded, and apart from the
         # default executor that serves the prefix lookups, so long prompts cannot delay those.
         self.tokenize_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="pdserve-tokenize")
-        self.servicer = RouterServicer(self.core, self.tokenizer, limits, self.tokenize_pool)
-        model = ServedModel(config.served_model_name or served_name(engine.model), frozenset({engine.model}),
-                            limits.usable_len)  # fmt: skip
-        self.openai = OpenAIServer(self.core, self.tokenizer, limits, model, lambda: not self.core.admission.draining,
-                                   self.tokenize_pool, min(MAX_PROMPTS, config.max_in_flight_per_tenant))  # fmt: skip
         self.config = config
+        self._build_apis(kv_blocks)
         http_limits = HttpLimits(config.max_request_bytes, config.http_header_timeout_s, config.http_body_timeout_s,
                                  config.http_max_connections, config.http_max_buffered_bytes)  # fmt: skip
         self.http_edge = EdgeState(http_limits, config.access_log)  # the HTTP API's connections and bodies
@@ -87,6 +88,23 @@ class Router:
         self.health: health.aio.HealthServicer | None = None
         # Uvicorn servers: the HTTP API, and /metrics alone on a port of its own when asked for.
         self._servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
+
+    def _build_apis(self, kv_blocks: int | None) -> None:
+        """The gRPC servicer and the HTTP API over the request limits ``kv_blocks`` implies."""
+        config, engine = self.config, self._engine
+        assert engine.model is not None
+        limits = RequestLimits.for_engine(self._model_config, engine, kv_blocks)
+        self.servicer = RouterServicer(self.core, self.tokenizer, limits, self.tokenize_pool)
+        model = ServedModel(config.served_model_name or served_name(engine.model), frozenset({engine.model}),
+                            limits.usable_len)  # fmt: skip
+        self.openai = OpenAIServer(self.core, self.tokenizer, limits, model, lambda: not self.core.admission.draining,
+                                   self.tokenize_pool, min(MAX_PROMPTS, config.max_in_flight_per_tenant))  # fmt: skip
+
+    async def set_kv_blocks(self, kv_blocks: int) -> None:
+        """The smallest worker pool, known once the workers are up. Must come before any ``start``."""
+        if self.server is not None or self._servers:
+            raise RuntimeError("set_kv_blocks after the router started serving")
+        self._build_apis(kv_blocks)
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0 = any free port); returns the bound port."""

@@ -84,6 +84,14 @@ def test_kvcache_is_pure_python() -> None:
     assert subprocess.run([sys.executable, "-c", code], cwd="/").returncode == 0
 
 
+@pytest.mark.parametrize("module", ["pdserve.router.actor", "pdserve.cluster.launcher", "pdserve.engine.model"])
+def test_what_runs_no_model_imports_no_torch(module: str) -> None:
+    """The router and ``pdserve up``'s driver read model configs and tokenizers but run no model:
+    importing them must not import torch (over a second of every start)."""
+    code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd="/").returncode == 0
+
+
 @pytest.mark.slow
 def test_wheel_installs_everything_under_pdserve_only(tmp_path: Path) -> None:
     """A non-editable build: site-packages gains ``pdserve/`` and its dist-info, nothing generic."""

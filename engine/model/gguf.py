@@ -22,10 +22,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -120,6 +122,7 @@ def _hf_name(name: str) -> str | None:
 
 def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """``(Hugging Face name, float32 tensor)`` for every weight, dequantized one at a time."""
+    import torch  # here: reading a GGUF's config and tokenizer needs no torch
     from gguf.quants import dequantize
 
     config = read_gguf_config(path)

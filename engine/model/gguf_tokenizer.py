@@ -23,8 +23,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from pdserve.engine.model.gguf import check_arch, metadata
-from pdserve.engine.model.tiny import byte_to_unicode
-from pdserve.engine.tokenizer import TokenizerInfo
+from pdserve.engine.tokenizer import TokenizerInfo, byte_to_unicode
 
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 # The pre-tokenizer split of Llama 3's vocabulary (tiktoken's cl100k pattern); other byte-level

@@ -17,29 +17,11 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from pdserve.engine.tokenizer import byte_to_unicode
+
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
 NUM_BYTES = 256
-
-
-def byte_to_unicode() -> dict[int, str]:
-    """The byte-level BPE alphabet: every byte maps to one printable character.
-
-    Printable Latin-1 bytes map to themselves; the rest are shifted to code points
-    from 256 upward in byte order. This is the alphabet the ``ByteLevel``
-    pre-tokenizer emits, so a vocab over it covers any byte string.
-    """
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    kept = set(keep)
-    mapping: dict[int, str] = {}
-    shifted = 0
-    for b in range(NUM_BYTES):
-        if b in kept:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(NUM_BYTES + shifted)
-            shifted += 1
-    return mapping
 
 
 # A Zephyr-style template over the byte tokenizer: role tags are plain text, turns end with </s>.

@@ -117,7 +117,7 @@ def test_the_gguf_tokenizer_is_written_as_a_hugging_face_directory(tmp_path: Pat
 
     from pdserve.benchmarks.outside_up import write_tokenizer
     from pdserve.cli.demo import demo_model
-    from pdserve.engine.model.loader import load_tokenizer
+    from pdserve.engine.model import load_tokenizer
 
     out = write_tokenizer(demo_model(), tmp_path / "tok")
     config = json.loads((out / "tokenizer_config.json").read_text())

@@ -114,7 +114,7 @@ def test_a_chat_template_file_is_read_into_the_config(tmp_path: Path) -> None:
 
 
 def test_a_chat_template_replaces_the_checkpoints(model_dir: Path) -> None:
-    from pdserve.engine.model.loader import load_tokenizer
+    from pdserve.engine.model import load_tokenizer
 
     own = load_tokenizer(model_dir)
     assert own.chat_template and own.chat_template != TEMPLATE
