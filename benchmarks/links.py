@@ -9,7 +9,7 @@ prefill worker is on n1 and its decode worker on n2, so every pull crosses both 
 run side by side (each its own Redis namespace and router port) and are measured in turn, one request at
 a time over all of them, so that the machine's drift falls on all three alike. The link profiles
 (``--profiles``, default ``fast``, ``slow``, ``thin``) are set on n1 and n2 in that order; the head keeps
-``fast``. After each change the bench waits ``SETTLE_S`` (see there).
+``fast``. After each change the bench waits ``--settle-s`` (default ``SETTLE_S``, see there).
 
 Workload: pairs of requests sharing a prefix of 64 or 768 tokens (alternating; fresh random byte tokens
 each pair, the same on every service) plus a unique question of 8..24 tokens, greedy, ``--max-tokens``
@@ -174,17 +174,19 @@ def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         redis = HeadRedis(sim, "head", tmp / "redis", find_redis_server(), port=REDIS_PORT)
         try:
             cc = sim.check_output("n2", ["sysctl", "-n", "net.ipv4.tcp_congestion_control"]).strip()
+            log(f"starting pdserve up with kv_policy {', '.join(POLICIES)}, side by side")
             for i, policy in enumerate(POLICIES):
-                log(f"starting pdserve up with kv_policy {policy!r}")
                 config = service_config(policy, i, sim.address("head"), model_dir, redis.url)
                 secret = {"PDSERVE_CLUSTER_SECRET": secrets.token_hex(32)}
-                ups[policy] = PdserveUp(sim, "head", config, tmp / f"up-{policy}", secret)
-                probes[policy] = Probe(sim, "head", ups[policy].router, redis.url, namespace=f"links-{policy}")
+                ups[policy] = PdserveUp(sim, "head", config, tmp / f"up-{policy}", secret, wait=False)
+            for policy, up in ups.items():
+                up.wait_ready()
+                probes[policy] = Probe(sim, "head", up.router, redis.url, namespace=f"links-{policy}")
             for profile in args.profiles:
                 if sim.node("n1").profile.name != profile:
                     for node in ("n1", "n2"):
                         sim.set_profile(node, profile)
-                    time.sleep(SETTLE_S)
+                    time.sleep(args.settle_s)
                 log(f"{profile}: {args.warmup} warm-up pairs, then {args.pairs} measured, on each service")
                 warmup = run_pairs(probes, rng, args.warmup, args.max_tokens)
                 measured = run_pairs(probes, rng, args.pairs, args.max_tokens)
@@ -201,8 +203,7 @@ def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         finally:
             for probe in probes.values():
                 probe.close()
-            for up in ups.values():
-                up.stop()
+            PdserveUp.stop_all(list(ups.values()))
             redis.stop()
     every = [r for p in results.values() for prof in p.values() for r in prof["requests"]]
     return {
@@ -250,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=None, help="measured (cold, warm) pairs per profile (default 32; 3)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up pairs per profile (default 32; 6)")
     ap.add_argument("--profiles", default=",".join(PROFILES), help="link profiles of n1 and n2, in this order")
+    ap.add_argument("--settle-s", type=float, default=SETTLE_S,
+                    help=f"seconds to wait after a link change (default {SETTLE_S:g}, see SETTLE_S; 0 in a smoke run)")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--tolerance", type=float, default=0.10, help="auto 'as good' within this fraction")
     ap.add_argument("--seed", type=int, default=0)

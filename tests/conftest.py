@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 # Under pytest-xdist (pyproject's addopts) two workers share the machine's cores: each runs torch,
 # and everything it starts (Ray workers, `pdserve up`), on one thread, set before torch is imported.
@@ -49,8 +50,20 @@ _SHARED_GROUPS = {
 }
 
 
+# tryfirst: xdist reads the markers in its own modifyitems hook, which must see them.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         group = next((name for name, prefixes in _SHARED_GROUPS.items()
                       if any(item.nodeid.startswith(p) for p in prefixes)), item.nodeid.split("::")[0])  # fmt: skip
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """Stop the run where the groups did not take: xdist carries an item's group in its node id
+    (``...@group``), and where a pytest release stops honouring that (pytest-xdist issue 1386, pytest
+    9.2) the groups would silently run side by side (pyproject pins pytest below it)."""
+    if node.config.getvalue("dist") == "loadgroup" and ids and not any("@" in nodeid.rsplit("]", 1)[-1] for nodeid in ids):
+        pytest.exit(f"pytest-xdist's --dist loadgroup did not group the tests under pytest {pytest.__version__} "
+                    f"(e.g. {ids[0]}): the suite's groups would run side by side", returncode=3)

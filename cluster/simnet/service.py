@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -115,10 +116,12 @@ class PdserveUp:
     written 0600 to ``workdir/service.json``, stderr to ``workdir/up.stderr``; ``env`` adds to the
     node's environment (e.g. ``PDSERVE_CLUSTER_SECRET``). Returns once ``up`` printed its last ready
     line ("state in ..."); ``router`` is its "router listening on" address. RuntimeError with its
-    output when it exits or takes longer than ``ready_timeout`` seconds (it is stopped then)."""
+    output when it exits or takes longer than ``ready_timeout`` seconds (it is stopped then).
+    ``wait=False`` returns at once (to start several side by side); call ``wait_ready`` before use."""
 
     def __init__(self, sim: SimCluster, node: str, config: dict[str, Any], workdir: Path,
-                 env: dict[str, str] | None = None, ready_timeout: float = UP_READY_TIMEOUT_S) -> None:  # fmt: skip
+                 env: dict[str, str] | None = None, ready_timeout: float = UP_READY_TIMEOUT_S,
+                 wait: bool = True) -> None:  # fmt: skip
         workdir.mkdir(mode=0o700, exist_ok=True)
         self.config_file = write_private(workdir / "service.json", json.dumps(config))
         self.log = workdir / "up.stderr"
@@ -130,8 +133,14 @@ class PdserveUp:
                 env, stdout=subprocess.PIPE, stderr=err, text=True)  # fmt: skip
         self.lines = Lines(self.proc.stdout)
         self.router = ""
+        if wait:
+            self.wait_ready(ready_timeout)
+
+    def wait_ready(self, timeout: float = UP_READY_TIMEOUT_S) -> None:
+        """Blocks until the last ready line; stops the service and raises RuntimeError where it exits or
+        ``timeout`` passes first."""
         try:
-            self._wait_ready(ready_timeout)
+            self._wait_ready(timeout)
         except BaseException:
             self.stop()
             raise
@@ -159,6 +168,12 @@ class PdserveUp:
     def stop(self, timeout: float = 60.0) -> None:
         """SIGINT (drain, stop the workers and the router), SIGKILL after ``timeout`` s. Idempotent."""
         stop_pid(self.proc, signal.SIGINT, timeout=timeout)
+
+    @staticmethod
+    def stop_all(ups: list[PdserveUp], timeout: float = 60.0) -> None:
+        """``stop`` on each, side by side (each drains on its own)."""
+        with ThreadPoolExecutor(max(1, len(ups))) as pool:
+            list(pool.map(lambda up: up.stop(timeout), ups))
 
 
 # Runs in a node's namespace: one JSON command a line on stdin, one JSON answer a line (prefixed, so that

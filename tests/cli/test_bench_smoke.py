@@ -138,15 +138,15 @@ def test_soak_bench_counts_outcomes_memory_and_what_stays_held(edge: str) -> Non
 
 @pytest.mark.slow
 def test_links_bench_measures_every_policy_on_every_profile() -> None:
-    """`bench links` at its smallest (one warm-up and two measured pairs, a fast and a thin link) on a
-    simulated 3-node cluster: the JSON's shape, every request completed, the fixed policies took their
-    one path (no timing asserted)."""
+    """`bench links` at its smallest (one warm-up and two measured pairs, a fast and a thin link, no
+    settling after the change) on a simulated 3-node cluster: the JSON's shape, every request completed,
+    the fixed policies took their one path (no timing asserted)."""
     from pdserve.cluster.simnet import simnet_available
 
     if reason := simnet_available():
         pytest.skip(reason)
     r = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "bench", "links", "--pairs", "2", "--warmup", "1",
-                        "--profiles", "fast,thin", "--json"],
+                        "--profiles", "fast,thin", "--settle-s", "0", "--json"],
                        capture_output=True, text=True, timeout=600, cwd=REPO)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
