@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import secrets
+import signal
 import sys
 import tempfile
 import time
@@ -27,6 +29,7 @@ from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.parallel.shard import check_tensor_parallel
 from pdserve.kvindex.config import IndexConfig, redact_url
 from pdserve.kvindex.embedded import EmbeddedRedis
+from pdserve.procstat import child_pids
 from pdserve.worker.config import WorkerConfig
 
 
@@ -35,6 +38,7 @@ def _log(msg: str) -> None:
 
 
 GCS_TASK_EVENTS = 10_000  # task records a local Ray's GCS keeps (Ray's default: 100,000)
+GCS_PORT_WAIT_S = 60  # seconds a local Ray's GCS may take to bind its port (Ray's default: 30)
 
 
 def ray_token_path() -> Path:
@@ -98,6 +102,36 @@ def _ray_on_loopback() -> Iterator[None]:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = before
+
+
+def _init_local_ray(cpus: int, log_options: dict, progress: Callable[[str], None]) -> None:
+    """Start a local Ray on loopback (``_ray_on_loopback``), trying twice.
+
+    On a loaded machine a local Ray's GCS has been seen (rarely: once in about 30 starts beside two
+    CPU-bound processes) never to bind its port, nor write a line of its log, so that ``ray.init``
+    fails after the wait; a second start then comes up. Any other failure is raised at once. A
+    failed ``ray.init`` leaves the processes it started to nobody (``ray.shutdown`` knows only a Ray
+    that came up), so the children of this process that the attempt started are killed here.
+    """
+    for attempt in (1, 2):
+        before = child_pids(os.getpid())
+        try:
+            with _ray_on_loopback():
+                ray.init(num_cpus=cpus, include_dashboard=False, **log_options)
+            return
+        except Exception as e:
+            ray.shutdown()
+            for pid in child_pids(os.getpid()) - before:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)  # our unreaped child: its pid is not reused
+            if attempt == 2 or "gcs_server_port" not in str(e):
+                raise
+            progress(f"ray: its GCS did not start within {gcs_port_wait_s()} s; starting Ray again")
+
+
+def gcs_port_wait_s() -> str:
+    """What a local Ray gives its GCS to bind its port (set by ``Launcher`` unless set before)."""
+    return os.environ.get("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
 
 
 def _last_line(message: str) -> str:
@@ -219,11 +253,13 @@ class Service:
                 # Every request is a few Ray tasks whose events the GCS keeps (100,000 by default,
                 # ~0.5 KB each, up to ~50 MB): keep a tenth, nobody reads them here.
                 os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", str(GCS_TASK_EVENTS))
+                # Ray gives its GCS 30 s to bind its port; on a machine busy with other work (a
+                # build, another service) it can take longer, and the start would fail.
+                os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
                 ensure_private_ray_token()  # before Ray writes one world-readable
                 # One machine: every Ray port on loopback, no dashboard (it runs jobs for anyone
                 # who reaches it).
-                with _ray_on_loopback():
-                    ray.init(num_cpus=cpus, include_dashboard=False, **log_options)
+                _init_local_ray(cpus, log_options, self.progress)
                 ensure_private_ray_token()  # one Ray wrote anyway (another Ray version, a race)
             self._started_ray = True
         res = ray.cluster_resources()

@@ -38,6 +38,17 @@ def process_alive(pid: int, start_time: int | None = None) -> bool:
     return start_time is None or int(fields[19]) == start_time
 
 
+def child_pids(pid: int) -> set[int]:
+    """The live (not zombie) children of ``pid``."""
+    children = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            fields = proc_stat(int(entry.name))
+            if fields is not None and fields[0] not in ("Z", "X") and int(fields[1]) == pid:
+                children.add(int(entry.name))
+    return children
+
+
 def owner_stamp(pid: int) -> str | None:
     """``"PID START_TIME"`` of a running process, None when gone (or a zombie)."""
     fields = proc_stat(pid)

@@ -1,0 +1,31 @@
+"""A local Ray whose GCS does not come up: `pdserve up` tries once more, then fails with Ray's error,
+and leaves none of the processes the failed starts made (real Ray; the GCS is given no time at all)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+
+from pdserve.cluster.config import ServiceConfig
+from pdserve.cluster.launcher import Service
+from pdserve.procstat import child_pids
+from tests.support.polling import wait_until
+
+
+def test_a_gcs_that_does_not_bind_its_port_is_started_again_and_nothing_is_left(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert not ray.is_initialized()
+    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "0")  # no GCS binds its port in 0 s
+    lines: list[str] = []
+    config = ServiceConfig.load(port=0, http_port=0, engine__model=tiny_model,
+                                engine__cache__kv_cache_memory_bytes=8 * 1024**2)  # fmt: skip
+    before = child_pids(os.getpid())
+    with pytest.raises(RuntimeError, match="gcs_server_port"):
+        Service(config, progress=lines.append).start()
+    assert sum("its GCS did not start within 0 s; starting Ray again" in line for line in lines) == 1
+    assert not ray.is_initialized()
+    # Both starts' GCS (and the embedded Redis) are gone: killed, not left to run beside the next start.
+    assert wait_until(lambda: not child_pids(os.getpid()) - before), child_pids(os.getpid()) - before
