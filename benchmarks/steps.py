@@ -12,7 +12,13 @@ methods of this one engine instance (nothing else changes). Then one more pass r
 paged-KV gathers and writes, and the rest (norms, rotary, activations, copies), scaled to the
 forward's measured wall time; what the operators do not account for is Python and dispatch.
 
-Run: ``python -m pdserve.benchmarks.steps [--model DIR|FILE.gguf] [--dtype float32] [--json]``.
+With ``--joins N``, N more prompts of the same workload then join the batch one at a time, each
+after a few decode steps, while the first ``--prompts`` minus one decode: the step that prefills a
+joining prompt's uncached tokens (its prefix cached) beside the decodes, against the decode-only steps
+around it. That step is the gap every decoding stream sees when a request arrives (its inter-token
+latency p99 in ``bench peers-serve``).
+
+Run: ``python -m pdserve.benchmarks.steps [--model DIR|FILE.gguf] [--dtype float32] [--joins N] [--json]``.
 """
 
 from __future__ import annotations
@@ -81,6 +87,33 @@ def decode_steps(engine: Any, prompts: list[list[int]], max_tokens: int, times: 
     return steps
 
 
+def join_steps(engine: Any, decoding: list[list[int]], joining: list[list[int]], gap: int = 4) -> dict[str, float]:
+    """Median step times while ``decoding`` decode and each of ``joining`` is added after ``gap``
+    decode-only steps (one token each: its prefill step is its whole life), and the median of the
+    joining prompts' uncached tokens."""
+    ids = [engine.add_request(p, SamplingParams(max_tokens=(gap + 1) * len(joining) + 8, ignore_eos=True)).request_id
+           for p in decoding]  # fmt: skip
+    started: set[str] = set()
+    while started != set(ids):
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    alone, joined, uncached = [], [], []
+    for prompt in joining:
+        for _ in range(gap):
+            t0 = time.perf_counter()
+            engine.step()
+            alone.append(time.perf_counter() - t0)
+        req = engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        t0 = time.perf_counter()
+        outs = engine.step()
+        joined.append(time.perf_counter() - t0)
+        done = next(o for o in outs if o.request_id == req.request_id)  # a whole prompt fits one step
+        uncached.append(len(prompt) - done.num_cached_tokens)
+    for request_id in ids:
+        engine.abort(request_id)
+    return {"decoding": len(decoding), "joins": len(joining), "decode_step_ms": statistics.median(alone) * 1e3,
+            "join_step_ms": statistics.median(joined) * 1e3, "join_uncached_tokens": statistics.median(uncached)}
+
+
 def forward_ops(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
     """Share of the forward's operator self time in each group (and "other ops")."""
     from torch.profiler import ProfilerActivity, profile
@@ -114,14 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="4 prompts x 8 tokens")
     ap.add_argument("--disable-cascade-attn", action="store_true",
                     help="every decode gathers the shared prefix itself (the engine option of that name)")
+    ap.add_argument("--joins", type=int, default=0,
+                    help="then time N prompts joining --prompts minus one decoding sequences (module docstring)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.max_tokens = 4, 8
     model = args.model or smollm2()
-    prompts = workload(ModelConfig.from_path(model).vocab_size, args.prompts)
-    longest = max(len(p) for p in prompts) + args.max_tokens
-    llm = LLM(model, dtype=args.dtype, num_blocks=len(prompts) * (-(-longest // 16)) + 16,
+    prompts = workload(ModelConfig.from_path(model).vocab_size, args.prompts + args.joins)
+    prompts, joining = prompts[: args.prompts], prompts[args.prompts :]
+    longest = max(len(p) for p in prompts) + max(args.max_tokens, 5 * args.joins + 8)
+    llm = LLM(model, dtype=args.dtype, num_blocks=(len(prompts) + 1) * (-(-longest // 16)) + 16,
               disable_cascade_attn=args.disable_cascade_attn)  # fmt: skip
     try:
         engine = llm.engine
@@ -130,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = decode_steps(engine, prompts, args.max_tokens, times)
         totals = {p: sum(times[p]) for p in PARTS}  # before the profiled pass adds to the timers
         ops = forward_ops(engine, prompts, args.max_tokens)
+        join = join_steps(engine, prompts[: max(args.prompts - 1, 1)], joining) if joining else None
     finally:
         llm.close()
     # Means, not medians: the parts of a step add up to it.
@@ -139,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": model, "dtype": args.dtype, "batch": args.prompts, "cascade": not args.disable_cascade_attn,
               "mean_step_ms": step * 1e3,
               "output_tok_per_s": args.prompts / step, "parts_ms": {k: v * 1e3 for k, v in parts.items()},
-              "forward_op_share": ops}  # fmt: skip
+              "forward_op_share": ops, "join": join}  # fmt: skip
     emit(result, args.json, report_rows(result))
     return 0
 
@@ -163,6 +200,10 @@ def report_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     fwd = result["parts_ms"]["forward"]
     for group, share in sorted(result["forward_op_share"].items(), key=lambda kv: -kv[1]):
         rows.append((f"    forward: {group}", f"{share:.0%} of operator time (~{share * fwd:.2f} ms)"))
+    if (join := result.get("join")) is not None:
+        joined = (f"{join['join_step_ms']:.1f} ms for its step ({join['join_uncached_tokens']:.0f} uncached tokens) "
+                  f"against {join['decode_step_ms']:.1f} ms decode-only (medians of {join['joins']})")
+        rows.append((f"a prompt joining {join['decoding']} decodes", joined))
     return rows  # fmt: skip
 
 

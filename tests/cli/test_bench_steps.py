@@ -1,4 +1,5 @@
-"""``python -m pdserve.benchmarks.steps`` accounts for a decode step part by part (no timing asserted)."""
+"""``python -m pdserve.benchmarks.steps`` accounts for a decode step part by part, and times prompts joining a
+batch (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from tests.support import REPO
 
 
 def test_steps_bench_parts_add_up_to_the_step(tiny_model: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "pdserve.benchmarks.steps", "--quick", "--json", "--model", tiny_model],
+    r = subprocess.run([sys.executable, "-m", "pdserve.benchmarks.steps", "--quick", "--joins", "2", "--json",
+                        "--model", tiny_model],
                        capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
@@ -19,3 +21,7 @@ def test_steps_bench_parts_add_up_to_the_step(tiny_model: str) -> None:
     assert all(v >= 0 for v in parts.values()) and parts["forward"] > 0
     assert sum(parts.values()) >= out["mean_step_ms"] * 0.999  # the remainder closes the sum
     assert abs(sum(out["forward_op_share"].values()) - 1) < 1e-6
+    join = out["join"]  # two prompts joined three decoding sequences, each prefilled past the shared prefix
+    assert join["decoding"] == 3 and join["joins"] == 2 and join["join_step_ms"] > 0 and join["decode_step_ms"] > 0
+    # Uncached: the prompt's own 44-64 tokens and the prefix's partial last block (16-token blocks).
+    assert 221 % 16 + 44 <= join["join_uncached_tokens"] <= 221 % 16 + 64
