@@ -107,11 +107,12 @@ def _ray_on_loopback() -> Iterator[None]:
 def _init_local_ray(cpus: int, log_options: dict, progress: Callable[[str], None]) -> None:
     """Start a local Ray on loopback (``_ray_on_loopback``), trying twice.
 
-    On a loaded machine a local Ray's GCS has been seen (rarely: once in about 30 starts beside two
-    CPU-bound processes) never to bind its port, nor write a line of its log, so that ``ray.init``
-    fails after the wait; a second start then comes up. Any other failure is raised at once. A
-    failed ``ray.init`` leaves the processes it started to nobody (``ray.shutdown`` knows only a Ray
-    that came up), so the children of this process that the attempt started are killed here.
+    On a loaded machine a local Ray's start has been seen to fail now and then (about once in 30
+    starts beside two CPU-bound processes): a GCS that never binds its port nor writes a line of its
+    log, or a raylet that never registers while the dashboard process ends on SIGABRT before its log
+    exists. A second start then comes up. A failed ``ray.init`` leaves the processes it started to
+    nobody (``ray.shutdown`` knows only a Ray that came up), so the children of this process that
+    the attempt started are killed here, and the second failure is raised as it is.
     """
     for attempt in (1, 2):
         before = child_pids(os.getpid())
@@ -124,18 +125,13 @@ def _init_local_ray(cpus: int, log_options: dict, progress: Callable[[str], None
             for pid in child_pids(os.getpid()) - before:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)  # our unreaped child: its pid is not reused
-            if attempt == 2 or "gcs_server_port" not in str(e):
+            if attempt == 2:
                 raise
-            progress(f"ray: its GCS did not start within {gcs_port_wait_s()} s; starting Ray again")
-
-
-def gcs_port_wait_s() -> str:
-    """What a local Ray gives its GCS to bind its port (set by ``Launcher`` unless set before)."""
-    return os.environ.get("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
+            progress(f"ray: the local Ray did not start ({_last_line(str(e))}); starting it again")
 
 
 def _last_line(message: str) -> str:
-    """The line of a Ray actor-creation error that says what was raised (its traceback's last line)."""
+    """The line of a Ray error (an actor's creation, a start) that says what was raised: its last line."""
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in message.splitlines()]
     lines = [line for line in lines if line]
     return lines[-1] if lines else message
