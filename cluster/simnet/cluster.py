@@ -4,6 +4,7 @@ docstring for the picture)."""
 from __future__ import annotations
 
 import ipaddress
+import logging
 import secrets
 import shutil
 import subprocess
@@ -20,6 +21,8 @@ from pdserve.cluster.simnet.procs import RunProcesses, descendants, empty_netns,
 from pdserve.cluster.simnet.ray_nodes import check_ray_args, inherited_env, kill_ray, launch_ray, start_ray, wait_ray
 from pdserve.cluster.simnet.shaping import LinkProfile, profile_of, shape
 from pdserve.cluster.simnet.state import BASE_DIR, nodes_from_state, read_state, write_state
+
+log = logging.getLogger(__name__)
 
 
 class SimCluster:
@@ -98,11 +101,25 @@ class SimCluster:
             self._build_network()
             write_state(self, self._detached)
             if self.with_ray:
-                start_ray(self)
+                self._start_ray()
         except BaseException:
             self.close()
             raise
         return self
+
+    def _start_ray(self) -> None:
+        """Ray on every node (``start_ray``), started once more if a node's ``ray start`` fails: on a
+        loaded machine a raylet now and then never registers within Ray's 30 s, and a second start
+        comes up. Every node's Ray is killed before the second start (a new head is a new cluster)."""
+        try:
+            start_ray(self)
+        except SimnetError as e:
+            if not str(e).startswith("ray start on"):
+                raise
+            log.warning("simnet: %s; starting Ray on every node again", str(e).splitlines()[0])
+            for name in self.nodes:
+                self.kill_node(name)
+            start_ray(self)
 
     def close(self, strict: bool = False) -> list[str]:
         """Remove everything the run created: its processes (by pid), veths, bridge, namespaces and run

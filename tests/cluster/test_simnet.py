@@ -263,3 +263,17 @@ def test_extra_ray_flags_are_name_value_pairs_the_cluster_does_not_set_itself() 
     for bad in (["--port=6381"], ["--temp-dir=/tmp/x"], ["--object-manager-port", "8076"], ["8076"]):
         with pytest.raises(SimnetError, match="ray_args"):
             SimCluster([NodeSpec("a")], ray_args=bad)
+
+
+def test_a_ray_start_that_fails_is_started_once_more_then_reported_and_nothing_is_left(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sim = SimCluster([NodeSpec("a", cpus=1)], ray_args=["--no-such-flag=1"])  # `ray start` exits at once
+    with (
+        caplog.at_level("WARNING", logger="pdserve.cluster.simnet.cluster"),
+        pytest.raises(SimnetError, match="ray start on a exited"),
+    ):
+        sim.start()
+    assert sum("starting Ray on every node again" in r.getMessage() for r in caplog.records) == 1
+    assert leftovers(sim.prefix) == [] and live(sim.recorded_pids()) == []
+    assert not (Path("/tmp/pds-simnet") / sim.prefix).exists()
