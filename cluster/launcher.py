@@ -249,8 +249,8 @@ class Service:
                 # Every request is a few Ray tasks whose events the GCS keeps (100,000 by default,
                 # ~0.5 KB each, up to ~50 MB): keep a tenth, nobody reads them here.
                 os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", str(GCS_TASK_EVENTS))
-                # Ray gives its GCS 30 s to bind its port; on a machine busy with other work (a
-                # build, another service) it can take longer, and the start would fail.
+                # Ray gives its GCS 30 s to bind its port: a busy machine gets more before the start
+                # is given up and tried again (_init_local_ray).
                 os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
                 ensure_private_ray_token()  # before Ray writes one world-readable
                 # One machine: every Ray port on loopback, no dashboard (it runs jobs for anyone
