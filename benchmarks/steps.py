@@ -70,13 +70,20 @@ def instrument(engine: Any) -> dict[str, list[float]]:
     return times
 
 
-def decode_steps(engine: Any, prompts: list[list[int]], max_tokens: int, times: dict[str, list[float]]) -> list[float]:
-    """Wall time of every decode step (the per-part timers restarted after the prefill)."""
+def prefill_all(engine: Any, prompts: list[list[int]], max_tokens: int) -> set[str]:
+    """Add ``prompts`` (greedy, ``max_tokens`` each, EOS ignored) and step until each has its first
+    token; returns their request ids."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     ids = {engine.add_request(p, params).request_id for p in prompts}
     started: set[str] = set()
     while started != ids:
         started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    return ids
+
+
+def decode_steps(engine: Any, prompts: list[list[int]], max_tokens: int, times: dict[str, list[float]]) -> list[float]:
+    """Wall time of every decode step (the per-part timers restarted after the prefill)."""
+    prefill_all(engine, prompts, max_tokens)
     for v in times.values():
         v.clear()
     steps = []
@@ -87,18 +94,22 @@ def decode_steps(engine: Any, prompts: list[list[int]], max_tokens: int, times: 
     return steps
 
 
-def join_steps(engine: Any, decoding: list[list[int]], joining: list[list[int]], gap: int = 4) -> dict[str, float]:
-    """Median step times while ``decoding`` decode and each of ``joining`` is added after ``gap``
+JOIN_GAP = 4  # decode-only steps before each joining prompt
+
+
+def join_decode_tokens(joins: int) -> int:
+    """Tokens each decoding sequence generates while ``joins`` prompts join (``join_steps``)."""
+    return (JOIN_GAP + 1) * joins + 8
+
+
+def join_steps(engine: Any, decoding: list[list[int]], joining: list[list[int]]) -> dict[str, float]:
+    """Median step times while ``decoding`` decode and each of ``joining`` is added after ``JOIN_GAP``
     decode-only steps (one token each: its prefill step is its whole life), and the median of the
     joining prompts' uncached tokens."""
-    ids = [engine.add_request(p, SamplingParams(max_tokens=(gap + 1) * len(joining) + 8, ignore_eos=True)).request_id
-           for p in decoding]  # fmt: skip
-    started: set[str] = set()
-    while started != set(ids):
-        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    ids = prefill_all(engine, decoding, join_decode_tokens(len(joining)))
     alone, joined, uncached = [], [], []
     for prompt in joining:
-        for _ in range(gap):
+        for _ in range(JOIN_GAP):
             t0 = time.perf_counter()
             engine.step()
             alone.append(time.perf_counter() - t0)
@@ -110,19 +121,20 @@ def join_steps(engine: Any, decoding: list[list[int]], joining: list[list[int]],
         uncached.append(len(prompt) - done.num_cached_tokens)
     for request_id in ids:
         engine.abort(request_id)
-    return {"decoding": len(decoding), "joins": len(joining), "decode_step_ms": statistics.median(alone) * 1e3,
-            "join_step_ms": statistics.median(joined) * 1e3, "join_uncached_tokens": statistics.median(uncached)}
+    return {
+        "decoding": len(decoding),
+        "joins": len(joining),
+        "decode_step_ms": statistics.median(alone) * 1e3,
+        "join_step_ms": statistics.median(joined) * 1e3,
+        "join_uncached_tokens": statistics.median(uncached),
+    }
 
 
 def forward_ops(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
     """Share of the forward's operator self time in each group (and "other ops")."""
     from torch.profiler import ProfilerActivity, profile
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    ids = {engine.add_request(p, params).request_id for p in prompts}
-    started: set[str] = set()
-    while started != ids:
-        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    prefill_all(engine, prompts, max_tokens)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         while engine.has_unfinished():
             engine.step()
@@ -156,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or smollm2()
     prompts = workload(ModelConfig.from_path(model).vocab_size, args.prompts + args.joins)
     prompts, joining = prompts[: args.prompts], prompts[args.prompts :]
-    longest = max(len(p) for p in prompts) + max(args.max_tokens, 5 * args.joins + 8)
+    longest = max(len(p) for p in prompts) + max(args.max_tokens, join_decode_tokens(args.joins))
     llm = LLM(model, dtype=args.dtype, num_blocks=(len(prompts) + 1) * (-(-longest // 16)) + 16,
               disable_cascade_attn=args.disable_cascade_attn)  # fmt: skip
     try:

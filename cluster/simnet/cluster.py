@@ -14,7 +14,7 @@ from typing import Any
 
 from pdserve.cluster.simnet import exit_hooks, netns
 from pdserve.cluster.simnet.delay import delay_backends, push_delays, simnet_available
-from pdserve.cluster.simnet.errors import SimnetError
+from pdserve.cluster.simnet.errors import RayStartError, SimnetError
 from pdserve.cluster.simnet.netns import RUN_PREFIX, LinkBytes
 from pdserve.cluster.simnet.nodes import NodeSpec, SimNode, plan_nodes
 from pdserve.cluster.simnet.procs import RunProcesses, descendants, empty_netns, pids_in_netns
@@ -113,9 +113,7 @@ class SimCluster:
         comes up. Every node's Ray is killed before the second start (a new head is a new cluster)."""
         try:
             start_ray(self)
-        except SimnetError as e:
-            if not str(e).startswith("ray start on"):
-                raise
+        except RayStartError as e:
             log.warning("simnet: %s; starting Ray on every node again", str(e).splitlines()[0])
             for name in self.nodes:
                 self.kill_node(name)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.cluster.simnet.errors import SimnetError
+from pdserve.cluster.simnet.errors import RayStartError, SimnetError
 from pdserve.cluster.simnet.nodes import SimNode
 from pdserve.cluster.simnet.procs import empty_netns, wait_for
 
@@ -80,7 +80,7 @@ def launch_ray(sim: SimCluster, node: SimNode) -> int:
 
 
 def wait_ray(node: SimNode, offset: int, timeout: float) -> None:
-    """Wait until ``ray start`` on the node says it runs (in its log after ``offset``); SimnetError with
+    """Wait until ``ray start`` on the node says it runs (in its log after ``offset``); RayStartError with
     the log's tail if it exits first."""
     proc = node.ray
     assert proc is not None
@@ -90,7 +90,7 @@ def wait_ray(node: SimNode, offset: int, timeout: float) -> None:
             f.seek(offset)
             text = f.read().decode(errors="replace")
         if proc.poll() is not None:
-            raise SimnetError(f"ray start on {node.name} exited {proc.returncode}:\n{text[-3000:]}")
+            raise RayStartError(f"ray start on {node.name} exited {proc.returncode}:\n{text[-3000:]}")
         return RAY_READY in text
 
     wait_for(ready, timeout, f"Ray on {node.name} ({node.ray_log})", interval=0.1)
