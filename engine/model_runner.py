@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.kernels import plan_attention
+from pdserve.engine.kernels import cpu_decode, plan_attention
 from pdserve.engine.kernels.metadata import AttentionMetadata
 from pdserve.engine.kv_tensor import KVTensor
 from pdserve.engine.parallel.ranks import RankLost, Ranks
@@ -37,6 +37,9 @@ class ModelRunner:
         self.device = kv_tensor.device
         self.sampler = Sampler()
         self.ranks = ranks
+        # CPU decodes read K/V in place (engine/kernels/cpu_decode.py) where its kernel builds here.
+        self.fused_decode = self.device.type == "cpu" and cpu_decode.supports_model(
+            model.config, next(model.parameters()).dtype, kv_tensor.layout.dtype)
 
     def prepare(
         self, scheduled: list[ScheduledRequest], block_ids: list[list[int]]
@@ -74,7 +77,7 @@ class ModelRunner:
         )
         if dev.type == "cpu":
             meta.torch_plan = plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs,
-                                             self.model.config.sliding_window, self.cascade)  # fmt: skip
+                                             self.model.config.sliding_window, self.cascade, self.fused_decode)  # fmt: skip
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         return ids, pos_t, meta, sample_rows

@@ -87,3 +87,29 @@ def host_id() -> str | None:
     """``PDSERVE_HOST_ID``: this host's identity for the same-host KV transport in place of the
     kernel's boot id (``kvtransfer/shm.py``); a simulated cluster sets one per node."""
     return os.environ.get("PDSERVE_HOST_ID") or None
+
+
+def cpu_kernels() -> bool:
+    """``PDSERVE_CPU_KERNELS``: whether the CPU path may build and use its compiled kernels
+    (``engine/kernels/cpu_build.py``: decode attention that reads K/V in place). ``0`` turns them off
+    (the torch path gathers K/V instead: what a machine without a C compiler runs); unset or ``1``: on.
+    Any other value is a ValueError."""
+    value = os.environ.get("PDSERVE_CPU_KERNELS", "1").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    raise ValueError(f"PDSERVE_CPU_KERNELS must be 0 or 1, got {value!r}")
+
+
+def kernel_cache_dir() -> str:
+    """Where compiled CPU kernels are kept between processes (``PDSERVE_KERNEL_CACHE``, default
+    ``$XDG_CACHE_HOME/pdserve/kernels`` or ``~/.cache/pdserve/kernels``)."""
+    explicit = os.environ.get("PDSERVE_KERNEL_CACHE")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pdserve", "kernels")
+
+
+def c_compiler() -> str | None:
+    """``CC``: the C compiler that builds the CPU kernels (default: ``cc`` or ``gcc`` on the PATH)."""
+    return os.environ.get("CC") or None

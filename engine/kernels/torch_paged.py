@@ -10,6 +10,10 @@ the query-length axis (``[B, Hkv, group, D]`` queries need no KV head expansion 
 hit the fast SDPA kernels on CPU; ``enable_gqa`` falls back to a slow path for
 ``q_len == 1`` in bf16). Prefill sequences run one SDPA call each: their cost is
 dominated by compute, so the Python loop is negligible.
+
+A plan built with ``fused=True`` instead puts every decode in one group that
+:mod:`engine.kernels.cpu_decode` runs in place (no gather, no padding); the caller checks
+``cpu_decode.supports`` for its dtypes first.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.kernels import cpu_decode
 from pdserve.engine.kernels.cascade import CascadePrefix, attention_lse, merge, plan_prefix
 from pdserve.engine.kernels.quant import dequantize, is_fp8, quantize
 
@@ -66,6 +71,10 @@ class DecodeGroup:
     # blocks are then each sequence's suffix only.
     prefix_pos: torch.Tensor | None = None
     masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive form of ``mask``, per dtype
+    # A fused group (``plan_attention(fused=True)``) is read in place: ``block_index`` viewed as
+    # [B, padded_len // block_size], each row's positions [starts, spans) of it; no mask, no padding rows.
+    starts: torch.Tensor | None = None
+    spans: torch.Tensor | None = None
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """``mask`` as 0 / -inf in ``dtype`` (what the flash operator takes)."""
@@ -91,6 +100,7 @@ class TorchAttentionPlan:
     starts: list[int]  # query_start_loc as a list; starts[-1] is the number of query rows
     sliding_window: int | None = None
     cascade: CascadePrefix | None = None  # the decodes' shared prefix, read once (engine/kernels/cascade.py)
+    fused: bool = False  # decode groups run in engine/kernels/cpu_decode.py
 
 
 def _length_buckets(seqs: list[int], lens: list[int], min_fill: float = 0.75) -> list[list[int]]:
@@ -116,13 +126,16 @@ def plan_attention(
     block_size: int,
     sliding_window: int | None = None,
     cascade: bool = False,
+    fused: bool = False,
 ) -> TorchAttentionPlan:
     """Group the decodes, precompute gather indices, padding rows and masks for one step.
 
     With a ``sliding_window`` a decode reads only the blocks that hold its last
     ``sliding_window`` positions; the mask hides the rest of those blocks. With ``cascade``
     (no window), decodes that all start with the same blocks read those once together
-    (:mod:`engine.kernels.cascade`) and gather only the rest.
+    (:mod:`engine.kernels.cascade`) and gather only the rest. With ``fused``, all decodes form one
+    group read in place by :mod:`engine.kernels.cpu_decode` (the caller has checked
+    ``cpu_decode.supports``).
     """
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -139,7 +152,7 @@ def plan_attention(
         for s in decode:
             first[s] = shared.num_tokens // block_size
     spans = [lens[s] - first[s] * block_size for s in range(num_seqs)]  # positions gathered
-    for group in _length_buckets(decode, spans):
+    for group in [sorted(decode)] if fused and decode else _length_buckets(decode, spans):
         group.sort()  # batch order = row order, so a single all-decode group needs no row shuffle
         padded_blocks = -(-max(spans[s] for s in group) // block_size)
         padded = padded_blocks * block_size
@@ -147,29 +160,34 @@ def plan_attention(
         for s in group:
             ids = block_tables[s, first[s] : -(-lens[s] // block_size)].tolist()
             table.append(ids + [0] * (padded_blocks - len(ids)))
-        pad = [b * padded + p for b, s in enumerate(group) for p in range(spans[s], padded)]
         gspans = torch.tensor([spans[s] for s in group], device=device)
-        pos = torch.arange(padded, device=device)[None, :]
-        visible = pos < gspans[:, None]
-        if sliding_window is not None:
-            # Gathered position p is logical position first*block_size + p; the query sits at len-1.
-            visible &= pos >= (gspans - sliding_window)[:, None]
-        mask = visible.view(len(group), 1, 1, padded)
+        # Gathered position p is logical position first*block_size + p; the query sits at len-1.
+        gstarts = None if sliding_window is None else (gspans - sliding_window).clamp_(min=0)
         rows = [starts[s] for s in group]
         row_t = torch.tensor(rows, dtype=torch.int64, device=device)
-        groups.append(
-            DecodeGroup(
-                rows=row_t,
-                block_index=torch.tensor(table, dtype=torch.int64, device=device).view(-1),
-                pad_rows=torch.tensor(pad, dtype=torch.int64, device=device),
-                mask=mask,
-                padded_len=padded,
-                all_rows=rows == list(range(starts[-1])),
-                prefix_pos=None if shared is None or len(group) == len(decode) else torch.searchsorted(shared.rows, row_t),
-            )
+        found = DecodeGroup(
+            rows=row_t,
+            block_index=torch.tensor(table, dtype=torch.int64, device=device).view(-1),
+            pad_rows=torch.empty(0, dtype=torch.int64, device=device),
+            mask=torch.empty(0, dtype=torch.bool, device=device),
+            padded_len=padded,
+            all_rows=rows == list(range(starts[-1])),
+            prefix_pos=None if shared is None or len(group) == len(decode) else torch.searchsorted(shared.rows, row_t),
         )
+        if fused:
+            found.spans = gspans
+            found.starts = torch.zeros_like(gspans) if gstarts is None else gstarts
+        else:
+            pad = [b * padded + p for b, s in enumerate(group) for p in range(spans[s], padded)]
+            found.pad_rows = torch.tensor(pad, dtype=torch.int64, device=device)
+            pos = torch.arange(padded, device=device)[None, :]
+            visible = pos < gspans[:, None]
+            if gstarts is not None:
+                visible &= pos >= gstarts[:, None]
+            found.mask = visible.view(len(group), 1, 1, padded)
+        groups.append(found)
     prefills = [(s, starts[s], lens[s]) for s in range(num_seqs) if q_lens[s] > 1]
-    return TorchAttentionPlan(block_size, groups, prefills, starts, sliding_window, shared)
+    return TorchAttentionPlan(block_size, groups, prefills, starts, sliding_window, shared, fused)
 
 
 def _gather(cache: torch.Tensor, group: DecodeGroup, which: int) -> torch.Tensor:
@@ -208,6 +226,13 @@ def _decode_group(
     with theirs over the gathered suffixes."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    if group.spans is not None and group.starts is not None:
+        blocks = group.block_index.view(batch, -1)
+        out, lse = cpu_decode.decode_attention(q, k_cache, v_cache, blocks, group.starts, group.spans, scale)
+        if prefix is not None:
+            group_shape = (batch, num_kv_heads, num_heads // num_kv_heads)
+            out = merge(*prefix, out.view(*group_shape, head_dim), lse.view(group_shape)).reshape(batch, num_heads, head_dim)
+        return out.to(q.dtype)
     k = _read(_gather(k_cache, group, 0), q.dtype, k_scale).transpose(1, 2)  # [B, Hkv, L, D]
     v = _read(_gather(v_cache, group, 1), q.dtype, v_scale).transpose(1, 2)
     # Query heads h*group .. h*group+group-1 share KV head h: fold them into q_len.

@@ -45,14 +45,15 @@ def _load(spec: dict[str, Any]) -> tuple[torch.nn.Module, torch.Tensor]:
 
 
 def _serve(model: torch.nn.Module, kv: torch.Tensor, frames: BinaryIO, block_size: int, cascade: bool) -> int:
-    from pdserve.engine.kernels import plan_attention
+    from pdserve.engine.kernels import cpu_decode, plan_attention
     from pdserve.engine.parallel.step_plan import StepPlan, read_frame
 
     sliding = model.config.sliding_window
+    fused = cpu_decode.supports_model(model.config, next(model.parameters()).dtype, kv.dtype)
     while (frame := read_frame(frames)) is not None:
         plan = StepPlan.decode(frame)
         m = plan.meta
-        m.torch_plan = plan_attention(m.block_tables, m.seq_lens, m.query_start_loc, block_size, sliding, cascade)
+        m.torch_plan = plan_attention(m.block_tables, m.seq_lens, m.query_start_loc, block_size, sliding, cascade, fused)
         with torch.inference_mode():
             hidden = model(plan.input_ids, plan.positions, kv, m)
             if plan.sample_rows:

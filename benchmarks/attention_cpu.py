@@ -1,0 +1,106 @@
+"""CPU decode attention, one layer: the in-place kernel (``engine/kernels/cpu_decode.c``) against the
+torch path that gathers each sequence's K/V out of its blocks and runs SDPA.
+
+Both run through ``paged_attention_torch`` with a plan built the way the engine builds it (``fused``
+on or off), on a cache of shuffled blocks inside a two-layer, block-major KV tensor (so a layer's K
+and V are strided views, as in the engine), every sequence decoding one token. Each shape is first
+checked against the float32 reference (the run exits 1 on a mismatch); then the two are timed in
+alternation, ``--repeats`` rounds of ``--calls`` calls each, and the median of the rounds is reported
+per call. ``gbps`` counts the K/V bytes each call must read once. Without a C compiler (or with
+``PDSERVE_CPU_KERNELS=0``) the kernel is not built and the run says so and exits 0.
+
+Run: ``python -m pdserve.benchmarks.attention_cpu [--shapes 32x280,8x2000] [--dtypes float32,bfloat16] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from pdserve.benchmarks.common import emit
+from pdserve.engine.kernels import cpu_decode, paged_attention_ref
+from pdserve.engine.kernels.torch_paged import paged_attention_torch, plan_attention
+
+BLOCK_SIZE = 16
+
+
+def problem(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple:
+    """Arguments of ``paged_attention_torch`` for ``batch`` decodes of ``context`` positions each."""
+    gen = torch.Generator().manual_seed(batch * 7919 + context)
+    per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = batch * per_seq + 1
+    kv = torch.randn(num_blocks, 2, 2, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)  # [block, layer, K|V]
+    table = torch.randperm(num_blocks, generator=gen)[: batch * per_seq].view(batch, per_seq).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
+    return q, kv[:, 1, 0], kv[:, 1, 1], table, lens, qsl, head_dim**-0.5
+
+
+def run_shape(args: tuple, calls: int, repeats: int) -> dict[str, Any]:
+    q, k, v, table, lens, qsl, scale = args
+    plans = {name: plan_attention(table, lens, qsl, BLOCK_SIZE, fused=fused)
+             for name, fused in (("torch", False), ("kernel", True))}  # fmt: skip
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), table, lens, qsl, scale)
+    tol = 1e-5 if q.dtype == torch.float32 else 2e-2
+    for name, plan in plans.items():
+        got = paged_attention_torch(q, k, v, table, lens, qsl, scale, plan)
+        err = float((got.float() - ref).norm() / ref.norm())
+        if not err < tol:
+            raise SystemExit(f"attention-cpu: {name} differs from the reference by {err:.2e} (bound {tol:.0e})")
+    rounds: dict[str, list[float]] = {name: [] for name in plans}
+    for _ in range(repeats):
+        for name, plan in plans.items():  # alternating, so both see the same machine
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                paged_attention_torch(q, k, v, table, lens, qsl, scale, plan)
+            rounds[name].append((time.perf_counter() - t0) / calls)
+    kv_bytes = 2 * int(lens.sum()) * k.shape[2] * k.shape[3] * k.element_size()
+    out = {name: {"ms": statistics.median(t) * 1e3, "gbps": kv_bytes / statistics.median(t) / 1e9}
+           for name, t in rounds.items()}  # fmt: skip
+    out["speedup"] = statistics.median(a / b for a, b in zip(rounds["torch"], rounds["kernel"]))
+    return out
+
+
+def _row(r: dict[str, Any]) -> str:
+    torch_path, kernel = r["torch"], r["kernel"]
+    return (f"torch path {torch_path['ms']:.3f} ms ({torch_path['gbps']:.1f} GB/s), kernel {kernel['ms']:.3f} ms "
+            f"({kernel['gbps']:.1f} GB/s): {r['speedup']:.2f}x")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdserve bench attention-cpu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--shapes", default="4x280,32x280,8x2000", help="BATCHxCONTEXT,... (decodes, positions each)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head size (SmolLM2-135M's)")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
+    missing = [d for d in dtypes if not cpu_decode.supports(d, d, heads, kv_heads, head_dim)]
+    if missing:
+        print(f"attention-cpu: the in-place kernel does not run here for {missing} with heads {args.heads} "
+              "(no C compiler, PDSERVE_CPU_KERNELS=0, or a head size it has no instantiation for)", file=sys.stderr)
+        return 0
+    results = []
+    for dtype in dtypes:
+        for batch, context in shapes:
+            timed = run_shape(problem(batch, context, heads, kv_heads, head_dim, dtype), args.calls, args.repeats)
+            results.append({"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context, **timed})
+    result = {"threads": torch.get_num_threads(), "heads": [heads, kv_heads, head_dim], "results": results}
+    rows = [(f"{r['dtype']} {r['batch']} x {r['context']}", _row(r)) for r in results]
+    emit(result, args.json, [("threads", str(result["threads"])), *rows])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

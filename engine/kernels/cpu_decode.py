@@ -1,0 +1,112 @@
+"""Decode attention that reads K/V in place from the paged cache, on the CPU (``cpu_decode.c``).
+
+The torch path (:mod:`engine.kernels.torch_paged`) copies every decode sequence's K/V out of its
+blocks each layer before one batched SDPA call; this kernel instead walks each sequence's block
+table and reads the rows where they are, once per KV head for all of the head's query heads (GQA),
+with an online softmax in float32. It returns the log-sum-exp as well, so a cascade's shared-prefix
+part merges with it exactly (:func:`engine.kernels.cascade.merge`).
+
+:func:`supports` says whether a call can run here (the library built, float32 or bfloat16 K/V of
+the query's dtype, a GQA group of at most 16 query heads per KV head, a head size the kernel is
+instantiated for: 16, 32, 64, 80, 96, 128 or 256); otherwise callers gather.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.kernels import cpu_build
+
+_SOURCE = Path(__file__).with_name("cpu_decode.c")
+_DTYPES = {torch.float32: "pdserve_paged_decode_f32", torch.bfloat16: "pdserve_paged_decode_bf16"}
+PROFILER_LABEL = "pdserve::cpu_decode_attention"  # what torch.profiler calls a kernel call
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = [_P, _P, _P, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, ctypes.c_int]
+
+
+class _Kernel:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.fns = {}
+        for dtype, name in _DTYPES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+            self.fns[dtype] = fn
+        self.max_group = int(lib.pdserve_max_group())
+        lib.pdserve_supports_head_dim.argtypes, lib.pdserve_supports_head_dim.restype = [_I], ctypes.c_int
+        self.head_dim_ok = lib.pdserve_supports_head_dim
+
+
+_kernel: _Kernel | None | bool = False  # False: not loaded yet
+
+
+def _get() -> _Kernel | None:
+    global _kernel
+    if _kernel is False:
+        lib = cpu_build.load(_SOURCE)
+        _kernel = None if lib is None else _Kernel(lib)
+    return _kernel  # type: ignore[return-value]
+
+
+def supports(dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether :func:`decode_attention` runs for queries of ``dtype`` over a ``cache_dtype`` cache of
+    these head sizes (it builds the library on the first call)."""
+    if dtype != cache_dtype or dtype not in _DTYPES or num_heads % num_kv_heads:
+        return False
+    kernel = _get()
+    return kernel is not None and num_heads // num_kv_heads <= kernel.max_group and bool(kernel.head_dim_ok(head_dim))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    starts: torch.Tensor,
+    spans: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row's attention over its positions ``[starts[b], spans[b])``.
+
+    ``q [B, Hq, D]`` (one query per sequence); ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]``
+    with each head's ``D`` values contiguous (a tensor-parallel rank's head slice is fine);
+    ``blocks [B, max_blocks]`` int64: position ``p`` of row ``b`` is in block ``blocks[b, p // block_size]``;
+    ``starts``/``spans`` int64 ``[B]``. Every block id named for a read position must be in range
+    (the caller's guarantee: the kernel does not check). Returns ``(out [B, Hq, D], lse [B, Hq])``,
+    both float32. Requires :func:`supports` for these shapes and dtypes.
+    """
+    kernel = _get()
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if kernel is None or not supports(q.dtype, k_cache.dtype, num_heads, num_kv_heads, head_dim):
+        raise ValueError(f"decode_attention does not run for {q.dtype} queries over {k_cache.dtype} K/V here")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or v_cache.dtype != k_cache.dtype:
+        raise ValueError("k_cache and v_cache must share strides and dtype, head_dim contiguous")
+    for name, t in (("blocks", blocks), ("starts", starts), ("spans", spans)):
+        if t.dtype != torch.int64 or not t.is_contiguous() or t.shape[0] != batch:
+            raise ValueError(f"{name} must be a contiguous int64 tensor with {batch} rows")
+    q = q.contiguous()
+    out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)
+    lse = torch.empty(batch, num_heads, dtype=torch.float32)
+    with torch.profiler.record_function(PROFILER_LABEL):
+        failed = kernel.fns[q.dtype](
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), blocks.data_ptr(), blocks.shape[1], starts.data_ptr(), spans.data_ptr(), batch,
+            num_kv_heads, num_heads // num_kv_heads, head_dim, k_cache.shape[1], scale, out.data_ptr(),
+            lse.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+    if failed:  # not reached: supports() above checks what the kernel refuses
+        raise ValueError(f"the decode kernel refused head_dim={head_dim}, group={num_heads // num_kv_heads}")
+    return out, lse
+
+
+def supports_model(config: object, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether a model of ``config`` (an ``engine.model.config.ModelConfig``) computing in ``dtype``
+    over a ``kv_dtype`` cache runs its decodes here: per-head K/V (not MLA's latents), see
+    :func:`supports`."""
+    if getattr(config, "mla", None) is not None:
+        return False
+    heads, kv_heads, head_dim = (getattr(config, n) for n in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    return supports(dtype, kv_dtype, heads, kv_heads, head_dim)
