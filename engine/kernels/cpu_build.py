@@ -8,7 +8,7 @@ callers then use their torch path. Libraries are kept in
 the compiler's version and the CPU's feature flags, so a changed source, compiler or machine (a
 home directory shared across a cluster's nodes) never loads a stale build. Processes that build
 the same library at once each write their own file and rename it into place (atomic), so a reader
-never sees a partial one. Building takes about a second; it happens on first use.
+never sees a partial one. Building takes a few seconds (about 3 for cpu_decode.c); it happens on first use.
 
 ``-march=native`` lets the compiler vectorise for this CPU (AVX2, AVX-512); ``-fopenmp`` links
 ``libgomp.so.1``, which resolves to the copy torch has already loaded, so the kernels' threads are
