@@ -211,25 +211,24 @@ def test_decode_node_dies_under_load_then_comes_back(fleet: Fleet) -> None:
         return all(len(s[i]["token_ids"]) >= 3 for i in sids)
 
     assert wait_until(streaming, timeout=60)
-    # Which decode worker serves a stream is read from Redis, which names it holder of the prompt's blocks
-    # once its publisher has run: not necessarily by the time the stream's first tokens arrive.
-    assert wait_until(lambda: all(f.holders(p) & set(DECODES) for p in prompts), timeout=30)
-    now = f.probe.call("streams")
-    assert not any(now[i]["done"] for i in sids)
-    on_victim = {i for i, p in zip(sids, prompts) if victim in f.holders(p)}
-    assert on_victim and len(on_victim) < len(sids)  # both workers had streams
+    # The node goes at once: a stream decodes in seconds, so waiting first (for Redis to name each
+    # stream's decode worker, say) could let the victim's streams finish before it dies. Which
+    # streams it served is told afterwards by how they ended.
     f.sim.kill_node("n2")
     assert wait_until(lambda: all(f.probe.call("streams")[i]["done"] for i in sids), timeout=120)
     streams = f.probe.call("streams")
+    failed = {i for i in sids if streams[i]["error"] is not None}
+    ends = {i: (len(streams[i]["token_ids"]), streams[i]["error"]) for i in sids}
+    assert failed and len(failed) < len(sids), ends  # both workers had streams (spread by load)
     for i, p in zip(sids, prompts):
         s = streams[i]
         want = f.reference(p, max_tokens)
-        if i in on_victim:  # ended with a clear status, after the tokens it had sent, which were right
+        if i in failed:  # ended with a clear status, after the tokens it had sent, which were right
             assert s["error"]["code"] == "UNAVAILABLE", s["error"]
             assert f"decode worker {victim} failed after" in s["error"]["details"]
             assert s["token_ids"] == want[: len(s["token_ids"])]
         else:  # untouched
-            assert s["error"] is None and s["token_ids"] == want
+            assert s["token_ids"] == want
     # New requests: served by the survivor, none failed over the dead worker first.
     for k in range(3):
         q = prompt_ids(300 + k, 40)
