@@ -1,8 +1,9 @@
 """GGUF checkpoints (llama.cpp's single-file format) for the Llama family, read with ``gguf``.
 
 A GGUF file holds the model's hyperparameters, its tokenizer (vocabulary, merges, special
-tokens, chat template) and its tensors, often quantized. pdserve reads all three the way
-transformers does (``from_pretrained(dir, gguf_file=...)``), so that both produce the same tokens:
+tokens, chat template) and its tensors, often quantized (``gguf_file`` reads the header). pdserve
+reads all three the way transformers does (``from_pretrained(dir, gguf_file=...)``), so that both
+produce the same tokens:
 
 - the config becomes a Hugging Face ``config.json`` dict (``read_gguf_config``);
 - each tensor is dequantized to float32 (``gguf.quants.dequantize``), renamed to its Hugging Face
@@ -29,6 +30,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+    from pdserve.engine.model.gguf_file import GGUFFile
+
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -44,19 +47,20 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 
 
 @lru_cache(maxsize=4)
-def _reader(path: str):  # noqa: ANN202 - gguf.GGUFReader
-    from gguf import GGUFReader
+def _reader(path: str) -> GGUFFile:
+    from pdserve.engine.model.gguf_file import GGUFFile
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     try:
-        return GGUFReader(path)
+        return GGUFFile(path)
     except (ValueError, OSError) as e:
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
 
 
 def metadata(path: str | Path) -> dict[str, Any]:
-    return {name: field.contents() for name, field in _reader(str(path)).fields.items()}
+    """The file's metadata, as ``gguf.GGUFReader``'s ``field.contents()`` gives it (a copy)."""
+    return dict(_reader(str(path)).metadata)
 
 
 def check_arch(meta: dict[str, Any], path: str | Path) -> str:

@@ -10,6 +10,7 @@ import torch
 
 from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.launcher import Service
+from tests.support import hf_gguf
 from tests.support.gguf_files import smollm2_path
 
 pytestmark = pytest.mark.slow
@@ -35,23 +36,20 @@ def smollm2_service():
 
 
 @torch.no_grad()
-def transformers_answer(path, messages: list[dict], max_new_tokens: int) -> str:  # noqa: ANN001
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+def transformers_answer(path, tmp_path_factory, messages: list[dict], max_new_tokens: int) -> str:  # noqa: ANN001
+    tok, model = hf_gguf.hf_tokenizer(path, tmp_path_factory), hf_gguf.hf_model(path, tmp_path_factory)
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
     return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def test_smollm2_answers_through_1p1d_as_transformers_does(smollm2_service) -> None:
+def test_smollm2_answers_through_1p1d_as_transformers_does(smollm2_service, tmp_path_factory) -> None:
     svc, path = smollm2_service
     client = openai.OpenAI(base_url=f"http://{svc.http_address}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == [path.stem]
     out = client.chat.completions.create(model=path.stem, messages=QUESTION, max_tokens=24, temperature=0)
     answer = out.choices[0].message.content
-    assert answer == transformers_answer(path, QUESTION, 24)
+    assert answer == transformers_answer(path, tmp_path_factory, QUESTION, 24)
     assert "Paris" in answer and out.choices[0].finish_reason == "stop"  # <|im_end|> ended it
     assert out.usage.prompt_tokens_details.transferred_tokens > 0  # the decode worker pulled the prompt's KV
 

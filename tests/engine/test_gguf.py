@@ -11,6 +11,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.model import ModelConfig
 from pdserve.engine.tokenizer import ModelTokenizer
+from tests.support import hf_gguf
 from tests.support.gguf_files import smollm2_path, write_gguf
 from tests.support.models import make_hf_checkpoint
 
@@ -124,8 +125,10 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d / src.name
 
 
-def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2: Path) -> None:
-    ours, hf = ModelTokenizer.from_path(smollm2), hf_tokenizer(smollm2.parent, smollm2.name)
+def test_smollm2_tokenizer_and_chat_template_match_transformers(
+    smollm2: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    ours, hf = ModelTokenizer.from_path(smollm2), hf_gguf.hf_tokenizer(smollm2, tmp_path_factory)
     for text in TEXTS:
         assert ours.encode(text) == hf(text).input_ids
     for chat in CHATS:
@@ -135,9 +138,9 @@ def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2: Path) -
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_chat_matches_transformers(smollm2: Path) -> None:
+def test_smollm2_greedy_chat_matches_transformers(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     llm = LLM(str(smollm2), num_blocks=256, block_size=16, dtype="float32")  # Q4_1: auto could pick bfloat16
-    ref = hf_model(smollm2.parent, smollm2.name)
+    ref = hf_gguf.hf_model(smollm2, tmp_path_factory)
     outs = llm.chat(CHATS, SamplingParams(max_tokens=24))
     for chat, o in zip(CHATS, outs):
         prompt = llm.tokenizer.encode_chat(chat)

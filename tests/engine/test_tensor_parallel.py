@@ -236,11 +236,12 @@ def test_close_kills_hung_ranks_after_one_grace_for_all(checkpoints: dict[str, P
 
 
 @pytest.mark.slow
-def test_smollm2_three_ranks_equal_transformers(tmp_path: Path) -> None:
+def test_smollm2_three_ranks_equal_transformers(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """SmolLM2-135M has 9 heads and 3 KV heads: it splits 3 ways (not 2, refused by name). One rank
     equals transformers on it already (tests/engine/test_gguf.py)."""
-    from tests.engine.test_gguf import CHATS, hf_model
+    from tests.engine.test_gguf import CHATS
     from tests.engine.test_gguf import hf_greedy as hf_greedy_ids
+    from tests.support.hf_gguf import hf_model
     from tests.support.gguf_files import smollm2_path
 
     src = smollm2_path()
@@ -256,7 +257,7 @@ def test_smollm2_three_ranks_equal_transformers(tmp_path: Path) -> None:
         prompts_ids = [llm.tokenizer.encode_chat(c) for c in chats]
     finally:
         llm.close()
-    ref = hf_model(tmp_path, src.name)
+    ref = hf_model(src, tmp_path_factory)
     for ids, got in zip(prompts_ids, outs):
         expected = hf_greedy_ids(ref, ids, 12)
         eos = expected.index(2) + 1 if 2 in expected else len(expected)
