@@ -241,8 +241,8 @@ def test_smollm2_three_ranks_equal_transformers(tmp_path: Path, tmp_path_factory
     equals transformers on it already (tests/engine/test_gguf.py)."""
     from tests.engine.test_gguf import CHATS
     from tests.engine.test_gguf import hf_greedy as hf_greedy_ids
-    from tests.support.hf_gguf import hf_model
     from tests.support.gguf_files import smollm2_path
+    from tests.support.hf_gguf import hf_model
 
     src = smollm2_path()
     (tmp_path / src.name).symlink_to(src)
