@@ -1,12 +1,12 @@
 """transformers' reading of a GGUF file (``gguf_file=``), converted once per test session.
 
-Reading SmolLM2's GGUF into transformers takes 10-20 s (its tensors are de-quantized and its
+Reading SmolLM2's GGUF into transformers takes 17-28 s here (its tensors are de-quantized and its
 tokenizer converted in Python), and several test files compare against it. The first caller saves
-what transformers read (float32 safetensors, the fast tokenizer, the generation config) into a
-directory that the session's xdist workers share; every caller loads from it (``hf_model``,
-``hf_tokenizer``). transformers refuses ``save_pretrained`` on a model read from GGUF, so the weights
-are saved as its float32 state dict beside its config. Saving and loading loses nothing: the
-reference is still transformers' reading of the file.
+what transformers read (the model's config and float32 state dict, its generation config, the fast
+tokenizer) into a directory that the session's xdist workers share; every caller loads from it in
+about 3 s (``hf_model``, ``hf_tokenizer``). transformers refuses ``save_pretrained`` on a model read
+from GGUF, hence the state dict. Saving and loading loses nothing: the reference is still
+transformers' reading of the file.
 """
 
 from __future__ import annotations
