@@ -59,7 +59,9 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        # Plain-ndarray views of the map: numpy calls ``memmap.__array_finalize__`` on every slice of a
+        # memmap, and dequantization slices each tensor into thousands of row groups (~0.5 s a model).
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r").view(np.ndarray)
         self._buf = memoryview(self._map)
         self._pos = 0
         try:

@@ -145,13 +145,22 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` without its random init: the checkpoint overwrites the weight, and the init's
+    ``normal_`` on the meta device (where models are built) imports ``torch._dynamo``, about 2.5 s of
+    every worker's start that nothing else needs."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class LlamaModel(nn.Module):
     """Embeddings, decoder stack, final norm and the shared rope tables (HF module names)."""
 
     def __init__(self, config: ModelConfig, layer_cls: type[nn.Module] = DecoderLayer, comm: TPComm | None = None) -> None:
         super().__init__()
         self.embed_tokens: nn.Module = (
-            nn.Embedding(config.vocab_size, config.hidden_size) if comm is None
+            Embedding(config.vocab_size, config.hidden_size) if comm is None
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm)
         )
         if comm is None:

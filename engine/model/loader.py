@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from pdserve.engine.model.checkpoint import weight_files
 from pdserve.engine.model.config import ModelConfig
@@ -73,12 +74,25 @@ def load_model(
     # Build on the meta device so no time is spent on random init that gets overwritten.
     with torch.device("meta"):
         model = model_class(config)(config, shard)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    materialise(model.to(dtype=dtype), device)
     model.keep_float32()
     model.model.rotary_emb.rebuild()
     model.load_weights(weights)
     model.requires_grad_(False)
     return model.eval()
+
+
+def materialise(model: nn.Module, device: torch.device) -> None:
+    """Give every parameter and buffer of ``model`` (built on the meta device) uninitialised storage
+    on ``device``, of its shape and dtype, in place.
+
+    What ``Module.to_empty`` does, without its ``empty_like`` of meta tensors: that goes through
+    torch's Python reference kernels, which import sympy (~0.5 s of every worker's start)."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad))
+        for name, b in list(module.named_buffers(recurse=False)):
+            setattr(module, name, torch.empty(b.shape, dtype=b.dtype, device=device))
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

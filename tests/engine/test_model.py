@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -286,6 +288,23 @@ def test_empty_batch(checkpoints: dict[str, Path]) -> None:
     with torch.inference_mode():
         hidden = model(empty, empty, PagedRunner(model, block_size=4).kv_cache, meta)
     assert model.compute_logits(hidden).shape == (0, 300)
+
+
+def test_loading_a_model_imports_neither_dynamo_nor_sympy(checkpoints: dict[str, Path]) -> None:
+    """Every worker and rank loads a model at its start; torch's compiler stack (torch._dynamo, ~2.5 s,
+    reached from a random init on the meta device) and sympy (~0.5 s, reached from ``to_empty``) are
+    not needed for it. Checked in a fresh interpreter, on a tied and an untied checkpoint."""
+    code = (
+        "import sys\n"
+        "from pdserve.engine.model import load_model\n"
+        "for path in sys.argv[1:]:\n"
+        "    load_model(path)\n"
+        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
+    )
+    paths = [str(checkpoints["llama_gqa"]), str(checkpoints["tied"])]
+    r = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
