@@ -21,7 +21,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.errors import WorkerStartError
-from pdserve.cluster.logs import configure_text_logging, ray_runtime_env
 from pdserve.cluster.placement import placement_problem, worker_placement
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model.checkpoint import check_model
@@ -29,6 +28,7 @@ from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.parallel.shard import check_tensor_parallel
 from pdserve.kvindex.config import IndexConfig, redact_url
 from pdserve.kvindex.embedded import EmbeddedRedis
+from pdserve.logs import configure_text_logging
 from pdserve.procstat import child_pids
 from pdserve.worker.config import WorkerConfig
 
@@ -161,6 +161,12 @@ class Service:
         transfer = config.transfer
         self.transfer = transfer if transfer.cluster_secret else replace(transfer, cluster_secret=secrets.token_hex(32))
 
+    @property
+    def _actor_log_level(self) -> str | None:
+        """The level of the compact TEXT handler each actor installs (pdserve/logs.py); None with
+        JSON logs, which Ray's ``LoggingConfig`` sets up in every process."""
+        return None if self.config.log_json else self.config.log_level
+
     def _worker_config(self, wid: str, role: str) -> WorkerConfig:
         c = self.config
         local = c.host in ("127.0.0.1", "localhost") and not c.ray_address
@@ -227,15 +233,15 @@ class Service:
         if not ray.is_initialized():
             # Every process of this job logs at the chosen level, in text or JSON, and its lines
             # are streamed to this driver's stderr (each also stays in its Ray log file). JSON is
-            # Ray's encoding; text is pdserve's compact one, installed in each worker by a setup
-            # hook, because Ray's text encoding appends ~600 characters of ids to every line
-            # (cluster/logs.py).
+            # Ray's encoding; text is pdserve's compact one, installed by each actor it starts
+            # (their ``log_level``), because Ray's text encoding appends ~600 characters of ids
+            # to every line (pdserve/logs.py).
+            log_options: dict = {}
             if c.log_json:
-                log_options: dict = dict(logging_config=ray.LoggingConfig(
-                    encoding="JSON", log_level=c.log_level, additional_log_standard_attrs=["name"]))  # fmt: skip
+                log_options = {"logging_config": ray.LoggingConfig(
+                    encoding="JSON", log_level=c.log_level, additional_log_standard_attrs=["name"])}  # fmt: skip
             else:
                 configure_text_logging(c.log_level)
-                log_options = dict(runtime_env=ray_runtime_env(c.log_level))
             if c.ray_address:
                 ray.init(address=c.ray_address, **log_options)
             else:
@@ -286,7 +292,8 @@ class Service:
                 if group is not None:
                     self._groups.append(group)
                 handles[wid] = ray.remote(cls).options(name=f"pdserve-{wid}", max_restarts=-1, max_task_retries=0,
-                                                       **options).remote(self._worker_config(wid, role))  # fmt: skip
+                                                       **options).remote(self._worker_config(wid, role),
+                                                                         self._actor_log_level)  # fmt: skip
         self.router = self._create_router()  # its process starts while the workers load the model
         pending = {h.ready.remote(): wid for wid, h in {**self.prefill, **self.decode}.items()}
         total, t0 = len(pending), time.monotonic()
@@ -330,7 +337,8 @@ class Service:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         return ray.remote(Router).options(
             name="pdserve-router", num_cpus=0, max_restarts=0, scheduling_strategy=here
-        ).remote(c.router, self.engine_config(), self.index_config(), self.prefill, self.decode)  # fmt: skip
+        ).remote(c.router, self.engine_config(), self.index_config(), self.prefill, self.decode,
+                 log_level=self._actor_log_level)  # fmt: skip
 
     def _start_router(self, port: int, http_port: int | None, metrics_port: int | None,
                       attempts: int = 1) -> tuple[int, int | None, int | None]:  # fmt: skip

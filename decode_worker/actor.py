@@ -8,13 +8,18 @@ from collections.abc import AsyncIterator
 from prometheus_client.metrics_core import Metric
 
 from pdserve.decode_worker.service import DecodeService
+from pdserve.logs import configure_text_logging
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
 
 
 class DecodeWorker:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, log_level: str | None = None) -> None:
+        """``log_level``: this process logs compact TEXT lines at that level (pdserve/logs.py);
+        None leaves its logging as it is."""
+        if log_level is not None:
+            configure_text_logging(log_level)
         self.rt = WorkerRuntime(config)
         self.service = DecodeService(self.rt)
 

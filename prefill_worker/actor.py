@@ -7,13 +7,18 @@ import asyncio
 from prometheus_client.metrics_core import Metric
 
 from pdserve.prefill_worker.service import PrefillService
+from pdserve.logs import configure_text_logging
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.messages import PrefillResult, RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
 
 
 class PrefillWorker:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, log_level: str | None = None) -> None:
+        """``log_level``: this process logs compact TEXT lines at that level (pdserve/logs.py);
+        None leaves its logging as it is."""
+        if log_level is not None:
+            configure_text_logging(log_level)
         self.rt = WorkerRuntime(config)
         self.service = PrefillService(self.rt)
 

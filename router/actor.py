@@ -25,6 +25,7 @@ from pdserve.engine.model.config import ModelConfig
 from pdserve.kvindex.config import IndexConfig
 from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.stats import StatsRecorder
+from pdserve.logs import configure_text_logging
 from pdserve.metrics import merge_families, redis_outages, render
 from pdserve.ratelog import RateLimitFilter
 from pdserve.router.auth import ApiKeyInterceptor
@@ -57,7 +58,10 @@ class Router:
 
     A launcher may create the router before its workers have reported their pools (its process
     then starts while they load the model) and give the pool size with ``set_kv_blocks``
-    before ``start``."""
+    before ``start``.
+
+    ``log_level``: this process logs compact TEXT lines at that level (pdserve/logs.py); None
+    leaves its logging as it is."""
 
     def __init__(
         self,
@@ -67,7 +71,10 @@ class Router:
         prefill: dict,
         decode: dict,
         kv_blocks: int | None = None,
+        log_level: str | None = None,
     ) -> None:
+        if log_level is not None:
+            configure_text_logging(log_level)
         assert engine.model is not None
         self._model_config = ModelConfig.from_path(engine.model)
         self._engine = engine

@@ -20,13 +20,21 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.engine.parallel.ranks import RankLauncher, RankLink, end_links
+from pdserve.logs import configure_text_logging, text_log_level
 
 _RANK = 8  # bytes: the rank number a connecting actor sends first
 
 
 class RankActor:
     """One rank, in a Ray actor of its own. ``run`` is its whole life (it returns when the driver
-    closes the connection, or a step fails)."""
+    closes the connection, or a step fails).
+
+    ``log_level``: the worker's compact TEXT logging, installed in this process too
+    (pdserve/logs.py); None leaves its logging as it is."""
+
+    def __init__(self, log_level: str | None = None) -> None:
+        if log_level is not None:
+            configure_text_logging(log_level)
 
     def run(self, socket_path: str, rank: int) -> int:
         from pdserve.engine.parallel.rank_main import run_rank
@@ -127,7 +135,7 @@ class ActorLauncher(RankLauncher):
                 rank = int(spec["rank"])
                 strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
                 actor = remote.options(max_restarts=0, scheduling_strategy=strategy,
-                                       **_bundle_options(bundles[rank])).remote()  # fmt: skip
+                                       **_bundle_options(bundles[rank])).remote(text_log_level())  # fmt: skip
                 started[rank] = (actor, actor.run.remote(self._path, rank))
             conns = self._accept(started, deadline)
             for spec in specs:

@@ -4,15 +4,13 @@ tests/cli/test_cli.py checks the sockets and the token file of a real `pdserve u
 
 from __future__ import annotations
 
-import importlib
 import io
 import logging
-import os
 from pathlib import Path
 
 import pytest
 
-from pdserve.cluster import logs
+from pdserve import logs
 from pdserve.cluster.launcher import _ray_on_loopback, ensure_private_ray_token
 
 
@@ -83,19 +81,19 @@ def test_text_log_lines_are_compact() -> None:
     assert len(line) < 100 and not any(k in line for k in ray_ids)
 
 
-def test_ray_workers_get_the_compact_handler_through_an_importable_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    env = logs.ray_runtime_env("WARNING")
-    module, _, name = env["worker_process_setup_hook"].rpartition(".")
-    hook = getattr(importlib.import_module(module), name)  # what Ray does in each worker process
-    assert hook is logs.setup_worker_logging and env["env_vars"] == {logs.LEVEL_ENV: "WARNING"}
+def test_the_compact_handler_is_installed_once_and_its_level_passed_on() -> None:
+    """``configure_text_logging`` (what each actor runs first, with the service's level) installs one
+    handler however often it runs; ``text_log_level`` reads back the level an actor passes on to the
+    actors it starts (a worker to its tensor-parallel ranks), None where none is installed."""
     root = logging.getLogger()
     level, handlers = root.level, list(root.handlers)
-    monkeypatch.setattr(os, "environ", {**os.environ, **env["env_vars"]})
     try:
-        hook()
-        hook()  # idempotent: one handler, not two
+        assert logs.text_log_level() is None
+        logs.configure_text_logging("WARNING")
+        logs.configure_text_logging("WARNING")  # idempotent: one handler, not two
         ours = [h for h in root.handlers if isinstance(h.formatter, logs.CompactFormatter)]
         assert len(ours) == 1 and root.level == logging.WARNING
+        assert logs.text_log_level() == "WARNING"
     finally:
         for h in root.handlers[:]:
             if h not in handlers:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from openai.types.chat import ChatCompletionChunk
 
 from pdserve.v1 import router_pb2 as pb
 from tests.support import REPO
+from tests.support.polling import wait_until
 from tests.support.redis import unique_namespace
 from tests.support.service import stub_for
 
@@ -216,3 +218,22 @@ def test_the_key_is_never_logged_nor_kept_in_the_state_file(up: Up) -> None:
     log = up.log.read_text()
     assert "pdserve.access" in log or "rejected:unauthorized" in log  # the refusals above were logged...
     assert KEY not in log  # ...without the key
+
+
+def test_every_actor_logs_compact_text_lines(up: Up, tiny_model: str) -> None:
+    """The workers and the router (Ray actors, each in its own process) log in pdserve's compact TEXT
+    format, installed by each actor at its start: time, level, logger, message and the record's
+    fields, behind Ray's ``(ActorName pid=N)``, never Ray's context ids."""
+    r = httpx.post(f"http://{up.http}/v1/completions", headers=AUTH, timeout=60,
+                   json={"model": model_name(tiny_model), "prompt": "compact lines", "max_tokens": 2})  # fmt: skip
+    assert r.status_code == 200, r.text
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+    patterns = {
+        "router": rf"\(Router pid=\d+\)(?:\x1b\[0m)? {stamp} INFO pdserve\.access: request \S+ length ",
+        "prefill": rf"\(PrefillWorker pid=\d+\)(?:\x1b\[0m)? {stamp} INFO pdserve\.worker\.runtime: prefill worker prefill-0 ready",
+        "decode": rf"\(DecodeWorker pid=\d+\)(?:\x1b\[0m)? {stamp} INFO pdserve\.worker\.runtime: decode worker decode-0 ready",
+    }  # fmt: skip
+    assert wait_until(lambda: all(re.search(p, up.log.read_text()) for p in patterns.values()), timeout=30), {
+        k: bool(re.search(p, up.log.read_text())) for k, p in patterns.items()}  # fmt: skip
+    actor_lines = [line for line in up.log.read_text().splitlines() if " pid=" in line]
+    assert actor_lines and not any(k in line for line in actor_lines for k in ("job_id=", "worker_id=", "actor_id="))
