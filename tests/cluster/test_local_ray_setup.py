@@ -88,6 +88,8 @@ def test_the_compact_handler_is_installed_once_and_its_level_passed_on() -> None
     root = logging.getLogger()
     level, handlers = root.level, list(root.handlers)
     try:
+        for h in [h for h in root.handlers if isinstance(h.formatter, logs.CompactFormatter)]:
+            root.removeHandler(h)  # one an in-process service of an earlier test installed
         assert logs.text_log_level() is None
         logs.configure_text_logging("WARNING")
         logs.configure_text_logging("WARNING")  # idempotent: one handler, not two
@@ -98,4 +100,7 @@ def test_the_compact_handler_is_installed_once_and_its_level_passed_on() -> None
         for h in root.handlers[:]:
             if h not in handlers:
                 root.removeHandler(h)
+        for h in handlers:
+            if h not in root.handlers:
+                root.addHandler(h)
         root.setLevel(level)
