@@ -130,6 +130,41 @@ def _init_local_ray(cpus: int, log_options: dict, progress: Callable[[str], None
             progress(f"ray: the local Ray did not start ({_last_line(str(e))}); starting it again")
 
 
+def start_local_ray(cpus: int, log_options: dict | None = None, progress: Callable[[str], None] = _log) -> None:
+    """Start a Ray of this machine alone, of ``cpus`` logical CPUs, and connect this process to it:
+    what ``pdserve up`` does without ``--ray-address``. Every Ray port on loopback and no dashboard
+    (it runs jobs for anyone who reaches it); token authentication, the token file private; Ray's
+    workers at nice 0. ``log_options``: more ``ray.init`` arguments (the log config)."""
+    # Ray starts its workers at nice 15; serving workers must not yield to every other
+    # process on the machine (unless the operator says otherwise).
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    # Every request is a few Ray tasks whose events the GCS keeps (100,000 by default,
+    # ~0.5 KB each, up to ~50 MB): keep a tenth, nobody reads them here.
+    os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", str(GCS_TASK_EVENTS))
+    # Ray gives its GCS 30 s to bind its port: a busy machine gets more before the start
+    # is given up and tried again (_init_local_ray).
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
+    ensure_private_ray_token()  # before Ray writes one world-readable
+    _init_local_ray(cpus, log_options or {}, progress)
+    ensure_private_ray_token()  # one Ray wrote anyway (another Ray version, a race)
+
+
+def _wait_names_free(names: list[str], timeout: float = 15.0) -> None:
+    """Wait until no live actor has any of ``names`` (``ray.kill`` returns before Ray frees a name):
+    a Ray that goes on after a service stops can take the next service of the same names at once."""
+    deadline = time.monotonic() + timeout
+    for name in names:
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name)
+            except ValueError:  # no live actor of that name
+                break
+            time.sleep(0.05)
+        else:
+            _log(f"actor {name} is still alive {timeout:.0f} s after it was killed")
+            return
+
+
 def _last_line(message: str) -> str:
     """The line of a Ray error (an actor's creation, a start) that says what was raised: its last line."""
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in message.splitlines()]
@@ -248,21 +283,7 @@ class Service:
                 # Ray schedules by logical CPUs: what the workers ask for plus one spare, even on fewer cores.
                 want = sum(n * c.tensor_parallel_size(role) * c.cpus_per_rank(role)
                            for role, n in (("prefill", c.prefill), ("decode", c.decode)))
-                cpus = max(os.cpu_count() or 1, math.ceil(want) + 1)
-                # Ray starts its workers at nice 15; serving workers must not yield to every other
-                # process on the machine (unless the operator says otherwise).
-                os.environ.setdefault("RAY_worker_niceness", "0")
-                # Every request is a few Ray tasks whose events the GCS keeps (100,000 by default,
-                # ~0.5 KB each, up to ~50 MB): keep a tenth, nobody reads them here.
-                os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", str(GCS_TASK_EVENTS))
-                # Ray gives its GCS 30 s to bind its port: a busy machine gets more before the start
-                # is given up and tried again (_init_local_ray).
-                os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
-                ensure_private_ray_token()  # before Ray writes one world-readable
-                # One machine: every Ray port on loopback, no dashboard (it runs jobs for anyone
-                # who reaches it).
-                _init_local_ray(cpus, log_options, self.progress)
-                ensure_private_ray_token()  # one Ray wrote anyway (another Ray version, a race)
+                start_local_ray(max(os.cpu_count() or 1, math.ceil(want) + 1), log_options, self.progress)
             self._started_ray = True
         res = ray.cluster_resources()
         if self._started_ray and not c.ray_address:
@@ -409,6 +430,8 @@ class Service:
                     ray.get(self.router.stop.remote(), timeout=10)
                 except Exception:  # noqa: BLE001 - it is going away either way
                     pass
+            names = [f"pdserve-{wid}" for wid in [*self.prefill, *self.decode]]
+            names += ["pdserve-router"] if self.router else []
             workers = [*self.prefill.values(), *self.decode.values()]
             try:  # a clean shutdown unregisters each worker and clears its block holders in Redis
                 ray.get([h.shutdown.remote() for h in workers], timeout=20)
@@ -426,6 +449,8 @@ class Service:
                     pass
             if self._started_ray:
                 ray.shutdown()
+            else:
+                _wait_names_free(names)
         self._groups.clear()
         self.prefill.clear()
         self.decode.clear()

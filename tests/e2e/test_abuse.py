@@ -21,7 +21,7 @@ from pdserve.cli.client import build_request, generate
 from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.launcher import Service
 from tests.support.polling import wait_until
-from tests.support.service import all_idle, pool_states, raw_post, stub_for
+from tests.support.service import all_idle, pool_states, raw_post, shared_ray, stub_for
 
 MAX_NUM_SEQS = 8  # each worker's running slots
 
@@ -35,6 +35,7 @@ def service(tiny_model: str):
         engine__scheduler__max_num_seqs=MAX_NUM_SEQS, router__local_prefill_threshold=8,
         router__max_in_flight_per_tenant=256,
     )  # fmt: skip
+    shared_ray()
     svc = Service(config, progress=lambda _m: None)
     svc.grpc_address, _ = svc.start()
     yield svc

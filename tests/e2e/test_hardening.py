@@ -28,7 +28,7 @@ from pdserve.kvtransfer.errors import AuthError
 from pdserve.v1 import kvtransfer_pb2 as kpb
 from pdserve.v1 import kvtransfer_pb2_grpc as kpb_grpc
 from tests.support.polling import wait_until
-from tests.support.service import all_idle, raw_post, stub_for
+from tests.support.service import all_idle, raw_post, shared_ray, stub_for
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +42,7 @@ def service(tiny_model: str):
         engine__cache__kv_cache_memory_bytes=16 * 1024**2, router__local_prefill_threshold=8, router__max_in_flight=4,
         router__max_in_flight_per_tenant=2, router__max_queued=4, transfer__lease_ttl_s=30.0,
     )  # fmt: skip
+    shared_ray()
     svc = Service(config, progress=lambda _m: None)
     address, _ = svc.start()
     channel, stub = stub_for(address)

@@ -18,7 +18,7 @@ from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.launcher import Service
 from pdserve.engine.tokenizer import ModelTokenizer
 from tests.support.polling import wait_until
-from tests.support.service import all_idle, pool_states, raw_post
+from tests.support.service import all_idle, pool_states, raw_post, shared_ray
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +31,7 @@ def service(tiny_model: str):
         port=0, http_port=0, engine__model=tiny_model, engine__cache__kv_cache_memory_bytes=8 * 1024**2,
         router__local_prefill_threshold=8, router__max_request_bytes=256 * 1024,
     )  # fmt: skip
+    shared_ray()
     svc = Service(config, progress=lambda _m: None)
     svc.start()
     yield svc

@@ -25,6 +25,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.launcher import Service
 from tests.support.polling import wait_until
+from tests.support.service import shared_ray
 
 pytestmark = pytest.mark.slow
 
@@ -58,6 +59,7 @@ def service(model_dir: str):
         router__http_body_timeout_s=BODY_TIMEOUT_S, router__http_max_connections=200,
         router__http_max_buffered_bytes=BUFFER_BUDGET,
     )  # fmt: skip
+    shared_ray()
     svc = Service(config, progress=lambda _m: None)
     svc.start()
     yield svc

@@ -12,6 +12,7 @@ from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.launcher import Service
 from tests.support import hf_gguf
 from tests.support.gguf_files import smollm2_path
+from tests.support.service import shared_ray
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +30,7 @@ def smollm2_service():
         engine__cache__kv_cache_memory_bytes=128 * 1024**2,
         engine__scheduler__max_model_len=2048, router__local_prefill_threshold=8,
     )  # fmt: skip
+    shared_ray()
     svc = Service(config, progress=lambda _m: None)
     svc.start()
     yield svc, path

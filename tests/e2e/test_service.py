@@ -20,7 +20,7 @@ from pdserve.kvindex.stats import read_stats
 from pdserve.v1 import router_pb2 as pb
 from pdserve.worker.messages import RequestSpec
 from tests.support.polling import wait_until
-from tests.support.service import all_idle, stub_for
+from tests.support.service import all_idle, shared_ray, stub_for
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +38,7 @@ def service(model_dir: str):
         port=0, http_port=0, engine__model=model_dir, engine__cache__kv_cache_memory_bytes=8 * 1024**2,
         router__local_prefill_threshold=8, transfer__lease_ttl_s=10.0,
     )  # fmt: skip
+    shared_ray()
     svc = Service(config, progress=lambda _m: None)
     address, _ = svc.start()
     channel, stub = stub_for(address)

@@ -14,7 +14,7 @@ from tests.engine.test_engine import hf_greedy
 from tests.support.deepseek_models import make_deepseek_checkpoint
 from tests.support.models import load_hf_reference
 from tests.support.polling import wait_until
-from tests.support.service import all_idle, stub_for
+from tests.support.service import all_idle, shared_ray, stub_for
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
@@ -33,6 +33,7 @@ def service(model_dir: str):
     config = ServiceConfig.load(port=0, http_port=0, engine__model=model_dir,
                                 engine__cache__kv_cache_memory_bytes=2 * 1024**2,
                                 router__local_prefill_threshold=8)  # fmt: skip
+    shared_ray()
     svc = Service(config, progress=lambda _m: None)
     address, _ = svc.start()
     channel, stub = stub_for(address)

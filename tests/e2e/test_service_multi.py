@@ -14,7 +14,7 @@ from pdserve.cluster.launcher import Service
 from pdserve.engine.model import make_tiny_model
 from pdserve.kvindex.stats import read_stats
 from tests.support.polling import wait_until
-from tests.support.service import all_idle, stub_for
+from tests.support.service import all_idle, shared_ray, stub_for
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +31,7 @@ def test_two_plus_two_workers(tmp_path) -> None:
         engine__model=model_dir,
         engine__cache__kv_cache_memory_bytes=8 * 1024**2, router__local_prefill_threshold=8,
     )  # fmt: skip
+    shared_ray()
     svc = Service(config, progress=lambda _m: None)
     address, redis_url = svc.start()
     channel, stub = stub_for(address)

@@ -16,7 +16,7 @@ from pdserve.cli.client import build_request, generate
 from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.launcher import Service
 from tests.support.polling import process_gone, wait_until
-from tests.support.service import all_idle, stub_for
+from tests.support.service import all_idle, shared_ray, stub_for
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +45,7 @@ def _start(model: str, prefill_tp: int, decode_tp: int) -> Service:
         router__local_prefill_threshold=8, prefill_tensor_parallel_size=prefill_tp,
         decode_tensor_parallel_size=decode_tp,
     )  # fmt: skip
+    shared_ray()
     svc = Service(config, progress=lambda _m: None)
     svc.start()
     return svc

@@ -18,6 +18,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.launcher import Service
 from pdserve.engine.structured import StructuredOutputsParams
+from tests.support.service import shared_ray
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("xgrammar", reason="structured outputs need the structured extra (xgrammar)")
@@ -33,6 +34,7 @@ def service(tiny_model: str):
         port=0, http_port=0, engine__model=tiny_model, engine__cache__kv_cache_memory_bytes=8 * 1024**2,
         router__local_prefill_threshold=8,
     )  # fmt: skip
+    shared_ray()
     svc = Service(config, progress=lambda _m: None)
     svc.start()
     yield svc

@@ -14,21 +14,15 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.launcher import _ray_on_loopback, ensure_private_ray_token
 from tests.support.polling import process_gone, wait_until
+from tests.support.service import shared_ray
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ensure_private_ray_token()
-    with _ray_on_loopback():
-        ray.init(num_cpus=3, include_dashboard=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+def local_ray() -> None:
+    shared_ray()
 
 
 @pytest.fixture
