@@ -19,8 +19,8 @@ def shared_ray() -> None:
     """Connect this test process to its one local Ray, started at the first call as `pdserve up`
     starts one (``start_local_ray``). In-process services of the tests join it instead of each
     starting a Ray of its own (about 9 CPU-seconds and 6 s a start); a service's ``stop`` kills its
-    actors and leaves the Ray running, and the Ray ends with the process. A test of Ray's start
-    itself calls ``ray.shutdown()`` first."""
+    actors and leaves the Ray running. tests/conftest.py shuts the Ray down before a module that
+    does not import this function; a test of Ray's start itself calls ``ray.shutdown()`` first."""
     if not ray.is_initialized():
         start_local_ray(SHARED_RAY_CPUS, progress=lambda _m: None)
 
