@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import math
 import os
 import re
@@ -102,6 +103,28 @@ def _ray_on_loopback() -> Iterator[None]:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = before
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether a Ray address (``HOST:PORT``) names this machine's loopback."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name, or "auto"
+        return False
+
+
+def join_ray(address: str, log_options: dict) -> None:
+    """Connect this process to the Ray at ``address`` (``HOST:PORT`` or ``auto``).
+
+    Ray rewrites a loopback host to the machine's routable address before it connects; a Ray on
+    loopback (the one ``pdserve up`` starts without ``--ray-address``) does not listen there, and the
+    connection would wait forever. So a loopback address is joined under ``_ray_on_loopback``.
+    """
+    with _ray_on_loopback() if _is_loopback(address) else contextlib.nullcontext():
+        ray.init(address=address, **log_options)
 
 
 def _init_local_ray(cpus: int, log_options: dict, progress: Callable[[str], None]) -> None:
@@ -278,7 +301,7 @@ class Service:
             else:
                 configure_text_logging(c.log_level)
             if c.ray_address:
-                ray.init(address=c.ray_address, **log_options)
+                join_ray(c.ray_address, log_options)
             else:
                 # Ray schedules by logical CPUs: what the workers ask for plus one spare, even on fewer cores.
                 want = sum(n * c.tensor_parallel_size(role) * c.cpus_per_rank(role)

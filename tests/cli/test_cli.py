@@ -21,6 +21,7 @@ from pdserve.kvindex.registry import WorkerRegistry
 from pdserve.kvindex.stats import StatsRecorder
 from tests.support import REPO
 from tests.support.redis import unique_namespace
+from tests.support.service import shared_ray
 from tests.support.sockets import descendants, listeners
 
 
@@ -29,6 +30,16 @@ def pdserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
     return subprocess.run(
         [sys.executable, "-m", "pdserve.cli.main", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
     )
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> str:
+    """The address of the test process's shared Ray, for an ``up`` whose test is not about starting
+    a Ray (``--ray-address``: it joins that cluster as it would a user's)."""
+    import ray
+
+    shared_ray()
+    return ray.get_runtime_context().gcs_address
 
 
 @pytest.fixture(scope="module")
@@ -255,11 +266,11 @@ def test_bench_help_lists_the_benchmarks() -> None:
 
 
 @pytest.mark.slow
-def test_a_worker_that_cannot_start_is_named_in_one_line(model_dir: str, tmp_path: Path) -> None:
+def test_a_worker_that_cannot_start_is_named_in_one_line(model_dir: str, ray_address: str, tmp_path: Path) -> None:
     """A worker's start-up failure (here its disk tier's directory is missing) ends ``up`` with a
     message naming the worker and the cause, not the driver's traceback."""
     r = pdserve("up", "--model", model_dir, "--prefill", "1", "--decode", "1", "--port", "0", "--http-port", "off",
-                "--namespace", unique_namespace(), "--kv-offload-gb", "0.01", "--kv-offload-disk-gb", "0.01",
+                "--ray-address", ray_address, "--namespace", unique_namespace(), "--kv-offload-gb", "0.01", "--kv-offload-disk-gb", "0.01",
                 "--kv-offload-disk-dir", str(tmp_path / "missing"), timeout=300)  # fmt: skip
     assert r.returncode == 1, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
@@ -268,11 +279,11 @@ def test_a_worker_that_cannot_start_is_named_in_one_line(model_dir: str, tmp_pat
 
 
 @pytest.mark.slow
-def test_workers_that_fit_no_node_are_refused_with_what_the_nodes_offer(model_dir: str) -> None:
+def test_workers_that_fit_no_node_are_refused_with_what_the_nodes_offer(model_dir: str, ray_address: str) -> None:
     """--decode-resources names a resource no node offers: ``up`` says so at once, with what the
     nodes do offer, instead of waiting for Ray to place the worker (it never would)."""
     r = pdserve("up", "--model", model_dir, "--port", "0", "--http-port", "off", "--namespace", unique_namespace(),
-                "--decode-resources", '{"decode_node": 1}', timeout=300)  # fmt: skip
+                "--ray-address", ray_address, "--decode-resources", '{"decode_node": 1}', timeout=300)  # fmt: skip
     assert r.returncode == 1, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("pdserve: error: no node of the Ray cluster can host a decode worker: it needs "

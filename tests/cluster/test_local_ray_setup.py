@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import logs
-from pdserve.cluster.launcher import _ray_on_loopback, ensure_private_ray_token
+from pdserve.cluster.launcher import _is_loopback, _ray_on_loopback, ensure_private_ray_token
 
 
 @pytest.fixture()
@@ -57,6 +57,16 @@ def test_the_loopback_switch_holds_only_for_the_init() -> None:
     with pytest.raises(RuntimeError), _ray_on_loopback():
         raise RuntimeError("ray.init failed")
     assert ray_constants.ENABLE_RAY_CLUSTER == before
+
+
+@pytest.mark.parametrize(("address", "loopback"), [
+    ("127.0.0.1:6379", True), ("127.1.2.3:6379", True), ("localhost:6379", True), ("[::1]:6379", True),
+    ("10.0.0.2:6379", False), ("head.cluster:6379", False), ("auto", False)])  # fmt: skip
+def test_a_loopback_ray_address_is_told_apart(address: str, loopback: bool) -> None:
+    """``up --ray-address`` joins a loopback address under the loopback switch (Ray would otherwise
+    rewrite it to the routable address, where a loopback Ray does not listen: tests/cli's
+    ``--ray-address`` tests hung on that)."""
+    assert _is_loopback(address) is loopback
 
 
 def test_text_log_lines_are_compact() -> None:
