@@ -1,13 +1,13 @@
 """``pdserve bench soak``: a long closed-loop run against 1P+1D, with clients that leave mid-stream.
 
 It starts a service (local Ray, embedded Redis, the tiny model unless ``--model``), then
-``--concurrency`` clients loop for ``--duration`` seconds over HTTP (server-sent events) or gRPC:
-each sends a unique prompt of one of four tenants and reads the stream to its end, except a
-``--cancel`` fraction that hang up after 0-10 events (over HTTP a third of those with a TCP
-reset). It reports requests by outcome, latency percentiles of the completed ones, the resident
-memory of every process of the service (router, workers, Ray's GCS and raylet, Redis) at start,
-middle and end, and what the pools hold 2 s after the last request (blocks in use, leases,
-registered requests: all should be 0).
+``--concurrency`` clients loop for ``--duration`` seconds over gRPC, HTTP (server-sent events)
+or both (``--edge both``: every other client on each): each sends a unique prompt of one of four
+tenants and reads the stream to its end, except a ``--cancel`` fraction that hang up after 0-10
+events (over HTTP a third of those with a TCP reset). It reports requests by outcome (per edge
+too), latency percentiles of the completed ones, the resident memory of every process of the
+service (router, workers, Ray's GCS and raylet, Redis) at start, middle and end, and what the
+pools hold 2 s after the last request (blocks in use, leases, registered requests: all should be 0).
 """
 
 from __future__ import annotations
@@ -42,28 +42,43 @@ def _percentiles(xs: list[float]) -> dict[str, float | None]:
     return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99)}
 
 
-async def _run_clients(args: argparse.Namespace, where: str, model_name: str, memory: ProcessMemory,
-                       api_key: str | None = None) -> tuple[Counter[str], list[float], list[float]]:  # fmt: skip
-    outcomes: Counter[str] = Counter()
+EDGES = ("grpc", "http", "both")
+CLIENTS = {"grpc": grpc_client, "http": http_client}
+
+
+def client_edges(edge: str, concurrency: int) -> list[str]:
+    """The edge of each client: ``edge`` for all of them, or for ``both`` alternately gRPC and HTTP."""
+    return [("grpc", "http")[cid % 2] if edge == "both" else edge for cid in range(concurrency)]
+
+
+async def _run_clients(
+    args: argparse.Namespace, where: dict[str, str], model_name: str, memory: ProcessMemory, api_key: str | None = None
+) -> tuple[dict[str, Counter[str]], list[float], list[float]]:
+    """``where``: the address of each edge. Outcomes by edge, then TTFT and end-to-end ms of the
+    completed requests."""
+    edges = client_edges(args.edge, args.concurrency)
+    outcomes: dict[str, Counter[str]] = {e: Counter() for e in sorted(set(edges))}
     ttfts: list[float] = []
     e2es: list[float] = []
     deadline = time.monotonic() + args.duration
     sampled_middle = asyncio.Event()
     rng = random.Random(args.seed)
     run = f"{rng.getrandbits(32):08x}"  # tenants of this run: a re-run starts cold
-    one = http_client if args.http else grpc_client
 
     async def client(cid: int) -> None:
         n = 0
+        edge = edges[cid]
+        one = CLIENTS[edge]
         while time.monotonic() < deadline:
             n += 1
             text = f"{run} client {cid} request {n}: " + "".join(rng.choice("abcdefgh ijklmnop") for _ in range(
                 rng.choice((50, 400, 1200))))  # fmt: skip
             leave_after = rng.randrange(0, 11) if rng.random() < args.cancel else None
             rst = leave_after is not None and rng.random() < 1 / 3
-            result = await one(where, model_name, text, f"soak-{run}-{n % TENANTS}", rng.randrange(16, args.max_tokens + 1),
-                               leave_after, rst, args.timeout, api_key)  # fmt: skip
-            outcomes[result.outcome] += 1
+            result = await one(where[edge], model_name, text, f"soak-{run}-{n % TENANTS}",
+                               rng.randrange(16, args.max_tokens + 1), leave_after, rst, args.timeout,
+                               api_key)  # fmt: skip
+            outcomes[edge][result.outcome] += 1
             if result.outcome == "completed":
                 ttfts.append(result.ttft_ms)
                 e2es.append(result.e2e_ms)
@@ -74,7 +89,8 @@ async def _run_clients(args: argparse.Namespace, where: str, model_name: str, me
     async def progress() -> None:
         while time.monotonic() < deadline:
             await asyncio.sleep(min(30.0, args.duration / 4))
-            log(f"{max(0, deadline - time.monotonic()):.0f}s left, {sum(outcomes.values())} requests: {dict(outcomes)}")
+            total = sum(outcomes.values(), Counter())
+            log(f"{max(0, deadline - time.monotonic()):.0f}s left, {total.total()} requests: {dict(total)}")
 
     ticker = asyncio.create_task(progress())
     await asyncio.gather(*(client(i) for i in range(args.concurrency)))
@@ -98,12 +114,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         service = Service(config, progress=lambda m: log(m))
         address, _ = service.start()
         try:
-            where = service.http_address if args.http else address
-            assert where is not None
+            assert service.http_address is not None
+            where = {"grpc": address, "http": service.http_address}
             memory = ProcessMemory()
             memory.sample("start")
-            log(f"{args.duration:.0f}s, {args.concurrency} clients over {'HTTP' if args.http else 'gRPC'}, "
-                f"{args.cancel:.0%} leave mid-stream")  # fmt: skip
+            over = {"grpc": "gRPC", "http": "HTTP", "both": "gRPC and HTTP"}[args.edge]
+            log(f"{args.duration:.0f}s, {args.concurrency} clients over {over}, {args.cancel:.0%} leave mid-stream")
             t0 = time.perf_counter()
             # The service's router takes PDSERVE_API_KEY when it is set: its clients present that key.
             outcomes, ttfts, e2es = asyncio.run(_run_clients(args, where, Path(model).name, memory,
@@ -117,7 +133,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             service.stop()
     return {
         "duration_s": round(elapsed, 1), "concurrency": args.concurrency, "cancel": args.cancel,
-        "edge": "http" if args.http else "grpc", "requests": dict(outcomes),
+        "edge": args.edge, "requests": dict(sum(outcomes.values(), Counter())),
+        "requests_by_edge": {e: dict(c) for e, c in outcomes.items()},
         "ttft_ms": _percentiles(ttfts), "e2e_ms": _percentiles(e2es),
         "rss_mb": memory.table(),
         "after_2s": {wid: {"blocks_in_use": p["num_blocks"] - p["free_blocks"], "leases": p["leases"],
@@ -130,6 +147,9 @@ def _print(result: dict[str, Any]) -> None:
     print(f"soak: {result['duration_s']}s, {result['concurrency']} clients over {result['edge']}, "
           f"{result['cancel']:.0%} cancelled mid-stream")  # fmt: skip
     print("requests by outcome:", ", ".join(f"{k} {v}" for k, v in sorted(result["requests"].items())))
+    if len(result["requests_by_edge"]) > 1:
+        for edge, counts in result["requests_by_edge"].items():
+            print(f"  over {edge}:", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     for name in ("ttft_ms", "e2e_ms"):
         print(f"{name} (completed):", ", ".join(f"{k} {v}" for k, v in result[name].items()))
     print(f"{'process':<22}{'start MB':>10}{'middle MB':>11}{'end MB':>9}")
@@ -146,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of load (default 60)")
     ap.add_argument("--concurrency", type=int, default=4, help="clients, each one request at a time (default 4)")
     ap.add_argument("--cancel", type=float, default=0.15, help="fraction of streams left mid-way (default 0.15)")
-    ap.add_argument("--http", action="store_true", help="over the OpenAI HTTP API (default: gRPC)")
+    ap.add_argument("--edge", choices=EDGES, default="grpc",
+                    help="the router's gRPC API, its OpenAI HTTP API, or both (every other client; default grpc)")
+    ap.add_argument("--http", dest="edge", action="store_const", const="http", help="the same as --edge http")
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per request, at most (default 128)")
     ap.add_argument("--model", default=None, help="checkpoint (default: the tiny model, made in a temp dir)")
     ap.add_argument("--timeout", type=float, default=120.0, help="per-request deadline in seconds")
@@ -155,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.duration > 0 or args.concurrency < 1 or not 0 <= args.cancel <= 1 or args.max_tokens < 16:
         ap.error("--duration > 0, --concurrency >= 1, 0 <= --cancel <= 1 and --max-tokens >= 16 are required")
+    if args.edge == "both" and args.concurrency < 2:
+        ap.error("--edge both needs --concurrency 2 or more (a client on each edge)")
     result = run(args)
     if args.json:
         print(json.dumps(result))

@@ -123,17 +123,33 @@ def test_serve_bench_finds_redis_as_stats_does(tmp_path: Path, monkeypatch: pyte
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("edge", ["--http", "--grpc"])
-def test_soak_bench_counts_outcomes_memory_and_what_stays_held(edge: str) -> None:
-    out = bench("soak", "--duration", "6", "--concurrency", "2", "--cancel", "0.5", "--max-tokens", "24",
-                *([edge] if edge == "--http" else []))  # fmt: skip
-    assert out["edge"] == edge.removeprefix("--")
-    assert out["requests"].get("completed", 0) > 0 and out["requests"].get("left", 0) > 0
-    assert set(out["requests"]) <= {"completed", "left"}, out["requests"]  # no errors, no timeouts
+def test_soak_bench_counts_outcomes_memory_and_what_stays_held() -> None:
+    """One service soaked over both edges at once (every other client on each): requests complete and
+    are left mid-stream on each, nothing errs or times out, and nothing stays held afterwards."""
+    out = bench("soak", "--duration", "6", "--concurrency", "4", "--cancel", "0.5", "--max-tokens", "24",
+                "--edge", "both")  # fmt: skip
+    assert out["edge"] == "both"
+    by_edge = out["requests_by_edge"]
+    assert set(by_edge) == {"grpc", "http"}
+    for edge, counts in by_edge.items():
+        assert counts.get("completed", 0) > 0, (edge, counts)
+        assert set(counts) <= {"completed", "left"}, (edge, counts)  # no errors, no timeouts
+    assert sum(c.get("left", 0) for c in by_edge.values()) > 0
+    assert out["requests"] == {k: sum(c.get(k, 0) for c in by_edge.values()) for k in out["requests"]}
     for proc in ("router", "prefill-0", "decode-0", "gcs_server", "raylet", "redis-server"):
         assert set(out["rss_mb"][proc]) == {"start", "middle", "end"}, (proc, out["rss_mb"])
     assert out["after_2s"] == {w: {"blocks_in_use": 0, "leases": 0, "requests": 0, "registered": 0}
                                for w in ("prefill-0", "decode-0")}  # fmt: skip
+
+
+def test_soak_bench_clients_alternate_edges_and_refuses_both_with_one_client() -> None:
+    from pdserve.benchmarks.soak import client_edges, main
+
+    assert client_edges("both", 5) == ["grpc", "http", "grpc", "http", "grpc"]
+    assert client_edges("http", 2) == ["http", "http"]
+    with pytest.raises(SystemExit) as exc:
+        main(["--edge", "both", "--concurrency", "1"])
+    assert exc.value.code == 2
 
 
 @pytest.mark.slow
