@@ -8,7 +8,8 @@ against bfloat16.
    oneDNN has kernels for the dtype, which picks its product per call as the engine does), each in
    float32 and bfloat16 (on a CPU without bfloat16 kernels the engine's bfloat16 path is unpacked). The
    four run interleaved, round after round; TFLOP/s from the median round (2 x rows x in x out
-   flops per call). ``large`` is a 2048^3 GEMM through the engine's path: what the cores reach.
+   flops per call). ``large`` is a 2048^3 GEMM (1024^3 with ``--quick``) through the engine's path:
+   what the cores reach.
 2. The engine: ``LLM.generate`` of ``--prompts`` prompts (16..128 random tokens, new ones each
    round, the same for both dtypes) x ``--max-tokens`` tokens, greedy, ignoring EOS, one engine
    per dtype, alternating, ``--repeats`` rounds: output tokens/s (median round) and the median
@@ -93,12 +94,13 @@ def packed_layer(weight: torch.Tensor) -> Linear:
     return layer
 
 
-def gemm_table(shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], repeats: int,
-               round_s: float) -> list[dict[str, Any]]:  # fmt: skip
-    """Part 1: TFLOP/s of each shape and row count, F.linear and the engine's path, in both dtypes."""
+def gemm_table(shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], repeats: int, round_s: float,
+               large: int = 2048) -> list[dict[str, Any]]:  # fmt: skip
+    """Part 1: TFLOP/s of each shape and row count, F.linear and the engine's path, in both dtypes;
+    then a ``large``^3 GEMM, the engine's path only."""
     g = torch.Generator().manual_seed(0)
     out: list[dict[str, Any]] = []
-    cases = [(name, k, n, r) for name, (k, n) in shapes.items() for r in rows] + [("large", 2048, 2048, 2048)]
+    cases = [(name, k, n, r) for name, (k, n) in shapes.items() for r in rows] + [("large", large, large, large)]
     for name, k, n, r in cases:
         w32 = torch.randn(n, k, generator=g) * k**-0.5
         x32 = torch.randn(r, k, generator=g)
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--no-engine", action="store_true", help="part 1 only")
-    ap.add_argument("--quick", action="store_true", help="3 rounds, rows 1 and 32, 4 prompts x 8 tokens")
+    ap.add_argument("--quick", action="store_true", help="3 rounds, rows 1 and 32, large 1024, 4 prompts x 8 tokens")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
@@ -270,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     config = ModelConfig.from_path(args.model)
     units = cpu_bf16_units()
     result: dict[str, Any] = {"model": args.model, "threads": torch.get_num_threads(), "cpu_bf16_units": list(units),
-                              "gemm": gemm_table(projection_shapes(config), rows, repeats, round_s)}  # fmt: skip
+                              "gemm": gemm_table(projection_shapes(config), rows, repeats, round_s,
+                                                 1024 if args.quick else 2048)}  # fmt: skip
     if not args.no_engine:
         prompts, max_tokens, engine_repeats = (4, 8, 1) if args.quick else (args.prompts, args.max_tokens,
                                                                             args.engine_repeats)  # fmt: skip
