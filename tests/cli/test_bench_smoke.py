@@ -124,8 +124,9 @@ def test_serve_bench_finds_redis_as_stats_does(tmp_path: Path, monkeypatch: pyte
 
 @pytest.mark.slow
 def test_soak_bench_counts_outcomes_memory_and_what_stays_held() -> None:
-    """One service soaked over both edges at once (every other client on each): requests complete and
-    are left mid-stream on each, nothing errs or times out, and nothing stays held afterwards."""
+    """One service soaked over both edges at once (every other client on each): requests complete on
+    each edge and nothing errs or times out there, some are left mid-stream, and nothing stays held
+    afterwards."""
     out = bench("soak", "--duration", "6", "--concurrency", "4", "--cancel", "0.5", "--max-tokens", "24",
                 "--edge", "both")  # fmt: skip
     assert out["edge"] == "both"
