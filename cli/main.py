@@ -257,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-cpus", type=float, default=None, metavar="N",
                    help="CPUs of each decode worker, per rank (default cpus_per_worker, 1); more than its share "
                         "lets decode steps use the cores prefill leaves idle")
+    p.add_argument("--no-share-idle-cpus", dest="share_idle_cpus", action="store_false", default=None,
+                   help="CPU workers run on their own CPUs only (default: a step also takes the cores that the "
+                        "host's other workers leave idle)")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
     p.add_argument("--prefill-resources", type=_resources, default=None, metavar="JSON",

@@ -43,6 +43,9 @@ class ServiceConfig:
     # cores its prefill peer leaves idle between prompts.
     prefill_cpus_per_worker: float | None = None
     decode_cpus_per_worker: float | None = None
+    # CPU workers of one host lend each other the cores they leave idle: a step runs torch on its
+    # worker's own CPUs plus those of the host's idle workers (worker/core_share.py).
+    share_idle_cpus: bool = True
     # Tensor parallelism per role (vLLM's tensor_parallel_size, on each side); None: the engine's
     # ``parallel.tensor_parallel_size``. A worker of size N asks Ray for N * ``cpus_per_rank(role)`` CPUs.
     prefill_tensor_parallel_size: int | None = None

@@ -235,6 +235,7 @@ class Service:
             index=self.index_config(),
             transfer=self.transfer,
             bind_host="127.0.0.1" if local else "0.0.0.0",
+            share_idle_cpus=c.share_idle_cpus,
         )
 
     def engine_config(self, role: str | None = None) -> EngineConfig:

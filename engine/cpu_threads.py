@@ -57,6 +57,11 @@ def single_threaded_torch() -> None:
     _SET_THREADS(1)
 
 
+def set_torch_threads(n: int) -> None:
+    """Run torch's CPU ops of the calling thread (the engine loop's) on ``n`` threads from now on."""
+    torch.set_num_threads(n)
+
+
 def torch_threads() -> int:
     """The CPU threads torch runs a parallel op with (the engine loop's, where nothing confined it)."""
     return torch.get_num_threads()

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.kv_handover import KVLoad, RemotePrefill
@@ -25,14 +26,24 @@ logger = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput | BaseException], None]
 
 
+class CpuShare(Protocol):
+    """What the loop tells a worker's ``CoreShare`` (worker/core_share.py)."""
+
+    def before_step(self) -> int: ...
+
+    def idle(self) -> None: ...
+
+
 class EngineLoop:
     MAX_UNATTRIBUTED_FAILURES = 3  # consecutive failed steps before every request is failed
 
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05,
-                 on_idle: Callable[[], object] | None = None, on_idle_after_s: float = 1.0) -> None:  # fmt: skip
+                 on_idle: Callable[[], object] | None = None, on_idle_after_s: float = 1.0,
+                 cpu_share: CpuShare | None = None) -> None:  # fmt: skip
         """``on_idle`` runs on the loop thread once per idle period, when the engine has had no
         work for ``on_idle_after_s`` (a worker gives memory back then, not between the steps of
-        a busy stretch); it must be quick."""
+        a busy stretch); it must be quick. ``cpu_share`` (a worker's ``CoreShare``) is told on the
+        loop thread before each step and before each wait, and sets the step's torch threads."""
         if engine.driver is not None:
             raise RuntimeError("the engine is already stepped by another driver")
         engine.driver = self
@@ -44,6 +55,7 @@ class EngineLoop:
         self._idle_wait_s = idle_wait_s
         self._on_idle = on_idle
         self._on_idle_after_s = on_idle_after_s
+        self._cpu_share = cpu_share
         self._busy = False  # inside a step or the delivery of its outputs
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -124,6 +136,7 @@ class EngineLoop:
         while not self._stopped:
             if not self.engine.has_unfinished():
                 self._busy = False  # the last step's outputs are all delivered by now
+                self._share_idle()
                 if idle_since is not None and time.monotonic() - idle_since >= self._on_idle_after_s:
                     idle_since = None
                     self._idle_hook()
@@ -132,6 +145,8 @@ class EngineLoop:
                 continue
             idle_since = time.monotonic()  # from now on until the next step
             self._busy = True
+            if self._cpu_share is not None:
+                self._cpu_share.before_step()
             try:
                 # Outputs are matched with callbacks under the lock that produced them, so an
                 # abort (and a reuse of the id) right after the step cannot misroute them.
@@ -157,6 +172,7 @@ class EngineLoop:
                 if failures >= self.MAX_UNATTRIBUTED_FAILURES:
                     self._fail_all(exc)
                     failures = 0
+                self._share_idle()
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
                 continue
@@ -168,12 +184,17 @@ class EngineLoop:
             if not outputs:
                 # Work is queued but nothing fits now (blocks held by leases or pulls): wait for
                 # a wake-up or a short timeout instead of spinning on the lock.
+                self._share_idle()
                 self._wake.wait(self._idle_wait_s / 5)
                 self._wake.clear()
                 continue
             for cb, out in targets:
                 if cb is not None:
                     self._deliver(cb, out)
+
+    def _share_idle(self) -> None:
+        if self._cpu_share is not None:
+            self._cpu_share.idle()
 
     def _idle_hook(self) -> None:
         if self._on_idle is None:

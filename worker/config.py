@@ -26,10 +26,15 @@ class WorkerConfig:
     bind_host: str = "0.0.0.0"
     advertise_host: str | None = None
     heartbeat_s: float = 2.0
+    # Lend the CPUs this worker leaves idle to the host's other CPU workers, and borrow theirs
+    # (worker/core_share.py). Applies to a CPU engine of tensor-parallel size 1.
+    share_idle_cpus: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        if not isinstance(self.share_idle_cpus, bool):
+            raise ValueError(f"share_idle_cpus must be true or false, got {self.share_idle_cpus!r}")
         if not self.worker_id:
             raise ValueError("worker_id must not be empty")
         if self.engine.model is None:

@@ -13,7 +13,7 @@ import os
 import socket
 import threading
 
-from pdserve.engine.cpu_threads import on_passing_thread, torch_threads
+from pdserve.engine.cpu_threads import on_passing_thread, set_torch_threads, torch_threads
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kvindex.config import REDIS_ERRORS, IndexConfig
@@ -25,6 +25,7 @@ from pdserve.kvtransfer.client import KVTransferClient
 from pdserve.kvtransfer.server import TransferServer, start_transfer_server
 from pdserve.kvtransfer.source import BlockSource
 from pdserve.worker.config import WorkerConfig
+from pdserve.worker.core_share import CoreShare, start_core_share
 from pdserve.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,8 @@ class WorkerRuntime:
         self._clients: dict[str, KVTransferClient] = {}
         self._clients_lock = threading.Lock()  # pulls run in several threads
         self.trimmer = HeapTrimmer()
-        self.loop = EngineLoop(self.engine, on_idle=self.trimmer.maybe_trim)
+        self.cores = self._core_share()
+        self.loop = EngineLoop(self.engine, on_idle=self.trimmer.maybe_trim, cpu_share=self.cores)
         self.metrics = WorkerMetrics(config.worker_id, config.role, self.engine.stats, self._redis_outages)
         self.source = BlockSource(
             self.engine.handover,
@@ -103,6 +105,7 @@ class WorkerRuntime:
             self.server = _bind_transfer_server(self.source, config)
         except BaseException:
             self.loop.stop()
+            self._close_core_share()
             self.publisher.close()
             self.stats.close()
             raise
@@ -113,9 +116,21 @@ class WorkerRuntime:
         self.registry = WorkerRegistry(config.index)
         self.registry.start_heartbeat(config.worker_id, self.info, config.heartbeat_s)
         shm = self.server.shm  # same-host pulls: a Unix socket in a private directory, removed at close
-        logger.info("%s worker %s ready, KV transfer at %s%s, torch on %d CPU thread(s)", config.role,
+        logger.info("%s worker %s ready, KV transfer at %s%s, torch on %d CPU thread(s)%s", config.role,
                     config.worker_id, self.address, f" (same host: {shm.socket_path})" if shm is not None else "",
-                    torch_threads())  # fmt: skip
+                    torch_threads(), "" if self.cores is None else
+                    f", and on the idle ones of this host's other workers (up to {self.cores.max_cpus})")  # fmt: skip
+
+    def _core_share(self) -> CoreShare | None:
+        """This worker's place among the host's CPU workers, when it lends and borrows idle CPUs."""
+        c = self.config
+        if not c.share_idle_cpus or self.engine.device.type != "cpu" or c.engine.parallel.tensor_parallel_size > 1:
+            return None
+        return start_core_share(torch_threads(), set_torch_threads)
+
+    def _close_core_share(self) -> None:
+        if self.cores is not None:
+            self.cores.close()
 
     def _redis_outages(self) -> list[tuple[str, int]]:
         clients = [("events", self.publisher), ("stats", self.stats), ("registry", getattr(self, "registry", None))]
@@ -204,6 +219,7 @@ class WorkerRuntime:
         self.registry.close()
         self._trim_stop.set()
         self.loop.stop()
+        self._close_core_share()  # after the loop's last step
         self.server.stop()
         self.engine.close()
         with self._clients_lock:

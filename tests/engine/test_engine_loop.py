@@ -142,3 +142,33 @@ def test_the_idle_hook_runs_once_per_idle_period_after_the_work(tiny_model: str)
         assert calls == [False, False]  # never while work was queued
     finally:
         lp.stop()
+
+
+def test_the_cpu_share_hears_each_step_before_it_runs_and_each_wait(tiny_model: str) -> None:
+    """A worker's CoreShare sets a step's threads on the loop thread before the step, and learns
+    that the worker is idle (its CPUs lendable) when the loop waits for work."""
+    llm = LLM(tiny_model, num_blocks=32, block_size=8)
+    calls: list[tuple[str, str, bool]] = []
+
+    class Recorder:
+        def before_step(self) -> int:
+            calls.append(("step", threading.current_thread().name, llm.engine.has_unfinished()))
+            return 1
+
+        def idle(self) -> None:
+            calls.append(("idle", threading.current_thread().name, llm.engine.has_unfinished()))
+
+    lp = EngineLoop(llm.engine, idle_wait_s=0.01, cpu_share=Recorder())
+    try:
+        q: queue.Queue = queue.Queue()
+        lp.submit(llm.engine.make_request([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)), q.put)
+        outputs = drain(q)
+        assert outputs[-1].finished
+        assert wait_until(lambda: calls and calls[-1][0] == "idle", timeout=30)
+    finally:
+        lp.stop()
+    steps = [c for c in calls if c[0] == "step"]
+    assert len(steps) >= len(outputs)  # one before every step that produced an output
+    assert all(work for kind, _, work in calls if kind == "step")  # only when there is work
+    assert all(not work for kind, _, work in calls if kind == "idle")
+    assert {name for _, name, _ in calls} == {"engine-loop"}

@@ -31,12 +31,13 @@ SECRET = TransferConfig(cluster_secret="worker-services-test-secret")
 
 def runtime(model: str, url: str, ns: str, wid: str, role: str, block_size: int = 16,
             transfer: TransferConfig = SECRET, kv_cache_dtype: str = "auto", num_blocks: int = 64,
-            kv_offload_gb: float = 0.0, kv_offload_disk_gb: float = 0.0) -> WorkerRuntime:  # fmt: skip
+            kv_offload_gb: float = 0.0, kv_offload_disk_gb: float = 0.0,
+            share_idle_cpus: bool = False) -> WorkerRuntime:  # fmt: skip
     cache = CacheConfig(block_size, num_blocks, kv_cache_dtype=kv_cache_dtype, kv_offload_gb=kv_offload_gb,
                         kv_offload_disk_gb=kv_offload_disk_gb)  # fmt: skip
     engine = EngineConfig(model, device="cpu", cache=cache)
     return WorkerRuntime(WorkerConfig(wid, role, engine, IndexConfig(url, namespace=ns), transfer,
-                                      bind_host="127.0.0.1"))  # fmt: skip
+                                      bind_host="127.0.0.1", share_idle_cpus=share_idle_cpus))  # fmt: skip
 
 
 def metric(rt: WorkerRuntime, sample: str, **labels: str) -> float:
@@ -109,7 +110,8 @@ def test_failed_pull_releases_the_lease_at_once_and_counts_the_recompute(tiny_mo
 
 def test_local_prefill_counts_what_it_computed_and_close_leaves_nothing(tiny_model: str, redis_server) -> None:
     ns = unique_namespace()
-    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode")
+    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode", share_idle_cpus=True)
+    assert drt.cores is not None  # a CPU worker takes its place among the host's workers
     prompt = tuple(range(1, 41))
 
     async def run(rid: str) -> list:
@@ -118,11 +120,13 @@ def test_local_prefill_counts_what_it_computed_and_close_leaves_nothing(tiny_mod
 
     first, second = asyncio.run(run("a")), asyncio.run(run("b"))
     assert first[-1].num_local_hit_tokens == 0 and second[-1].num_local_hit_tokens == 32
+    assert wait_until(lambda: drt.cores is not None and not drt.cores.busy)  # idle again: its CPUs lendable
     assert drt.stats.flush(10)
     assert counters(redis_server.url, ns, "decode-0")["prefill_computed_tokens"] == 40 + 8
     client = IndexConfig(redis_server.url, namespace=ns).client()
     assert wait_until(lambda: any(True for _ in client.scan_iter(f"{ns}:block:*")))
     drt.close()
+    assert drt.cores.closed  # its slot in the host's table is free
     # A clean close unregisters the worker and removes it as a holder of every block.
     assert not client.hexists(f"{ns}:workers", "decode-0")
     assert not [k for k in client.scan_iter(f"{ns}:block:*") if client.hexists(k, "decode-0")]

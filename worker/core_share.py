@@ -1,0 +1,228 @@
+"""CoreShare: the CPU workers of one host lend each other the cores they leave idle.
+
+On a CPU host each worker runs torch on the CPUs Ray gave it (``--prefill-cpus``/``--decode-cpus``,
+one by default): a 1P+1D service on two cores gives each worker one. A decode worker's steps then
+use half the machine while the prefill worker waits for its next prompt, and a prefill worker's
+steps half of it while no decode runs. A CoreShare makes the split work-conserving: a worker whose
+engine has work runs torch on its own CPUs plus those of every worker of the host that is idle at
+the start of the step, and gives them back at its next step once their owner is busy again.
+
+The workers of a host (this user's, every service) meet in one table: a file mapped by each, of
+``SLOTS`` slots of (pid, CPUs, busy). A worker claims a slot at start (under an exclusive lock of
+the file), writes its busy flag when its engine loop starts stepping and when it waits, and reads
+the table before each step (a few microseconds). A slot whose process is gone counts for nothing
+and is claimed again.
+
+Guarantees and limits:
+
+- A worker never runs on fewer threads than its own CPUs nor on more than the host has.
+- Borrowed cores are returned at a step boundary: after a worker turns busy, a peer that borrowed
+  its cores keeps them for at most the peer's current step.
+- Only the cores of registered workers are lent: a core that no pdserve worker owns is never taken.
+- Cores that other programs keep busy are not borrowed: what the host's processes outside the table
+  used over the last half second (``worker/outside_load.py``), beyond the cores no worker owns, is
+  taken off what idle workers lend, so a busy host does not get an OpenMP team larger than the cores
+  free to it.
+- The file is the user's own (mode 0600, in the user's private runtime directory when there is one,
+  else the temp directory, opened without following links); when it is not, or cannot be made,
+  the worker runs on its own CPUs and says why once.
+
+This module does not import torch: the caller passes the function that sets the thread count.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import struct
+import tempfile
+from collections.abc import Callable
+
+from pdserve.worker.outside_load import OutsideLoad
+
+logger = logging.getLogger(__name__)
+
+TABLE_NAME = "pdserve-cores-{uid}.table"
+SLOTS = 64
+_SLOT = struct.Struct("<iIi4x")  # pid (0: free), CPUs, busy (0/1)
+_TABLE_BYTES = SLOTS * _SLOT.size
+
+
+def table_path(base: str | None = None) -> str:
+    """Where this user's table lies: under ``base``, else the user's runtime directory when it is
+    theirs and private, else the system's temp directory."""
+    if base is None:
+        base = _own_runtime_dir() or tempfile.gettempdir()
+    return os.path.join(base, TABLE_NAME.format(uid=os.geteuid()))
+
+
+def _own_runtime_dir() -> str | None:
+    from pdserve import envs
+
+    path = envs.runtime_dir()
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    if st is None or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return None
+    return path
+
+
+def host_cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive, but never in this user's table
+    return True
+
+
+def _open_table(path: str) -> int:
+    """The table's file descriptor, the file created 0600 and sized if new. Raises OSError when
+    the path is a link, not a regular file, or not this user's alone."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise OSError(f"{path} is not a private file of this user")
+        if st.st_size < _TABLE_BYTES:
+            with _locked(fd):
+                if os.fstat(fd).st_size < _TABLE_BYTES:
+                    os.ftruncate(fd, _TABLE_BYTES)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class _locked:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __enter__(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+
+class CoreShare:
+    """One worker's place in its host's table (see the module docstring).
+
+    ``cpus``: the worker's own CPUs (its threads when nothing is lent, >= 1). ``set_threads`` is
+    called on the stepping thread with the count for the coming step, only when it changes.
+    ``before_step`` and ``idle`` must be called from that one thread; ``close`` from any, once.
+    """
+
+    def __init__(self, cpus: int, set_threads: Callable[[int], None], path: str | None = None,
+                 max_cpus: int | None = None, outside: OutsideLoad | None = None) -> None:  # fmt: skip
+        if cpus < 1:
+            raise ValueError(f"cpus must be >= 1, got {cpus}")
+        self.cpus = cpus
+        self.max_cpus = max(cpus, max_cpus if max_cpus is not None else host_cpus())
+        self.path = path or table_path()
+        self._set_threads = set_threads
+        self.outside = outside if outside is not None else OutsideLoad()
+        self.threads = cpus
+        self._busy = False
+        self._fd = _open_table(self.path)
+        try:
+            self._map = mmap.mmap(self._fd, _TABLE_BYTES)
+            self._slot = self._claim()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _claim(self) -> int:
+        pid = os.getpid()
+        with _locked(self._fd):
+            for i in range(SLOTS):
+                owner, _, _ = _SLOT.unpack_from(self._map, i * _SLOT.size)
+                if owner == 0 or (owner != pid and not _alive(owner)):
+                    _SLOT.pack_into(self._map, i * _SLOT.size, pid, self.cpus, 0)
+                    return i
+        raise OSError(f"{self.path}: all {SLOTS} slots are taken by live workers")
+
+    @property
+    def busy(self) -> bool:
+        """Whether this worker is marked as stepping."""
+        return self._busy
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def _scan(self) -> tuple[int, int, list[int]]:
+        """(CPUs the other live workers leave idle, CPUs of every live worker, their pids)."""
+        pid = os.getpid()
+        idle, owned, pids = 0, self.cpus, [pid]
+        for owner, cpus, busy in _SLOT.iter_unpack(self._map):
+            if owner and owner != pid and _alive(owner):
+                owned += cpus
+                pids.append(owner)
+                if not busy:
+                    idle += cpus
+        return idle, owned, pids
+
+    def lendable(self) -> int:
+        """The CPUs that the other live workers of the host leave idle right now."""
+        return self._scan()[0]
+
+    def borrowable(self) -> int:
+        """What this worker may borrow now: the idle workers' CPUs, less what programs outside the
+        table keep busy beyond the cores no worker owns (a core counts while a quarter of it is free)."""
+        idle, owned, pids = self._scan()
+        if not idle:
+            return 0
+        excess = max(0.0, self.outside.cores(pids) - max(0, self.max_cpus - owned))
+        return max(0, min(idle, int(idle - excess + 0.75)))
+
+    def before_step(self) -> int:
+        """Mark this worker busy and set the step's thread count: its own CPUs plus the idle
+        workers', at most the host's. Returns the count."""
+        if not self._busy:
+            self._busy = True
+            self._write_busy(1)
+        threads = min(self.max_cpus, self.cpus + self.borrowable())
+        if threads != self.threads:
+            self._set_threads(threads)
+            self.threads = threads
+        return threads
+
+    def idle(self) -> None:
+        """This worker has no step to run: its CPUs are the others' until its next step."""
+        if self._busy and self._fd >= 0:
+            self._busy = False
+            self._write_busy(0)
+
+    def _write_busy(self, busy: int) -> None:
+        _SLOT.pack_into(self._map, self._slot * _SLOT.size, os.getpid(), self.cpus, busy)
+
+    def close(self) -> None:
+        """Leave the table (the slot is free for another worker)."""
+        if self._fd < 0:
+            return
+        with _locked(self._fd):
+            _SLOT.pack_into(self._map, self._slot * _SLOT.size, 0, 0, 0)
+        self._map.close()
+        os.close(self._fd)
+        self._fd = -1
+
+
+def start_core_share(cpus: int, set_threads: Callable[[int], None], path: str | None = None) -> CoreShare | None:
+    """A CoreShare, or None (with a warning) when the host's table cannot be used."""
+    try:
+        return CoreShare(cpus, set_threads, path)
+    except OSError as exc:
+        logger.warning("not sharing idle CPUs with this host's other workers: %s", exc)
+        return None
