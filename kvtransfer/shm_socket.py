@@ -48,7 +48,7 @@ def private_dir(base: str | None = None) -> str:
     """A fresh directory of mode 0700 for one worker's socket, under ``base`` (None: the user's
     runtime directory when it is theirs and private, else the system's temp directory)."""
     if base is None:
-        base = _own_runtime_dir() or tempfile.gettempdir()
+        base = own_runtime_dir() or tempfile.gettempdir()
     removed = sweep_stale(base)
     if removed:
         logger.info("removed %d socket directories of dead workers under %s", removed, base)
@@ -101,7 +101,8 @@ def _refuses(path: str) -> bool:
     return False
 
 
-def _own_runtime_dir() -> str | None:
+def own_runtime_dir() -> str | None:
+    """``$XDG_RUNTIME_DIR`` when it is this user's own and private (no group or other bits); else None."""
     path = envs.runtime_dir()
     try:
         st = os.stat(path) if path else None

@@ -41,6 +41,7 @@ import struct
 import tempfile
 from collections.abc import Callable
 
+from pdserve.kvtransfer.shm_socket import own_runtime_dir
 from pdserve.worker.outside_load import OutsideLoad
 
 logger = logging.getLogger(__name__)
@@ -55,21 +56,8 @@ def table_path(base: str | None = None) -> str:
     """Where this user's table lies: under ``base``, else the user's runtime directory when it is
     theirs and private, else the system's temp directory."""
     if base is None:
-        base = _own_runtime_dir() or tempfile.gettempdir()
+        base = own_runtime_dir() or tempfile.gettempdir()
     return os.path.join(base, TABLE_NAME.format(uid=os.geteuid()))
-
-
-def _own_runtime_dir() -> str | None:
-    from pdserve import envs
-
-    path = envs.runtime_dir()
-    try:
-        st = os.stat(path) if path else None
-    except OSError:
-        return None
-    if st is None or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        return None
-    return path
 
 
 def host_cpus() -> int:
