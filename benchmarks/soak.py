@@ -7,7 +7,9 @@ tenants and reads the stream to its end, except a ``--cancel`` fraction that han
 events (over HTTP a third of those with a TCP reset). It reports requests by outcome (per edge
 too), latency percentiles of the completed ones, the resident memory of every process of the
 service (router, workers, Ray's GCS and raylet, Redis) at start, middle and end, and what the
-pools hold 2 s after the last request (blocks in use, leases, registered requests: all should be 0).
+pools still hold after the last request (blocks in use, leases, registered requests): the pools are
+read until they hold nothing, for up to ``--settle-timeout`` seconds, and the bench reports how long
+that took and exits 1 if something is still held then.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pdserve.benchmarks.soak_memory import ProcessMemory
 
 KV_CACHE_BYTES = 64 * 1024**2
 TENANTS = 4
-SETTLE_S = 2.0  # the pools are read this long after the last request
+POLL_S = 0.1  # between two readings of the pools after the last request
 
 
 def log(msg: str) -> None:
@@ -101,8 +103,6 @@ async def _run_clients(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from pathlib import Path
 
-    import ray
-
     from pdserve.cluster.config import ServiceConfig
     from pdserve.cluster.launcher import Service
     from pdserve.engine.model import make_tiny_model
@@ -125,9 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             outcomes, ttfts, e2es = asyncio.run(_run_clients(args, where, Path(model).name, memory,
                                                              config.router.api_key))  # fmt: skip
             elapsed = time.perf_counter() - t0
-            time.sleep(SETTLE_S)  # what the pools hold this long after the last request
-            pools = {wid: ray.get(h.pool_state.remote(), timeout=60)
-                     for wid, h in {**service.prefill, **service.decode}.items()}  # fmt: skip
+            held, settled_s = _settle(service, args.settle_timeout)
             memory.sample("end")
         finally:
             service.stop()
@@ -137,10 +135,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "requests_by_edge": {e: dict(c) for e, c in outcomes.items()},
         "ttft_ms": _percentiles(ttfts), "e2e_ms": _percentiles(e2es),
         "rss_mb": memory.table(),
-        "after_2s": {wid: {"blocks_in_use": p["num_blocks"] - p["free_blocks"], "leases": p["leases"],
-                           "requests": p["requests"], "registered": p["registered"]}
-                     for wid, p in pools.items()},  # fmt: skip
+        "held_at_end": held, "settled_s": settled_s,
     }
+
+
+def _held(service: Any) -> dict[str, dict[str, int]]:
+    """What each worker's pool holds now: blocks in use, leases, requests holding blocks, registered requests."""
+    import ray
+
+    pools = {wid: ray.get(h.pool_state.remote(), timeout=60) for wid, h in {**service.prefill, **service.decode}.items()}
+    return {wid: {"blocks_in_use": p["num_blocks"] - p["free_blocks"], "leases": p["leases"],
+                  "requests": p["requests"], "registered": p["registered"]} for wid, p in pools.items()}  # fmt: skip
+
+
+def _settle(service: Any, timeout: float) -> tuple[dict[str, dict[str, int]], float | None]:
+    """Read the pools until they hold nothing or ``timeout`` seconds pass: the last reading, and the
+    seconds it took to hold nothing (None if something was still held at the end)."""
+    t0 = time.monotonic()
+    while True:
+        held = _held(service)
+        waited = time.monotonic() - t0
+        if not any(any(v for v in h.values()) for h in held.values()):
+            return held, round(waited, 2)
+        if waited >= timeout:
+            return held, None
+        time.sleep(POLL_S)
 
 
 def _print(result: dict[str, Any]) -> None:
@@ -155,8 +174,10 @@ def _print(result: dict[str, Any]) -> None:
     print(f"{'process':<22}{'start MB':>10}{'middle MB':>11}{'end MB':>9}")
     for proc, row in result["rss_mb"].items():
         print(f"{proc:<22}" + "".join(f"{row.get(k, '-')!s:>{w}}" for k, w in (("start", 10), ("middle", 11), ("end", 9))))
-    for wid, held in result["after_2s"].items():
-        print(f"{wid} 2 s after the last request: {held['blocks_in_use']} blocks in use, {held['leases']} leases, "
+    settled = result["settled_s"]
+    when = f"{settled} s after the last request" if settled is not None else "still held at the end"
+    for wid, held in result["held_at_end"].items():
+        print(f"{wid} {when}: {held['blocks_in_use']} blocks in use, {held['leases']} leases, "
               f"{held['requests']} requests holding blocks, {held['registered']} registered")  # fmt: skip
 
 
@@ -172,11 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per request, at most (default 128)")
     ap.add_argument("--model", default=None, help="checkpoint (default: the tiny model, made in a temp dir)")
     ap.add_argument("--timeout", type=float, default=120.0, help="per-request deadline in seconds")
+    ap.add_argument("--settle-timeout", type=float, default=10.0,
+                    help="seconds after the last request for the pools to hold nothing (default 10)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    if not args.duration > 0 or args.concurrency < 1 or not 0 <= args.cancel <= 1 or args.max_tokens < 16:
-        ap.error("--duration > 0, --concurrency >= 1, 0 <= --cancel <= 1 and --max-tokens >= 16 are required")
+    if (not args.duration > 0 or args.concurrency < 1 or not 0 <= args.cancel <= 1 or args.max_tokens < 16
+            or not args.settle_timeout >= 0):  # fmt: skip
+        ap.error("--duration > 0, --concurrency >= 1, 0 <= --cancel <= 1, --max-tokens >= 16 and "
+                 "--settle-timeout >= 0 are required")  # fmt: skip
     if args.edge == "both" and args.concurrency < 2:
         ap.error("--edge both needs --concurrency 2 or more (a client on each edge)")
     result = run(args)
@@ -184,6 +209,5 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
     else:
         _print(result)
-    leaked = any(any(v for v in held.values()) for held in result["after_2s"].values())
-    return 1 if leaked else 0
+    return 1 if result["settled_s"] is None else 0
 

@@ -126,7 +126,7 @@ def test_serve_bench_finds_redis_as_stats_does(tmp_path: Path, monkeypatch: pyte
 def test_soak_bench_counts_outcomes_memory_and_what_stays_held() -> None:
     """One service soaked over both edges at once (every other client on each): requests complete on
     each edge and nothing errs or times out there, some are left mid-stream, and nothing stays held
-    afterwards."""
+    afterwards (the pools hold nothing within the bench's 10 s settle bound)."""
     out = bench("soak", "--duration", "6", "--concurrency", "4", "--cancel", "0.5", "--max-tokens", "24",
                 "--edge", "both")  # fmt: skip
     assert out["edge"] == "both"
@@ -139,8 +139,9 @@ def test_soak_bench_counts_outcomes_memory_and_what_stays_held() -> None:
     assert out["requests"] == {k: sum(c.get(k, 0) for c in by_edge.values()) for k in out["requests"]}
     for proc in ("router", "prefill-0", "decode-0", "gcs_server", "raylet", "redis-server"):
         assert set(out["rss_mb"][proc]) == {"start", "middle", "end"}, (proc, out["rss_mb"])
-    assert out["after_2s"] == {w: {"blocks_in_use": 0, "leases": 0, "requests": 0, "registered": 0}
-                               for w in ("prefill-0", "decode-0")}  # fmt: skip
+    assert out["settled_s"] is not None and 0 <= out["settled_s"] <= 10, out["held_at_end"]
+    assert out["held_at_end"] == {w: {"blocks_in_use": 0, "leases": 0, "requests": 0, "registered": 0}
+                                  for w in ("prefill-0", "decode-0")}  # fmt: skip
 
 
 def test_soak_bench_clients_alternate_edges_and_refuses_both_with_one_client() -> None:
