@@ -22,10 +22,12 @@ about eight buckets per doubling), which bounds the shapes, and the caches, what
 
 ``EngineConfig(cpu_onednn=False)`` turns it off; ``pdserve bench engine`` measures both.
 
-float32 with 2 to 7 rows (a decode batch of a few sequences): the BLAS's kernels for a skinny
-right-hand side read the weight at 2-4x the speed of those for a skinny left-hand side on the same
-cores, so these inputs compute the transposed product, ``weight @ x.T`` (``SKINNY_ROWS``), and
-transpose the small result back. The step is then bound by reading the weights once, as it should be.
+float32 with 1 to 16 rows (a decode batch of a few sequences) is bound by reading the weights once,
+and neither BLAS nor oneDNN streams them at the memory's speed at these shapes: such inputs go
+through :mod:`engine.kernels.cpu_skinny` where it is built. Without it, inputs of 2 to 7 rows
+compute the transposed product, ``weight @ x.T`` (``SKINNY_ROWS``: the BLAS's kernels for a skinny
+right-hand side read the weight at 2-4x the speed of those for a skinny left-hand side), and
+transpose the small result back.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pdserve.engine.kernels import cpu_skinny
 
 # float32 inputs with fewer rows stay on F.linear (oneDNN's conversions dominate below ~8 rows).
 ONEDNN_MIN_ROWS = 8
@@ -42,6 +46,8 @@ ONEDNN_MIN_ROWS_BF16 = 1
 ONEDNN_MIN_BUCKET = 64
 # float32 CPU inputs with this many rows run as ``weight @ x.T`` (a single row is as fast either way).
 SKINNY_ROWS = range(2, ONEDNN_MIN_ROWS)
+# Rows that may go through engine/kernels/cpu_skinny.c (its own limit applies too).
+SKINNY_KERNEL_ROWS = 16
 
 
 def bucket_rows(rows: int) -> int:
@@ -98,10 +104,13 @@ class OneDNNWeights:
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             onednn: OneDNNWeights | None) -> torch.Tensor:
-    """``x @ weight.T + bias``: through ``onednn`` for 2-D inputs of at least its ``min_rows`` rows
-    when a copy is given; as ``(weight @ x.T).T`` for float32 CPU inputs of ``SKINNY_ROWS`` rows; else
+    """``x @ weight.T + bias``: float32 CPU inputs of up to ``cpu_skinny.max_rows()`` rows through
+    that kernel; else through ``onednn`` for 2-D inputs of at least its ``min_rows`` rows when a copy
+    is given; as ``(weight @ x.T).T`` for float32 CPU inputs of ``SKINNY_ROWS`` rows; else
     ``F.linear``. The result is contiguous."""
     if x.dim() == 2:
+        if x.shape[0] <= SKINNY_KERNEL_ROWS and cpu_skinny.supports(x, weight, bias):
+            return cpu_skinny.linear(x, weight, bias)
         if onednn is not None and x.shape[0] >= onednn.min_rows:
             return onednn(x)
         if x.shape[0] in SKINNY_ROWS and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
@@ -113,8 +122,9 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) that may run large inputs through oneDNN.
 
-    After :meth:`pack`, 2-D inputs of at least ``ONEDNN_MIN_ROWS`` rows (float32) or of any
-    row count (bfloat16) use the oneDNN copy; float32 CPU inputs of ``SKINNY_ROWS`` rows run as
+    float32 CPU inputs of up to ``SKINNY_KERNEL_ROWS`` rows run through ``cpu_skinny`` where it is
+    built. After :meth:`pack`, other 2-D inputs of at least ``ONEDNN_MIN_ROWS`` rows (float32) or of
+    any row count (bfloat16) use the oneDNN copy; float32 CPU inputs of ``SKINNY_ROWS`` rows run as
     the transposed product; everything else is plain ``F.linear``. Results agree with
     ``F.linear`` to the dtype's rounding (the summation order may differ).
     """

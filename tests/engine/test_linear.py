@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from pdserve.engine.model.linear import (
     ONEDNN_MIN_BUCKET,
     ONEDNN_MIN_ROWS,
+    SKINNY_KERNEL_ROWS,
     SKINNY_ROWS,
     Linear,
     bucket_rows,
@@ -41,8 +42,10 @@ def test_packed_matches_f_linear(rows: int, bias: bool) -> None:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_few_float32_rows_run_as_the_transposed_product(packed: bool, bias: bool) -> None:
-    """2..7 rows: ``(weight @ x.T).T`` (the BLAS's fast kernel for a skinny right-hand side), equal to
-    F.linear to float32 rounding, contiguous, also from a strided input; one row stays F.linear."""
+    """2..7 rows that the skinny kernel does not take (here: a column-strided input, as a slice of a
+    wider activation with a step is; also every input where the kernel is not built):
+    ``(weight @ x.T).T`` (the BLAS's fast kernel for a skinny right-hand side), equal to F.linear to
+    float32 rounding, contiguous; one row stays F.linear."""
     layer = make_linear(96, 160, bias, seed=7)
     if packed:
         layer.pack()
@@ -59,10 +62,12 @@ def test_a_few_float32_rows_run_as_the_transposed_product(packed: bool, bias: bo
 
 
 def test_dispatch_by_rows() -> None:
-    """Inputs of ONEDNN_MIN_ROWS+ rows read the packed copy; smaller ones the live weight."""
+    """Inputs of ONEDNN_MIN_ROWS+ rows past the skinny kernel's read the packed copy; smaller ones the
+    live weight."""
     layer = make_linear(64, 32, True, seed=0)
     layer.pack()
-    small, large = torch.randn(ONEDNN_MIN_ROWS - 1, 64), torch.randn(ONEDNN_MIN_ROWS, 64)
+    rows = max(ONEDNN_MIN_ROWS, SKINNY_KERNEL_ROWS + 1)
+    small, large = torch.randn(ONEDNN_MIN_ROWS - 1, 64), torch.randn(rows, 64)
     before_small, before_large = layer(small), layer(large)
     layer.weight.mul_(2)  # the packed copy does not see in-place changes until pack()
     assert not torch.allclose(layer(small), before_small)
