@@ -1,0 +1,121 @@
+"""A decode step's float32 projections on the CPU, each path: the skinny kernel
+(``engine/kernels/cpu_skinny.c``) against torch's products.
+
+For each row count (a decode batch of that many sequences), one pass projects the rows through every
+layer's weights of the model (qkv, o, gate_up, down; 30 layers of SmolLM2-135M's widths by default),
+so that, as in a decode step, the weights stream from memory rather than sit in a cache. Four paths,
+each checked against float64 first (the run exits 1 on a mismatch), then timed in alternation for
+``--repeats`` rounds, the median pass reported with the weight bytes read per second:
+
+- ``kernel``: :func:`engine.kernels.cpu_skinny.linear` (up to its row limit);
+- ``w_xt``: ``(weight @ x.T).T``, the transposed product (the engine's path for 2-7 rows without the kernel);
+- ``f_linear``: ``F.linear(x, weight)``;
+- ``onednn``: the packed oneDNN copy (the engine's path from 8 rows without the kernel).
+
+``read`` is the memory's read speed on the same threads (a sum over a buffer the size of the weights):
+what a pass could reach at best. Without a C compiler (or with ``PDSERVE_CPU_KERNELS=0``) the kernel
+is not built: the run says so and exits 0.
+
+Run: ``python -m pdserve.benchmarks.projections [--rows 1,4,8,16] [--layers 30] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.benchmarks.common import emit
+from pdserve.engine.kernels import cpu_skinny
+from pdserve.engine.model.linear import OneDNNWeights
+
+# SmolLM2-135M's projections: (out, in) of qkv, o, gate_up, down.
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
+def paths(weights: list[torch.Tensor], rows: int, seed: int) -> tuple[dict[str, Callable[[], list]], list]:
+    """The four paths over ``weights`` for ``rows`` input rows, and the inputs (one per input width)."""
+    gen = torch.Generator().manual_seed(seed)
+    xs = {k: torch.randn(rows, k, generator=gen) for k in {w.shape[1] for w in weights}}
+    packed = [OneDNNWeights(w, None) for w in weights]
+    fns: dict[str, Callable[[], list]] = {}
+    if rows <= cpu_skinny.max_rows():
+        fns["kernel"] = lambda: [cpu_skinny.linear(xs[w.shape[1]], w) for w in weights]
+    fns["w_xt"] = lambda: [(w @ xs[w.shape[1]].t()).t().contiguous() for w in weights]
+    fns["f_linear"] = lambda: [F.linear(xs[w.shape[1]], w) for w in weights]
+    fns["onednn"] = lambda: [p(xs[w.shape[1]]) for p, w in zip(packed, weights)]
+    return fns, [xs[w.shape[1]] for w in weights]
+
+
+def check(fns: dict[str, Callable[[], list]], weights: list[torch.Tensor], inputs: list) -> None:
+    """Each path's first projections against float64; SystemExit on a mismatch."""
+    for name, fn in fns.items():
+        outs = fn()
+        for out, w, x in list(zip(outs, weights, inputs))[:4]:
+            ref = x.double() @ w.double().t()
+            err = float((out.double() - ref).abs().max() / ref.abs().max())
+            if not err < 1e-5:
+                raise SystemExit(f"projections: {name} differs from float64 by {err:.2e} at {tuple(w.shape)}")
+
+
+def timed_rounds(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of one call of each, over ``repeats`` rounds run in alternation."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdserve bench projections", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--rows", default="1,4,8,12,16", help="input row counts (comma-separated)")
+    ap.add_argument("--layers", type=int, default=30, help="layers of weights per pass (default 30)")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rows_list = [int(r) for r in args.rows.split(",") if r]
+    if not rows_list or min(rows_list) < 1 or args.layers < 1 or args.repeats < 1:
+        ap.error("--rows >= 1, --layers >= 1 and --repeats >= 1 are required")
+    if cpu_skinny.max_rows() == 0:
+        print("projections: the skinny kernel is not built here (no C compiler, or PDSERVE_CPU_KERNELS=0)")
+        return 0
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) * k**-0.5 for _ in range(args.layers) for n, k in SHAPES]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    buf = torch.ones(nbytes // 4)
+    result: dict[str, Any] = {"threads": torch.get_num_threads(), "layers": args.layers, "weight_mb": nbytes >> 20,
+                              "kernel_max_rows": cpu_skinny.max_rows(), "rows": {}}  # fmt: skip
+    with torch.no_grad():
+        for rows in rows_list:
+            fns, inputs = paths(weights, rows, seed=rows)
+            check(fns, weights, inputs)
+            secs = timed_rounds({**fns, "read": lambda: buf.sum()}, args.repeats)
+            result["rows"][str(rows)] = {name: {"ms": round(s * 1e3, 2), "gbps": round(nbytes / s / 1e9, 1)}
+                                         for name, s in secs.items()}  # fmt: skip
+    emit(result, args.json, report_rows(result))
+    return 0
+
+
+def report_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    out = [("weights", f"{result['layers']} layers, {result['weight_mb']} MiB float32, {result['threads']} threads")]
+    for rows, by in result["rows"].items():
+        best_torch = min(v["ms"] for k, v in by.items() if k not in ("kernel", "read"))
+        text = ", ".join(f"{k} {v['ms']} ms ({v['gbps']} GB/s)" for k, v in by.items())
+        if "kernel" in by:
+            text += f"; kernel vs best torch path {best_torch / by['kernel']['ms']:.2f}x"
+        out.append((f"{rows} rows", text))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
