@@ -14,6 +14,7 @@ instantiated for: 16, 32, 64, 80, 96, 128 or 256); otherwise callers gather.
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
@@ -39,15 +40,11 @@ class _Kernel:
         self.head_dim_ok = lib.pdserve_supports_head_dim
 
 
-_kernel: _Kernel | None | bool = False  # False: not loaded yet
-
-
+@functools.cache
 def _get() -> _Kernel | None:
-    global _kernel
-    if _kernel is False:
-        lib = cpu_build.load(_SOURCE)
-        _kernel = None if lib is None else _Kernel(lib)
-    return _kernel  # type: ignore[return-value]
+    """The library's entry points, built and loaded on the first call (None where it is not built)."""
+    lib = cpu_build.load(_SOURCE)
+    return None if lib is None else _Kernel(lib)
 
 
 def supports(dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

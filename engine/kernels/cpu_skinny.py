@@ -10,6 +10,7 @@ tensors, 1 to ``max_rows()`` rows, a contiguous weight); otherwise callers use t
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
@@ -28,15 +29,11 @@ class _Kernel:
         self.max_rows = int(lib.pdserve_skinny_max_rows())
 
 
-_kernel: _Kernel | None | bool = False  # False: not loaded yet
-
-
+@functools.cache
 def _get() -> _Kernel | None:
-    global _kernel
-    if _kernel is False:
-        lib = cpu_build.load(_SOURCE)
-        _kernel = None if lib is None else _Kernel(lib)
-    return _kernel  # type: ignore[return-value]
+    """The library's entry points, built and loaded on the first call (None where it is not built)."""
+    lib = cpu_build.load(_SOURCE)
+    return None if lib is None else _Kernel(lib)
 
 
 def max_rows() -> int:
