@@ -44,11 +44,12 @@ def max_rows() -> int:
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether :func:`linear` runs for these tensors here."""
+    # The library is built (first call) only for inputs it could take: never for GPU tensors.
     return (
-        x.dim() == 2 and 1 <= x.shape[0] <= max_rows() and x.device.type == "cpu" == weight.device.type
-        and x.dtype == weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
-        and x.shape[1] == weight.shape[1] and x.stride(1) == 1
+        x.dim() == 2 and x.device.type == "cpu" == weight.device.type and x.dtype == weight.dtype == torch.float32
+        and weight.dim() == 2 and weight.is_contiguous() and x.shape[1] == weight.shape[1] and x.stride(1) == 1
         and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == weight.shape[:1]))
+        and 1 <= x.shape[0] <= max_rows()
     )  # fmt: skip
 
 

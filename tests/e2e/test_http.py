@@ -339,7 +339,10 @@ def test_grpc_edge_takes_chat_stop_strings_and_logprobs_like_http(service: Servi
         assert full[-1].usage.prompt_tokens == http.usage.prompt_tokens
         assert full[-1].usage.completion_tokens == http.usage.completion_tokens == 30
         lps = [lp for r in full for lp in r.logprobs]
-        assert [lp.logprob for lp in lps] == pytest.approx([c.logprob for c in http.choices[0].logprobs.content])
+        # The second request's prompt hits the prefix cache, so its uncached rows are projected in a
+        # smaller batch than the first's whole prompt (another float32 product: equal to rounding).
+        assert [lp.logprob for lp in lps] == pytest.approx([c.logprob for c in http.choices[0].logprobs.content],
+                                                           abs=1e-4)  # fmt: skip
         assert all(len(lp.top) == 2 for lp in lps)
         cut = grpc_chat(stop=[stop])
         assert "".join(r.text for r in cut) == text[: text.index(stop)]
