@@ -98,3 +98,20 @@ def test_linear_layers_use_it_for_few_rows_and_agree_with_f_linear() -> None:
             used = any(e.name == cpu_skinny.PROFILER_LABEL for e in prof.events())
             assert used == (rows <= linear.SKINNY_KERNEL_ROWS), (rows, packed)
             _close(out, _reference(x, layer.weight.detach(), layer.bias.detach()), 96)
+
+
+def test_a_row_s_result_does_not_depend_on_its_batch_or_the_threads() -> None:
+    """A decode's projections are bit-identical whichever other rows share its step (1-16) and however
+    many threads run it: every output is one thread's sum over the same vectors in the same order."""
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(200, 584, generator=gen), torch.randn(16, 584, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_skinny.linear(x[:1], w)
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for rows in range(1, 17):
+                assert torch.equal(cpu_skinny.linear(x[:rows], w)[:1], alone), (threads, rows)
+    finally:
+        torch.set_num_threads(before)
