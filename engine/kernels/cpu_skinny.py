@@ -57,10 +57,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x @ weight.T + bias`` as a new contiguous ``[rows, out]`` float32 tensor, equal to
     ``F.linear`` up to float32 rounding (a different summation order). Requires :func:`supports`;
     raises ValueError otherwise."""
-    kernel = _get()
-    if kernel is None or not supports(x, weight, bias):
+    out = try_linear(x, weight, bias)
+    if out is None:
         raise ValueError(f"skinny linear does not run for x {tuple(x.shape)} {x.dtype}, weight "
                          f"{tuple(weight.shape)} {weight.dtype} here")  # fmt: skip
+    return out
+
+
+def try_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """:func:`linear`'s result, or None where :func:`supports` is false (the caller's fallback runs)."""
+    if not supports(x, weight, bias):
+        return None
+    kernel = _get()
+    assert kernel is not None  # supports() is false without the library
     rows, n = x.shape[0], weight.shape[0]
     out = torch.empty(rows, n, dtype=torch.float32)
     with torch.profiler.record_function(PROFILER_LABEL):

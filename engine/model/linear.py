@@ -109,8 +109,8 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     is given; as ``(weight @ x.T).T`` for float32 CPU inputs of ``SKINNY_ROWS`` rows; else
     ``F.linear``. The result is contiguous."""
     if x.dim() == 2:
-        if x.shape[0] <= SKINNY_KERNEL_ROWS and cpu_skinny.supports(x, weight, bias):
-            return cpu_skinny.linear(x, weight, bias)
+        if x.shape[0] <= SKINNY_KERNEL_ROWS and (out := cpu_skinny.try_linear(x, weight, bias)) is not None:
+            return out
         if onednn is not None and x.shape[0] >= onednn.min_rows:
             return onednn(x)
         if x.shape[0] in SKINNY_ROWS and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
