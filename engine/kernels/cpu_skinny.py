@@ -2,7 +2,7 @@
 
 A decode step of a few sequences projects a few rows through every weight of the model, so it is
 bound by how fast the weights stream from memory. torch's BLAS reaches a fraction of that at these
-shapes (measured in ``pdserve bench gemm --rows``); this kernel streams each weight once on torch's
+shapes (measured in ``pdserve bench projections``); this kernel streams each weight once on torch's
 intra-op threads. :func:`supports` says whether a call can run here (the library built, float32 CPU
 tensors, 1 to ``max_rows()`` rows, a contiguous weight); otherwise callers use torch.
 """

@@ -105,9 +105,9 @@ class OneDNNWeights:
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             onednn: OneDNNWeights | None) -> torch.Tensor:
     """``x @ weight.T + bias``: float32 CPU inputs of up to ``SKINNY_KERNEL_ROWS`` rows through
-    ``cpu_skinny`` where it is built (and takes them); else through ``onednn`` for 2-D inputs of at least its ``min_rows`` rows when a copy
-    is given; as ``(weight @ x.T).T`` for float32 CPU inputs of ``SKINNY_ROWS`` rows; else
-    ``F.linear``. The result is contiguous."""
+    ``cpu_skinny`` where it is built (and takes them); else through ``onednn`` for 2-D inputs of at
+    least its ``min_rows`` rows when a copy is given; as ``(weight @ x.T).T`` for float32 CPU inputs of
+    ``SKINNY_ROWS`` rows; else ``F.linear``. The result is contiguous."""
     if x.dim() == 2:
         if x.shape[0] <= SKINNY_KERNEL_ROWS and (out := cpu_skinny.try_linear(x, weight, bias)) is not None:
             return out
