@@ -6,7 +6,7 @@ against bfloat16.
    counts (1: one decode; 8, 32: decode batches; 256: a prefill chunk), four ways: torch's
    ``F.linear`` and the engine's own path (``engine/model/linear.py``: a ``Linear``, packed where
    oneDNN has kernels for the dtype, which picks its product per call as the engine does: float32
-   inputs of 1-16 rows go through ``engine/kernels/cpu_skinny.c`` where it is built), each in
+   through the panel kernel ``engine/kernels/cpu_gemm.c`` where it is built), each in
    float32 and bfloat16 (on a CPU without bfloat16 kernels the engine's bfloat16 path is unpacked). The
    four run interleaved, round after round; TFLOP/s from the median round (2 x rows x in x out
    flops per call). ``large`` is a 2048^3 GEMM (1024^3 with ``--quick``) through the engine's path:
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from pdserve.benchmarks.common import emit
 from pdserve.engine.cpu_features import cpu_bf16_units
-from pdserve.engine.kernels import cpu_skinny
+from pdserve.engine.kernels import cpu_gemm
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.linear import Linear, onednn_supported
 from pdserve.engine.sampling_params import SamplingParams
@@ -50,7 +50,7 @@ LABELS = {"float32_f_linear": "fp32 F.linear", "float32_engine": "fp32 engine", 
           "bfloat16_engine": "bf16 engine"}  # fmt: skip
 # Operators that are the projections (self time): oneDNN's linear and its conversions, BLAS's mm.
 PROJECTION_OPS = frozenset({"aten::mm", "aten::addmm", "aten::mkldnn_linear", "aten::to_mkldnn", "aten::to_dense",
-                            "mkldnn::_linear_pointwise", cpu_skinny.PROFILER_LABEL})  # fmt: skip
+                            "mkldnn::_linear_pointwise", cpu_gemm.PROFILER_LABEL})  # fmt: skip
 
 
 def log(msg: str) -> None:

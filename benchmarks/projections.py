@@ -1,22 +1,24 @@
-"""A decode step's float32 projections on the CPU, each path: the skinny kernel
-(``engine/kernels/cpu_skinny.c``) against torch's products.
+"""A model's float32 projections on the CPU, each path: the panel kernel (``engine/kernels/cpu_gemm.c``)
+against torch's products.
 
-For each row count (a decode batch of that many sequences), one pass projects the rows through every
+For each row count (a decode batch of that many sequences, or a prefill's tokens), one pass projects the rows through every
 layer's weights of the model (qkv, o, gate_up, down; 30 layers of SmolLM2-135M's widths by default),
 so that, as in a decode step, the weights stream from memory rather than sit in a cache. Four paths,
 each checked against float64 first (the run exits 1 on a mismatch), then timed in alternation for
 ``--repeats`` rounds, the median pass reported with the weight bytes read per second:
 
-- ``kernel``: :func:`engine.kernels.cpu_skinny.linear` (up to its row limit);
+- ``kernel``: :class:`engine.kernels.cpu_gemm.PanelWeights` (the engine's path where it is built);
 - ``w_xt``: ``(weight @ x.T).T``, the transposed product (the engine's path for 2-7 rows without the kernel);
 - ``f_linear``: ``F.linear(x, weight)``;
 - ``onednn``: the packed oneDNN copy (the engine's path from 8 rows without the kernel).
+
+GFLOP/s (2 x rows x in x out per product) say how close many rows come to the FMA units' limit.
 
 ``read`` is the memory's read speed on the same threads (a sum over a buffer the size of the weights):
 what a pass could reach at best. Without a C compiler (or with ``PDSERVE_CPU_KERNELS=0``) the kernel
 is not built: the run says so and exits 0.
 
-Run: ``python -m pdserve.benchmarks.projections [--rows 1,4,8,16] [--layers 30] [--json]``.
+Run: ``python -m pdserve.benchmarks.projections [--rows 1,4,8,16,64,256] [--layers 30] [--json]``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.benchmarks.common import emit
-from pdserve.engine.kernels import cpu_skinny
+from pdserve.engine.kernels import cpu_gemm
 from pdserve.engine.model.linear import OneDNNWeights
 
 # SmolLM2-135M's projections: (out, in) of qkv, o, gate_up, down.
@@ -44,9 +46,8 @@ def paths(weights: list[torch.Tensor], rows: int, seed: int) -> tuple[dict[str, 
     gen = torch.Generator().manual_seed(seed)
     xs = {k: torch.randn(rows, k, generator=gen) for k in {w.shape[1] for w in weights}}
     packed = [OneDNNWeights(w, None) for w in weights]
-    fns: dict[str, Callable[[], list]] = {}
-    if rows <= cpu_skinny.max_rows():
-        fns["kernel"] = lambda: [cpu_skinny.linear(xs[w.shape[1]], w) for w in weights]
+    panels = [cpu_gemm.PanelWeights(w, None) for w in weights]
+    fns: dict[str, Callable[[], list]] = {"kernel": lambda: [p(xs[w.shape[1]]) for p, w in zip(panels, weights)]}
     fns["w_xt"] = lambda: [(w @ xs[w.shape[1]].t()).t().contiguous() for w in weights]
     fns["f_linear"] = lambda: [F.linear(xs[w.shape[1]], w) for w in weights]
     fns["onednn"] = lambda: [p(xs[w.shape[1]]) for p, w in zip(packed, weights)]
@@ -78,7 +79,7 @@ def timed_rounds(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve bench projections", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--rows", default="1,4,8,12,16", help="input row counts (comma-separated)")
+    ap.add_argument("--rows", default="1,4,8,16,64,256", help="input row counts (comma-separated)")
     ap.add_argument("--layers", type=int, default=30, help="layers of weights per pass (default 30)")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--json", action="store_true")
@@ -86,22 +87,26 @@ def main(argv: list[str] | None = None) -> int:
     rows_list = [int(r) for r in args.rows.split(",") if r]
     if not rows_list or min(rows_list) < 1 or args.layers < 1 or args.repeats < 1:
         ap.error("--rows >= 1, --layers >= 1 and --repeats >= 1 are required")
-    if cpu_skinny.max_rows() == 0:
-        print("projections: the skinny kernel is not built here (no C compiler, or PDSERVE_CPU_KERNELS=0)")
+    if cpu_gemm.panel() == 0:
+        print("projections: the panel kernel is not built here (no C compiler, or PDSERVE_CPU_KERNELS=0)")
         return 0
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) * k**-0.5 for _ in range(args.layers) for n, k in SHAPES]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
+    flops_per_row = 2 * sum(w.numel() for w in weights)
     buf = torch.ones(nbytes // 4)
     result: dict[str, Any] = {"threads": torch.get_num_threads(), "layers": args.layers, "weight_mb": nbytes >> 20,
-                              "kernel_max_rows": cpu_skinny.max_rows(), "rows": {}}  # fmt: skip
+                              "panel": cpu_gemm.panel(), "rows": {}}  # fmt: skip
     with torch.no_grad():
         for rows in rows_list:
             fns, inputs = paths(weights, rows, seed=rows)
             check(fns, weights, inputs)
             secs = timed_rounds({**fns, "read": lambda: buf.sum()}, args.repeats)
-            result["rows"][str(rows)] = {name: {"ms": round(s * 1e3, 2), "gbps": round(nbytes / s / 1e9, 1)}
-                                         for name, s in secs.items()}  # fmt: skip
+            result["rows"][str(rows)] = {
+                name: {"ms": round(s * 1e3, 2), "gbps": round(nbytes / s / 1e9, 1)}
+                | ({} if name == "read" else {"gflops": round(rows * flops_per_row / s / 1e9, 1)})
+                for name, s in secs.items()
+            }
     emit(result, args.json, report_rows(result))
     return 0
 
@@ -110,7 +115,8 @@ def report_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     out = [("weights", f"{result['layers']} layers, {result['weight_mb']} MiB float32, {result['threads']} threads")]
     for rows, by in result["rows"].items():
         best_torch = min(v["ms"] for k, v in by.items() if k not in ("kernel", "read"))
-        text = ", ".join(f"{k} {v['ms']} ms ({v['gbps']} GB/s)" for k, v in by.items())
+        text = ", ".join(f"{k} {v['ms']} ms ({v['gbps']} GB/s" + (f", {v['gflops']} GFLOP/s)" if "gflops" in v else ")")
+                         for k, v in by.items())
         if "kernel" in by:
             text += f"; kernel vs best torch path {best_torch / by['kernel']['ms']:.2f}x"
         out.append((f"{rows} rows", text))

@@ -95,7 +95,7 @@ BENCHMARKS = {
     "peers-serve": ("pdserve.benchmarks.peers_serve", "pdserve up vs vllm serve: streamed TTFT, ITL, tok/s under load"),
     "steps": ("pdserve.benchmarks.steps", "where a decode step's time goes: scheduling, inputs, forward by part, sampling; prompts joining (--joins)"),
     "attention-cpu": ("pdserve.benchmarks.attention_cpu", "CPU decode attention per layer: K/V read in place vs gathered + SDPA"),
-    "projections": ("pdserve.benchmarks.projections", "a decode step's float32 projections: the skinny kernel vs torch's products"),
+    "projections": ("pdserve.benchmarks.projections", "a model's float32 projections: the panel kernel vs torch's products"),
     "tp": ("pdserve.benchmarks.tp", "tensor parallelism on the CPU: a decode step at TP=N vs TP=1, collective share"),
     "gguf": ("pdserve.benchmarks.gguf", "reading a GGUF header: pdserve's one-pass reader vs gguf.GGUFReader"),
     "overlap": ("pdserve.benchmarks.overlap", "a long prompt's handover with and without prefetching during its prefill"),

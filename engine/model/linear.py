@@ -1,4 +1,4 @@
-"""Linear layers with an optional oneDNN path for CPU serving.
+"""Linear layers with a packed copy of their weight for CPU serving (oneDNN's, or panels for a C kernel).
 
 float32: on x86 CPUs torch's ``F.linear`` goes through a BLAS whose kernels for skinny inputs (a
 decode batch of 8-64 rows) have reached about half of what oneDNN (torch's ``mkldnn_linear``)
@@ -22,12 +22,14 @@ about eight buckets per doubling), which bounds the shapes, and the caches, what
 
 ``EngineConfig(cpu_onednn=False)`` turns it off; ``pdserve bench engine`` measures both.
 
-float32 with 1 to 16 rows (a decode batch of a few sequences) is bound by reading the weights once,
-and neither BLAS nor oneDNN streams them at the memory's speed at these shapes: such inputs go
-through :mod:`engine.kernels.cpu_skinny` where it is built. Without it, inputs of 2 to 7 rows
-compute the transposed product, ``weight @ x.T`` (``SKINNY_ROWS``: the BLAS's kernels for a skinny
-right-hand side read the weight at 2-4x the speed of those for a skinny left-hand side), and
-transpose the small result back.
+float32 where the C kernels are built: the packed copy is not oneDNN's but
+:class:`engine.kernels.cpu_gemm.PanelWeights`, the weight reordered once into panels that a C kernel
+streams front to back, for every row count: a decode step of a few rows reads each weight at about the
+memory's speed, and a prefill's products run faster than oneDNN's on the same cores
+(``pdserve bench projections``). The two copies take the same memory. Without a packed copy, float32
+inputs of 2 to 7 rows compute the transposed product, ``weight @ x.T`` (``SKINNY_ROWS``: the BLAS's
+kernels for a skinny right-hand side read the weight at 2-4x the speed of those for a skinny
+left-hand side), and transpose the small result back.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.kernels import cpu_skinny
+from pdserve.engine.kernels import cpu_gemm
 
 # float32 inputs with fewer rows stay on F.linear (oneDNN's conversions dominate below ~8 rows).
 ONEDNN_MIN_ROWS = 8
@@ -44,10 +46,9 @@ ONEDNN_MIN_ROWS = 8
 ONEDNN_MIN_ROWS_BF16 = 1
 # Row counts up to this run as they are (decode batches: few distinct shapes); larger ones in buckets.
 ONEDNN_MIN_BUCKET = 64
-# float32 CPU inputs with this many rows run as ``weight @ x.T`` (a single row is as fast either way).
+# float32 CPU inputs with this many rows run as ``weight @ x.T`` without a packed copy (a single row
+# is as fast either way).
 SKINNY_ROWS = range(2, ONEDNN_MIN_ROWS)
-# Rows that may go through engine/kernels/cpu_skinny.c (its own limit applies too).
-SKINNY_KERNEL_ROWS = 16
 
 
 def bucket_rows(rows: int) -> int:
@@ -102,17 +103,25 @@ class OneDNNWeights:
         return out if padded == rows else out[:rows]
 
 
+PackedWeights = OneDNNWeights | cpu_gemm.PanelWeights
+
+
+def packed_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeights:
+    """The packed copy :func:`project` runs a layer through: panels for the C kernel for a float32
+    weight where it is built, else oneDNN's copy. Requires :func:`onednn_supported` or the kernel."""
+    if cpu_gemm.available(weight):
+        return cpu_gemm.PanelWeights(weight, bias)
+    return OneDNNWeights(weight, bias)
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            onednn: OneDNNWeights | None) -> torch.Tensor:
-    """``x @ weight.T + bias``: float32 CPU inputs of up to ``SKINNY_KERNEL_ROWS`` rows through
-    ``cpu_skinny`` where it is built (and takes them); else through ``onednn`` for 2-D inputs of at
-    least its ``min_rows`` rows when a copy is given; as ``(weight @ x.T).T`` for float32 CPU inputs of
-    ``SKINNY_ROWS`` rows; else ``F.linear``. The result is contiguous."""
+            packed: PackedWeights | None) -> torch.Tensor:
+    """``x @ weight.T + bias``: through the packed copy for 2-D inputs of at least its ``min_rows``
+    rows when one is given; as ``(weight @ x.T).T`` for float32 CPU inputs of ``SKINNY_ROWS`` rows;
+    else ``F.linear``. The result is contiguous."""
     if x.dim() == 2:
-        if x.shape[0] <= SKINNY_KERNEL_ROWS and (out := cpu_skinny.try_linear(x, weight, bias)) is not None:
-            return out
-        if onednn is not None and x.shape[0] >= onednn.min_rows:
-            return onednn(x)
+        if packed is not None and x.shape[0] >= packed.min_rows:
+            return packed(x)
         if x.shape[0] in SKINNY_ROWS and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
             out = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x.t())
             return out.t().contiguous()
@@ -120,32 +129,33 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and names) that may run large inputs through oneDNN.
+    """``nn.Linear`` (same parameters and names) that runs 2-D CPU inputs through a packed copy.
 
-    float32 CPU inputs of up to ``SKINNY_KERNEL_ROWS`` rows run through ``cpu_skinny`` where it is
-    built. After :meth:`pack`, other 2-D inputs of at least ``ONEDNN_MIN_ROWS`` rows (float32) or of
-    any row count (bfloat16) use the oneDNN copy; float32 CPU inputs of ``SKINNY_ROWS`` rows run as
-    the transposed product; everything else is plain ``F.linear``. Results agree with
-    ``F.linear`` to the dtype's rounding (the summation order may differ).
+    After :meth:`pack`, 2-D inputs go through the copy :func:`packed_copy` makes: every row count
+    through the panel kernel (float32, where it is built), else those of at least
+    ``ONEDNN_MIN_ROWS`` rows (float32) or of any row count (bfloat16) through oneDNN's. Without a
+    copy, float32 CPU inputs of ``SKINNY_ROWS`` rows run as the transposed product; everything else
+    is plain ``F.linear``. Results agree with ``F.linear`` to the dtype's rounding (the summation
+    order may differ).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self._onednn: OneDNNWeights | None = None
+        self._onednn: PackedWeights | None = None
 
     def pack(self) -> None:
-        """Build the oneDNN copy from the current weights.
+        """Build the packed copy (:func:`packed_copy`) from the current weights.
 
         Must be called after the weights are final: later in-place changes to
         ``weight``/``bias`` are not seen by the copy (call ``pack`` again).
         """
-        if not onednn_supported(self.weight.dtype, self.weight.device):
-            raise ValueError(f"oneDNN linear needs float32 or bfloat16 CPU weights (bfloat16: a CPU oneDNN has "
+        if not onednn_supported(self.weight.dtype, self.weight.device) and not cpu_gemm.available(self.weight):
+            raise ValueError(f"a packed linear needs float32 or bfloat16 CPU weights (bfloat16: a CPU oneDNN has "
                              f"bfloat16 kernels for), got {self.weight.dtype} on {self.weight.device}")
-        self._onednn = OneDNNWeights(self.weight, self.bias)
+        self._onednn = packed_copy(self.weight, self.bias)
 
     def unpack(self) -> None:
-        """Drop the oneDNN copy (every input then goes through ``F.linear``)."""
+        """Drop the packed copy (every input then goes through torch's products)."""
         self._onednn = None
 
     @property

@@ -23,7 +23,7 @@ from torch import nn
 from pdserve.engine.kernels import paged_attention, write_kv
 from pdserve.engine.kernels.metadata import AttentionMetadata
 from pdserve.engine.model.config import ModelConfig
-from pdserve.engine.model.linear import Linear, OneDNNWeights, onednn_supported, project
+from pdserve.engine.model.linear import Linear, PackedWeights, onednn_supported, packed_copy, project
 from pdserve.engine.model.rope import RotaryEmbedding, apply_rotary
 from pdserve.engine.model.tp_layers import TPComm, VocabParallelEmbedding
 from pdserve.engine.parallel.shard import TPShard
@@ -215,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         kv = shard.kv_heads(config.num_key_value_heads)[1] * hd
         inter = shard.split(config.intermediate_size)[1]
         self._shard_sizes = {"qkv_proj": (q, kv, kv), "gate_up_proj": (inter, inter)}
-        self._head_onednn: OneDNNWeights | None = None
+        self._head_onednn: PackedWeights | None = None
 
     def forward(
         self,
@@ -263,7 +263,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def pack_onednn(self) -> bool:
-        """Give every projection and the LM head a oneDNN copy (see :mod:`engine.model.linear`).
+        """Give every projection and the LM head a packed copy (``linear.packed_copy``: panels for the
+        C kernel in float32 where it is built, else oneDNN's).
 
         Call once the weights are loaded. Returns False (and changes nothing) where the
         path is unsupported: not float32 or bfloat16 (bfloat16: without oneDNN's bfloat16
@@ -275,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        self._head_onednn = OneDNNWeights(weight, None)
+        self._head_onednn = packed_copy(weight, None)
         return True
 
     # ------------------------------------------------------------------ weights

@@ -1,0 +1,108 @@
+"""float32 matrix products on the CPU through weights packed in panels (``cpu_gemm.c``).
+
+A decode step of a few sequences projects a few rows through every weight of the model, so it is
+bound by how fast the weights stream from memory; a prefill's products are bound by the FMA units.
+torch's BLAS and oneDNN reach a fraction of either on a weight in its plain ``[out, in]`` layout at
+these shapes (measured in ``pdserve bench projections``). :class:`PanelWeights` keeps a copy of a
+weight reordered once into panels of ``panel()`` output rows, transposed, so that the kernel reads
+it as one sequential stream and keeps every sum in registers, for any number of input rows, on
+torch's intra-op threads.
+
+:func:`available` says whether the library is built here (float32 CPU weights only); where it is
+not, callers keep torch's products.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.kernels import cpu_build
+
+_SOURCE = Path(__file__).with_name("cpu_gemm.c")
+PROFILER_LABEL = "pdserve::cpu_gemm_linear"  # what torch.profiler calls a kernel call
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Kernel:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.fn = lib.pdserve_gemm_f32
+        self.fn.argtypes, self.fn.restype = [_P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int], ctypes.c_int
+        self.panel = int(lib.pdserve_gemm_panel())
+
+
+@functools.cache
+def _get() -> _Kernel | None:
+    """The library's entry points, built and loaded on the first call (None where it is not built)."""
+    lib = cpu_build.load(_SOURCE)
+    return None if lib is None else _Kernel(lib)
+
+
+def panel() -> int:
+    """Output rows per panel; 0 where the library is not built (it builds on the first call)."""
+    kernel = _get()
+    return 0 if kernel is None else kernel.panel
+
+
+def available(weight: torch.Tensor) -> bool:
+    """Whether :class:`PanelWeights` can be made of ``weight`` here: a 2-D float32 CPU tensor, and
+    the library built (the first call builds it, only for weights it could take)."""
+    return weight.dim() == 2 and weight.device.type == "cpu" and weight.dtype == torch.float32 and panel() > 0
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[n, k]`` as ``[ceil(n / panel), k, panel]`` panels (rows past ``n`` are zeros)."""
+    p = panel()
+    n, k = weight.shape
+    padded = -(-n // p) * p
+    w = weight.detach()
+    if padded != n:
+        w = torch.cat([w, w.new_zeros(padded - n, k)])
+    return w.reshape(padded // p, p, k).transpose(1, 2).contiguous()
+
+
+class PanelWeights:
+    """A panel copy of one float32 linear map (weight ``[out, in]``, optional bias) for the kernel.
+
+    Derived state like ``linear.OneDNNWeights``: never saved or moved with the model; its owner
+    rebuilds it from the dense weight when that changes. ``min_rows`` (1): every 2-D input runs
+    through it. Requires :func:`available` for the weight.
+    """
+
+    min_rows = 1
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        if not available(weight):
+            raise ValueError(f"panel weights need a 2-D float32 CPU weight and the built kernel, got "
+                             f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")  # fmt: skip
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != weight.shape[:1]):
+            raise ValueError(f"bias: expected float32 of shape {tuple(weight.shape[:1])}, got "
+                             f"{tuple(bias.shape)} {bias.dtype}")  # fmt: skip
+        self.out_features, self.in_features = weight.shape
+        self.panels = pack(weight)
+        self.bias = None if bias is None else bias.detach().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T + bias`` as a new contiguous ``[rows, out]`` float32 tensor, equal to
+        ``F.linear`` up to float32 rounding (a different summation order). ``x``: 2-D float32 CPU,
+        ``in_features`` columns; a row stride is fine, a column stride is copied first. Raises
+        ValueError for anything else."""
+        if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != self.in_features:
+            raise ValueError(f"panel linear: x must be a float32 CPU [rows, {self.in_features}] tensor, got "
+                             f"{tuple(x.shape)} {x.dtype} on {x.device}")  # fmt: skip
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        rows = x.shape[0]
+        out = torch.empty(rows, self.out_features, dtype=torch.float32)
+        if rows == 0:
+            return out
+        kernel = _get()
+        assert kernel is not None  # available() held when the panels were made
+        with torch.profiler.record_function(PROFILER_LABEL):
+            kernel.fn(x.data_ptr(), x.stride(0), self.panels.data_ptr(),
+                      None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows,
+                      self.out_features, self.in_features, torch.get_num_threads())  # fmt: skip
+        return out
