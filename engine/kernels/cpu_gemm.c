@@ -12,6 +12,7 @@
  * (one sequential stream, which the hardware prefetchers follow at the memory's full read speed),
  * and for each c multiplies the PANEL weights (PANEL / W vectors) by x[r][c] broadcast, for GROUP
  * input rows at a time: the GROUP * PANEL / W sums stay in registers and no horizontal sum is needed.
+ * PANEL and GROUP follow the vector registers the build has (AVX-512, else AVX2's 16).
  * A few rows (a decode step) read every weight once at about the memory's speed; many rows (a
  * prefill) reread a panel from L2 once per group, and the products run at about the FMA units'
  * speed. Items are handed out dynamically, so a thread that loses its core to another process for a
@@ -21,10 +22,16 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifdef __AVX512F__          /* 32 vector registers of 16 floats */
 #define W 16                /* floats per vector */
 #define PANEL 64            /* weight rows per panel: 4 vectors */
-#define NV (PANEL / W)
 #define GROUP 6             /* input rows per pass over a panel: 24 sums in registers */
+#else                       /* AVX2: 16 registers of 8 floats */
+#define W 8
+#define PANEL 32
+#define GROUP 2             /* 8 sums, 4 weight vectors and a broadcast: 13 registers */
+#endif
+#define NV (PANEL / W)
 #define CHUNK (8 * GROUP)   /* input rows per work item */
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 
@@ -58,16 +65,19 @@ static void group_##R(const float *restrict x, int64_t xs, const float *restrict
         }                                                                                                \
     }                                                                                                    \
 }
+typedef void (*group_fn)(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t,
+                         int64_t, int64_t);
 DEFINE_GROUP(1)
 DEFINE_GROUP(2)
+#if GROUP == 6
 DEFINE_GROUP(3)
 DEFINE_GROUP(4)
 DEFINE_GROUP(5)
 DEFINE_GROUP(6)
-
-typedef void (*group_fn)(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t,
-                         int64_t, int64_t);
 static const group_fn GROUPS[GROUP + 1] = {0, group_1, group_2, group_3, group_4, group_5, group_6};
+#else
+static const group_fn GROUPS[GROUP + 1] = {0, group_1, group_2};
+#endif
 
 int pdserve_gemm_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *out,
                      int64_t rows, int64_t n, int64_t k, int num_threads) {

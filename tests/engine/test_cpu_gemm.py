@@ -3,11 +3,15 @@ what it refuses, and the linear layers' use of it."""
 
 from __future__ import annotations
 
+import ctypes
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import cpu_gemm
+from pdserve.engine.kernels import cpu_build, cpu_gemm
 from pdserve.engine.model import linear
 
 pytestmark = pytest.mark.skipif(cpu_gemm.panel() == 0, reason="no C compiler here: the kernel is not built")
@@ -129,3 +133,35 @@ def test_a_row_s_result_does_not_depend_on_its_batch_or_the_threads() -> None:
                 assert torch.equal(packed(x[:rows])[:1], alone), (threads, rows)
     finally:
         torch.set_num_threads(before)
+
+
+def _has_avx2() -> bool:
+    try:
+        return any(line.startswith("flags") and " avx2 " in f"{line} " for line in Path("/proc/cpuinfo").open())
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="the AVX2 build needs a CPU with AVX2 to run")
+def test_the_avx2_build_agrees_too(tmp_path: Path) -> None:
+    """Without AVX-512 the kernel builds with AVX2's panel of 32 rows and groups of 2 (its 16 vector
+    registers): built here for x86-64-v3 and checked against float64 the same way."""
+    cc = cpu_build._compiler()
+    flags = [f for f in cpu_build.FLAGS if f != "-march=native"]
+    lib_path = tmp_path / "cpu_gemm_avx2.so"
+    subprocess.run([cc, *flags, "-march=x86-64-v3", "-Wno-psabi", str(cpu_gemm._SOURCE), "-o", str(lib_path)],
+                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.pdserve_gemm_panel() == 32
+    gen = torch.Generator().manual_seed(7)
+    for rows in (1, 2, 3, 17, 50):
+        for n, k in ((7, 13), (65, 576), (100, 33)):
+            x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+            padded = -(-n // 32) * 32
+            panels = torch.cat([w, w.new_zeros(padded - n, k)]).reshape(padded // 32, 32, k).transpose(1, 2).contiguous()
+            out = torch.empty(rows, n)
+            assert lib.pdserve_gemm_f32(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(k),
+                                        ctypes.c_void_p(panels.data_ptr()), ctypes.c_void_p(b.data_ptr()),
+                                        ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(rows), ctypes.c_int64(n),
+                                        ctypes.c_int64(k), ctypes.c_int(2)) == 0  # fmt: skip
+            _close(out, _reference(x, w, b), k)
