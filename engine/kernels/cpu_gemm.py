@@ -82,6 +82,9 @@ class PanelWeights:
             raise ValueError(f"bias: expected float32 of shape {tuple(weight.shape[:1])}, got "
                              f"{tuple(bias.shape)} {bias.dtype}")  # fmt: skip
         self.out_features, self.in_features = weight.shape
+        kernel = _get()
+        assert kernel is not None  # available() built the library
+        self._fn = kernel.fn
         self.panels = pack(weight)
         self.bias = None if bias is None else bias.detach().contiguous()
 
@@ -99,10 +102,8 @@ class PanelWeights:
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
         if rows == 0:
             return out
-        kernel = _get()
-        assert kernel is not None  # available() held when the panels were made
         with torch.profiler.record_function(PROFILER_LABEL):
-            kernel.fn(x.data_ptr(), x.stride(0), self.panels.data_ptr(),
+            self._fn(x.data_ptr(), x.stride(0), self.panels.data_ptr(),
                       None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows,
                       self.out_features, self.in_features, torch.get_num_threads())  # fmt: skip
         return out

@@ -108,9 +108,12 @@ PackedWeights = OneDNNWeights | cpu_gemm.PanelWeights
 
 def packed_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeights:
     """The packed copy :func:`project` runs a layer through: panels for the C kernel for a float32
-    weight where it is built, else oneDNN's copy. Requires :func:`onednn_supported` or the kernel."""
+    weight where it is built, else oneDNN's copy. Raises ValueError where neither takes the weight."""
     if cpu_gemm.available(weight):
         return cpu_gemm.PanelWeights(weight, bias)
+    if not onednn_supported(weight.dtype, weight.device):
+        raise ValueError(f"a packed linear needs float32 or bfloat16 CPU weights (bfloat16: a CPU oneDNN has "
+                         f"bfloat16 kernels for), got {weight.dtype} on {weight.device}")  # fmt: skip
     return OneDNNWeights(weight, bias)
 
 
@@ -141,7 +144,7 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self._onednn: PackedWeights | None = None
+        self._packed: PackedWeights | None = None
 
     def pack(self) -> None:
         """Build the packed copy (:func:`packed_copy`) from the current weights.
@@ -149,19 +152,16 @@ class Linear(nn.Linear):
         Must be called after the weights are final: later in-place changes to
         ``weight``/``bias`` are not seen by the copy (call ``pack`` again).
         """
-        if not onednn_supported(self.weight.dtype, self.weight.device) and not cpu_gemm.available(self.weight):
-            raise ValueError(f"a packed linear needs float32 or bfloat16 CPU weights (bfloat16: a CPU oneDNN has "
-                             f"bfloat16 kernels for), got {self.weight.dtype} on {self.weight.device}")
-        self._onednn = packed_copy(self.weight, self.bias)
+        self._packed = packed_copy(self.weight, self.bias)
 
     def unpack(self) -> None:
         """Drop the packed copy (every input then goes through torch's products)."""
-        self._onednn = None
+        self._packed = None
 
     @property
     def packed(self) -> bool:
-        return self._onednn is not None
+        return self._packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias, self._onednn)
+        return project(x, self.weight, self.bias, self._packed)
 

@@ -215,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         kv = shard.kv_heads(config.num_key_value_heads)[1] * hd
         inter = shard.split(config.intermediate_size)[1]
         self._shard_sizes = {"qkv_proj": (q, kv, kv), "gate_up_proj": (inter, inter)}
-        self._head_onednn: PackedWeights | None = None
+        self._head_packed: PackedWeights | None = None
 
     def forward(
         self,
@@ -250,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[n, vocab_size]`` for the given hidden rows (select first). Under tensor
         parallelism every rank must call it with the same rows: the ranks' vocab slices are gathered."""
-        local = project(hidden, self._head_weight(), None, self._head_onednn).float()
+        local = project(hidden, self._head_weight(), None, self._head_packed).float()
         return local if self.comm is None else self.comm.gather_columns(local, self.config.vocab_size)
 
     def join(self, group: object) -> None:
@@ -276,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        self._head_onednn = packed_copy(weight, None)
+        self._head_packed = packed_copy(weight, None)
         return True
 
     # ------------------------------------------------------------------ weights
@@ -373,7 +373,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.unpack()
-        self._head_onednn = None
+        self._head_packed = None
         params = dict(self.named_parameters())
         seen: set[str] = set()
         unexpected: list[str] = []
