@@ -86,7 +86,8 @@ class Sampler:
             for i in constrained:
                 self._grammars[request_ids[i]].fill(bitmask, i)
             apply_bitmask(logits, bitmask, constrained)
-        greedy = logits.argmax(dim=-1).tolist()
+        # max's indices are argmax's (the first of tied maxima, NaN first), and max runs on every thread
+        greedy = logits.max(dim=-1).indices.tolist()
         out: list[int] = []
         for i, (rid, p) in enumerate(zip(request_ids, params)):
             if p.greedy:

@@ -11,19 +11,26 @@
  * group <= MAX_GROUP, and head_dim one of the sizes HEAD_SIZES instantiates (pdserve_supports_head_dim);
  * the entry points return -1 without reading anything otherwise, 0 when done.
  *
- * One (sequence, KV head) pair per OpenMP iteration; the pair's query heads (its GQA group) share each
- * K/V row it loads. Keys go in tiles of TILE with an online softmax, accumulated in float32. Vectors
- * are GCC/Clang vector extensions (W floats), lowered to whatever SIMD the CPU has (-march=native).
+ * One sequence and a run of its KV heads per OpenMP iteration (DEFINE_DECODE); each head's query heads
+ * (its GQA group) share each K/V row it loads. Keys go in tiles of one vector (TILE = W: 16 floats with
+ * AVX-512, else 8) with an online softmax, accumulated in float32. Vectors are GCC/Clang vector
+ * extensions, lowered to whatever SIMD the CPU has (-march=native).
  * The OpenMP runtime is the one torch already loaded (same soname), so these threads are torch's
  * intra-op threads. */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#define TILE 32
 #define MAX_GROUP 16
+#define MAX_ITEM_HEADS 16 /* query heads per work item */
 #define MAX_HEAD_DIM 256
+#ifdef __AVX512F__
+#define W 16 /* floats per vector */
+#else
 #define W 8
+#endif
+#define TILE W /* keys per tile: one vector of scores per query head */
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
@@ -31,21 +38,86 @@ typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
 
 int pdserve_max_group(void) { return MAX_GROUP; }
 int pdserve_max_head_dim(void) { return MAX_HEAD_DIM; }
+int pdserve_decode_lanes(void) { return W; }
 
-static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
+static inline vf splat(float x) { return (vf){} + x; }
 static inline vf ld_f32(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+#ifdef __AVX512F__
+/* One widening load and a shift (the generic form below is lowered as two 256-bit halves). */
+static inline vf ld_bf16(const uint16_t *p) {
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+#else
 static inline vf ld_bf16(const uint16_t *p) {
     vh h; memcpy(&h, p, sizeof h);
     vu u = __builtin_convertvector(h, vu) << 16;
     vf v; memcpy(&v, &u, sizeof v); return v;
 }
-/* The sum of a vector's lanes, by halving. */
+#endif
+static inline vf vmax(vf a, vf b) { vi m = a > b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+
+#if W == 16
+static const vi LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+/* reduce() leaves in lane i the sum of p[BITREV[i]]: a key's partial sums go in at its bit-reversed slot. */
+static const int BITREV[W] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+static inline float hsum(vf v) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+}
+static inline float hmax(vf v) {
+    v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
+}
+/* The lane sums of W vectors at once, by a tree of pairwise half-swaps: 2 shuffles and an add per
+ * pair per level, against a whole halving per vector. */
+static inline vf reduce(const vf *p) {
+    vf a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+             + __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+             + __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    return __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+         + __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+#else
+static const vi LANES = {0, 1, 2, 3, 4, 5, 6, 7};
+static const int BITREV[W] = {0, 4, 2, 6, 1, 5, 3, 7};
 static inline float hsum(vf v) {
     v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
     v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
     v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
     return v[0];
 }
+static inline float hmax(vf v) {
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+    return v[0];
+}
+static inline vf reduce(const vf *p) {
+    vf a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13)
+             + __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(b[0], b[1], 0, 8, 2, 10, 4, 12, 6, 14)
+         + __builtin_shufflevector(b[0], b[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
+#endif
+
 /* e^x for -87 <= x <= 0 (scores minus their maximum): x = n ln2 + r with |r| <= ln2/2, e^r by its
  * degree-6 Taylor polynomial (relative error under 3e-7), 2^n through the exponent bits. */
 static inline vf vexp(vf x) {
@@ -64,100 +136,137 @@ static inline vf vexp(vf x) {
     return p * s;
 }
 
-/* Softmax of one tile's scores s[0..n) of one query head against its running max m and sum l;
- * leaves the probabilities in s and returns the factor that rescales what was accumulated. */
-static inline float tile_softmax(float *s, int64_t n, float *m, float *l) {
-    float mx = *m;
-    for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
-    for (int64_t t = 0; t < TILE; t++) {
-        const float x = t < n ? s[t] - mx : -87.f;
-        s[t] = x < -87.f ? -87.f : x;
-    }
-    vf sum = splat(0.f);
-    for (int64_t t = 0; t < TILE; t += W) {
-        vf e = vexp(ld_f32(s + t));
-        for (int i = 0; i < W; i++) e[i] = t + i < n ? e[i] : 0.f;
-        memcpy(s + t, &e, sizeof e);
-        sum += e;
-    }
+/* Softmax of one tile's scores (lanes < n valid) of one query head against its running max m and
+ * sum l; leaves the probabilities in p (zero past n) and returns the factor that rescales what was
+ * accumulated. */
+static inline float tile_softmax(vf sc, int64_t n, float *m, float *l, float *p) {
+    const vi valid = LANES < (vi){} + (int32_t)n;
+    sc = (vf)(((vi)sc & valid) | ((vi)splat(-INFINITY) & ~valid));
+    const float top = hmax(sc), mx = *m > top ? *m : top;
+    vf e = vexp(vmax(sc - splat(mx), splat(-87.f)));
+    e = (vf)((vi)e & valid);
+    memcpy(p, &e, sizeof e);
     const float corr = expf(*m - mx);
-    *l = *l * corr + hsum(sum);
+    *l = *l * corr + hsum(e);
     *m = mx;
     return corr;
 }
 
+/* One work item is a sequence and a run of its KV heads (all of them where the batch gives every
+ * thread enough items): a token's K (and V) rows of adjacent heads are adjacent in the cache, so an
+ * item reads each block as one stream instead of one short row per token and head.
+ * Per tile of TILE keys: the tile's rows are located once (a walk through the block table, no
+ * division per key) and the next tile's are prefetched (its blocks are anywhere); for each head, each
+ * K row is loaded once for the head's G query heads and its G dot products left as vectors that
+ * reduce() sums W at a time; the V rows are loaded once, then each query head's accumulator takes
+ * the whole tile in registers. */
 #define DEFINE_DECODE(NAME, T, LD, DC)                                                                   \
 static void NAME(const T *q, const T *k, const T *v, int64_t block_stride, int64_t token_stride,        \
                  int64_t head_stride, const int64_t *blocks, int64_t max_blocks, const int64_t *starts,  \
                  const int64_t *spans, int64_t batch, int64_t num_kv_heads, int64_t group,               \
-                 int64_t block_size, float scale, float *out, float *lse, int num_threads) {             \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")               \
-    for (int64_t b = 0; b < batch; b++) {                                                                \
-        for (int64_t h = 0; h < num_kv_heads; h++) {                                                     \
-            const int64_t G = group;                                                                     \
-            vf qv[MAX_GROUP][DC], acc[MAX_GROUP][DC];                                                    \
-            float s[MAX_GROUP][TILE] __attribute__((aligned(32))), m[MAX_GROUP], l[MAX_GROUP];           \
-            const T *qrow = q + (b * num_kv_heads + h) * G * DC * W;                                     \
-            for (int64_t g = 0; g < G; g++) {                                                            \
-                for (int c = 0; c < DC; c++) {                                                           \
-                    qv[g][c] = LD(qrow + (g * DC + c) * W) * splat(scale);                               \
-                    acc[g][c] = splat(0.f);                                                              \
-                }                                                                                        \
-                m[g] = -INFINITY;                                                                        \
-                l[g] = 0.f;                                                                              \
+                 int64_t block_size, float scale, float *out, float *lse, int num_threads,               \
+                 int64_t heads_per_item) {                                                               \
+    const int64_t runs = (num_kv_heads + heads_per_item - 1) / heads_per_item;                           \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                            \
+    for (int64_t item = 0; item < batch * runs; item++) {                                                \
+        const int64_t b = item / runs, h0 = item % runs * heads_per_item;                                \
+        const int64_t h1 = h0 + heads_per_item < num_kv_heads ? h0 + heads_per_item : num_kv_heads;     \
+        const int64_t G = group, Q = (h1 - h0) * G; /* this item's query heads */                        \
+        vf qv[MAX_ITEM_HEADS][DC], acc[MAX_ITEM_HEADS][DC], part[MAX_GROUP][W], vrow[TILE][DC];          \
+        float p[MAX_GROUP][TILE] __attribute__((aligned(64))), m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];     \
+        const T *qrow = q + (b * num_kv_heads + h0) * G * DC * W;                                        \
+        for (int64_t j = 0; j < Q; j++) {                                                                \
+            for (int c = 0; c < DC; c++) {                                                               \
+                qv[j][c] = LD(qrow + (j * DC + c) * W) * splat(scale);                                   \
+                acc[j][c] = splat(0.f);                                                                  \
             }                                                                                            \
-            const int64_t *row = blocks + b * max_blocks;                                                \
-            const int64_t base = h * head_stride;                                                        \
-            for (int64_t p0 = starts[b]; p0 < spans[b]; p0 += TILE) {                                    \
-                const int64_t n = spans[b] - p0 < TILE ? spans[b] - p0 : TILE;                           \
+            m[j] = -INFINITY;                                                                            \
+            l[j] = 0.f;                                                                                  \
+        }                                                                                                \
+        const int64_t *row = blocks + b * max_blocks;                                                    \
+        const int64_t span_bytes = ((h1 - h0 - 1) * head_stride + DC * W) * (int64_t)sizeof(T);          \
+        for (int64_t p0 = starts[b]; p0 < spans[b]; p0 += TILE) {                                        \
+            const int64_t n = spans[b] - p0 < TILE ? spans[b] - p0 : TILE;                               \
+            int64_t at[TILE], bi = p0 / block_size, off = p0 % block_size;                               \
+            for (int64_t t = 0; t < n; t++) {                                                            \
+                at[t] = row[bi] * block_stride + off * token_stride + h0 * head_stride;                  \
+                if (++off == block_size) { off = 0; bi++; }                                              \
+            }                                                                                            \
+            for (int64_t t = 0, pn = p0 + n; t < TILE && pn < spans[b]; t++, pn++) {                     \
+                const int64_t a = row[bi] * block_stride + off * token_stride + h0 * head_stride;        \
+                for (int64_t x = 0; x < span_bytes; x += 64) {                                           \
+                    __builtin_prefetch((const char *)(k + a) + x);                                       \
+                    __builtin_prefetch((const char *)(v + a) + x);                                       \
+                }                                                                                        \
+                if (++off == block_size) { off = 0; bi++; }                                              \
+            }                                                                                            \
+            for (int64_t h = h0; h < h1; h++) {                                                          \
+                const int64_t hb = (h - h0) * head_stride, j0 = (h - h0) * G;                            \
                 for (int64_t t = 0; t < n; t++) {                                                        \
-                    const int64_t p = p0 + t;                                                            \
-                    const T *kr = k + row[p / block_size] * block_stride + (p % block_size) * token_stride \
-                                  + base;                                                                \
                     vf kc[DC];                                                                           \
-                    for (int c = 0; c < DC; c++) kc[c] = LD(kr + c * W);                                 \
+                    for (int c = 0; c < DC; c++) kc[c] = LD(k + at[t] + hb + c * W);                     \
                     for (int64_t g = 0; g < G; g++) {                                                    \
-                        vf a = qv[g][0] * kc[0];                                                         \
-                        for (int c = 1; c < DC; c++) a += qv[g][c] * kc[c];                              \
-                        s[g][t] = hsum(a);                                                               \
+                        vf a = qv[j0 + g][0] * kc[0];                                                    \
+                        for (int c = 1; c < DC; c++) a += qv[j0 + g][c] * kc[c];                         \
+                        part[g][BITREV[t]] = a;                                                          \
                     }                                                                                    \
+                    for (int c = 0; c < DC; c++) vrow[t][c] = LD(v + at[t] + hb + c * W);                \
                 }                                                                                        \
+                if (n & 1)                                                                               \
+                    for (int c = 0; c < DC; c++) vrow[n][c] = splat(0.f);                                \
+                for (int64_t t = n; t < TILE; t++)                                                       \
+                    for (int64_t g = 0; g < G; g++) part[g][BITREV[t]] = splat(0.f);                     \
                 for (int64_t g = 0; g < G; g++) {                                                        \
-                    const float corr = tile_softmax(s[g], n, &m[g], &l[g]);                              \
-                    vf a[DC];                                                                            \
-                    for (int c = 0; c < DC; c++) a[c] = acc[g][c] * splat(corr);                         \
-                    for (int64_t t = 0; t < n; t++) {                                                    \
-                        const int64_t p = p0 + t;                                                        \
-                        const T *vr = v + row[p / block_size] * block_stride                             \
-                                      + (p % block_size) * token_stride + base;                          \
-                        const vf w = splat(s[g][t]);                                                     \
-                        for (int c = 0; c < DC; c++) a[c] += w * LD(vr + c * W);                         \
+                    const int64_t j = j0 + g;                                                            \
+                    const float corr = tile_softmax(reduce(part[g]), n, &m[j], &l[j], p[g]);             \
+                    vf a[DC], a2[DC]; /* two chains of sums (even and odd keys): half the FMA latency */ \
+                    for (int c = 0; c < DC; c++) { a[c] = acc[j][c] * splat(corr); a2[c] = splat(0.f); } \
+                    for (int64_t t = 0; t < n; t += 2) { /* an odd n: p[g][n] and vrow[n] are zero */    \
+                        const vf w = splat(p[g][t]), w2 = splat(p[g][t + 1]);                            \
+                        for (int c = 0; c < DC; c++) {                                                   \
+                            a[c] += w * vrow[t][c];                                                      \
+                            a2[c] += w2 * vrow[t + 1][c];                                                \
+                        }                                                                                \
                     }                                                                                    \
-                    for (int c = 0; c < DC; c++) acc[g][c] = a[c];                                       \
+                    for (int c = 0; c < DC; c++) acc[j][c] = a[c] + a2[c];                               \
                 }                                                                                        \
             }                                                                                            \
-            for (int64_t g = 0; g < G; g++) {                                                            \
-                const int64_t r = (b * num_kv_heads + h) * G + g;                                        \
-                const vf inv = splat(l[g] > 0.f ? 1.f / l[g] : 0.f);                                     \
-                for (int c = 0; c < DC; c++) {                                                           \
-                    const vf o = acc[g][c] * inv;                                                        \
-                    memcpy(out + r * DC * W + c * W, &o, sizeof o);                                      \
-                }                                                                                        \
-                lse[r] = l[g] > 0.f ? m[g] + logf(l[g]) : -INFINITY;                                     \
+        }                                                                                                \
+        for (int64_t j = 0; j < Q; j++) {                                                                \
+            const int64_t r = (b * num_kv_heads + h0) * G + j;                                           \
+            const vf inv = splat(l[j] > 0.f ? 1.f / l[j] : 0.f);                                         \
+            for (int c = 0; c < DC; c++) {                                                               \
+                const vf o = acc[j][c] * inv;                                                            \
+                memcpy(out + r * DC * W + c * W, &o, sizeof o);                                          \
             }                                                                                            \
+            lse[r] = l[j] > 0.f ? m[j] + logf(l[j]) : -INFINITY;                                         \
         }                                                                                                \
     }                                                                                                    \
 }
 
+/* KV heads per work item: as many as MAX_ITEM_HEADS query heads allow, fewer (down to one) until
+ * every thread has at least four items. */
+static int64_t heads_per_item(int64_t batch, int64_t num_kv_heads, int64_t group, int num_threads) {
+    int64_t n = MAX_ITEM_HEADS / group < num_kv_heads ? MAX_ITEM_HEADS / group : num_kv_heads;
+    while (n > 1 && batch * ((num_kv_heads + n - 1) / n) < 4 * (int64_t)num_threads) n = (n + 1) / 2;
+    return n;
+}
+
 /* One instantiation per head size (DC vectors of W floats), so that a K/V row and a head's accumulator
  * stay in registers. */
+#if W == 16
+#define HEAD_SIZES(X, SUFFIX, T, LD) X(SUFFIX, T, LD, 1) X(SUFFIX, T, LD, 2) X(SUFFIX, T, LD, 4) X(SUFFIX, T, LD, 5) \
+    X(SUFFIX, T, LD, 6) X(SUFFIX, T, LD, 8) X(SUFFIX, T, LD, 16)
+#else
 #define HEAD_SIZES(X, SUFFIX, T, LD) X(SUFFIX, T, LD, 2) X(SUFFIX, T, LD, 4) X(SUFFIX, T, LD, 8) X(SUFFIX, T, LD, 10) \
     X(SUFFIX, T, LD, 12) X(SUFFIX, T, LD, 16) X(SUFFIX, T, LD, 32)
+#endif
 #define INSTANCE(SUFFIX, T, LD, DC) DEFINE_DECODE(decode_##SUFFIX##_##DC, T, LD, DC)
 #define CASE(SUFFIX, T, LD, DC)                                                                           \
     case DC:                                                                                              \
         decode_##SUFFIX##_##DC(q, k, v, block_stride, token_stride, head_stride, blocks, max_blocks, starts, \
-                               spans, batch, num_kv_heads, group, block_size, scale, out, lse, num_threads); \
+                               spans, batch, num_kv_heads, group, block_size, scale, out, lse, num_threads,        \
+                               heads_per_item(batch, num_kv_heads, group, num_threads));        \
         return 0;
 #define SIZE(SUFFIX, T, LD, DC) case DC:
 

@@ -5,6 +5,7 @@ with it against transformers."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -57,7 +58,8 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 def test_decodes_match_the_reference(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                                      tol: float) -> None:  # fmt: skip
-    """Lengths 1 to 300 (a tile of 32 keys ends mid-block and mid-sequence), MHA, GQA and MQA."""
+    """Lengths 1 to 300 (a tile of 8 or 16 keys ends mid-block and mid-sequence, after an odd or even
+    number of keys), MHA, GQA and MQA."""
     lens = [1, 2, 15, 16, 17, 31, 32, 33, 100, 300]
     q, k, v, table, seq_lens, qsl = _batch(lens, [1] * len(lens), heads, kv_heads, head_dim, dtype)
     scale = head_dim**-0.5
@@ -111,6 +113,48 @@ def test_a_tensor_parallel_rank_s_head_slice_on_two_threads() -> None:
     finally:
         torch.set_num_threads(threads)
     assert _rel(got, paged_attention_ref(q, k, v, table, seq_lens, qsl, 0.125)) < 1e-6
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(16, 8), (15, 5), (8, 8)])
+def test_runs_of_heads_per_work_item(heads: int, kv_heads: int, threads: int) -> None:
+    """A work item is a sequence and a run of its KV heads, shorter when the batch is small against
+    the threads (down to one head, runs that do not divide the heads): 1, 3 and 8 sequences."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for seed, lens in enumerate(([70], [1, 33, 130], [5, 16, 17, 48, 49, 64, 100, 7])):
+            q, k, v, table, seq_lens, qsl = _batch(lens, [1] * len(lens), heads, kv_heads, 32, torch.float32, seed)
+            plan = plan_attention(table, seq_lens, qsl, BS, fused=True)
+            got = paged_attention_torch(q, k, v, table, seq_lens, qsl, 0.2, plan)
+            assert _rel(got, paged_attention_ref(q, k, v, table, seq_lens, qsl, 0.2)) < 1e-6
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _has_avx2() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and " avx2 " in cpuinfo.read_text() and cpu_build._compiler() is not None
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="the AVX2 build needs a CPU with AVX2 to run")
+def test_the_avx2_build_agrees_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without AVX-512 the kernel works in vectors and tiles of 8 floats: built here for x86-64-v3,
+    it gives the reference's results in both dtypes."""
+    flags = [f for f in cpu_build.FLAGS if f != "-march=native"]
+    lib_path = tmp_path / "cpu_decode_avx2.so"
+    subprocess.run([cpu_build._compiler(), *flags, "-march=x86-64-v3", "-Wno-psabi", str(cpu_decode._SOURCE), "-o",
+                    str(lib_path)], check=True, capture_output=True, timeout=300)  # fmt: skip
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.pdserve_decode_lanes() == 8
+    monkeypatch.setattr(cpu_decode, "_get", lambda: cpu_decode._Kernel(lib))
+    lens = [1, 2, 7, 8, 9, 16, 17, 33, 100]
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        q, k, v, table, seq_lens, qsl = _batch(lens, [1] * len(lens), 9, 3, 64, dtype, seed=5)
+        plan = plan_attention(table, seq_lens, qsl, BS, fused=True)
+        got = paged_attention_torch(q, k, v, table, seq_lens, qsl, 0.125, plan)
+        ref = paged_attention_ref(q.float(), k.float(), v.float(), table, seq_lens, qsl, 0.125)
+        assert _rel(got, ref) < tol
 
 
 def test_what_it_does_not_run() -> None:

@@ -52,6 +52,20 @@ def test_greedy_and_degenerate_filters_pick_argmax() -> None:
     assert s.sample(logits, list("ijkl"), [SamplingParams(temperature=1.0, top_p=1e-6, seed=1)] * 4)[0] == want
 
 
+def test_greedy_ties_and_nan_pick_the_first_index_as_argmax_does() -> None:
+    """Greedy picks through ``max``'s indices; on a wide batch (several threads) they are argmax's:
+    the first of tied maxima, a NaN before any number."""
+    torch.manual_seed(0)
+    logits = torch.randn(48, 49_152)
+    logits[1, [7, 900, 40_000]] = 50.0
+    logits[2] = 0.0
+    logits[3, [11, 30_000]] = float("nan")
+    logits[4, [5, 45_000]] = float("inf")
+    want = logits.argmax(-1).tolist()
+    assert want[1:5] == [7, 0, 11, 5]
+    assert Sampler().sample(logits, [f"r{i}" for i in range(48)], [SamplingParams()] * 48)[0] == want
+
+
 def test_seed_reproducible_regardless_of_batch() -> None:
     logits = torch.randn(3, 100)
     p = SamplingParams(temperature=1.0, seed=42)
