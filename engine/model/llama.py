@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.kernels import paged_attention, write_kv
+from pdserve.engine.kernels import cpu_ops, paged_attention, write_kv
 from pdserve.engine.kernels.metadata import AttentionMetadata
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.linear import Linear, PackedWeights, onednn_supported, packed_copy, project
@@ -31,7 +31,8 @@ from pdserve.engine.parallel.shard import TPShard
 
 # ----------------------------------------------------------------------------- layers
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, cast back, then scaled (HF's order of rounding)."""
+    """RMSNorm computed in float32, cast back, then scaled (HF's order of rounding). On the CPU rows
+    go through ``cpu_ops`` (one call, the same rounding) when the weight shares their dtype."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -40,7 +41,29 @@ class RMSNorm(nn.Module):
         self.shape = (size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and self._fused(x):
+            return cpu_ops.add_rms_norm(x, None, self.weight, self.eps)[1]
         return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
+
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h + delta, self(h + delta))``: a residual add and the norm after it."""
+        if h.dim() == 2 and self._fused(h) and delta.dtype == h.dtype and cpu_ops.supports(delta):
+            return cpu_ops.add_rms_norm(h, delta, self.weight, self.eps)
+        h = h + delta
+        return h, self(h)
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        return self.weight.dtype == x.dtype and cpu_ops.supports(x) and cpu_ops.supports(self.weight)
+
+
+def rotate_qk(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The first ``heads`` heads of each row of ``qkv [n, w]`` rotated, as ``[n, heads, head_dim]``: in
+    place through ``cpu_ops`` (a view of ``qkv``, which the caller owns) or by ``apply_rotary``."""
+    n = qkv.shape[0]
+    if cpu_ops.supports(qkv) and cos.dtype == qkv.dtype and cos.is_contiguous() and sin.is_contiguous():
+        cpu_ops.rotary_(qkv, heads, head_dim, cos, sin)
+        return qkv[:, : heads * head_dim].view(n, heads, head_dim)
+    return apply_rotary(qkv[:, : heads * head_dim].view(n, heads, head_dim), cos, sin)
 
 
 class Attention(nn.Module):
@@ -86,7 +109,7 @@ class Attention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         # Rotate q and k in one go: they are adjacent columns of qkv.
-        qk = apply_rotary(qkv[:, : self.qk_size].view(n, self.qk_heads, self.head_dim), cos, sin)
+        qk = rotate_qk(qkv, self.qk_heads, self.head_dim, cos, sin)
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, self.qk_size :].view(n, self.num_kv_heads, self.head_dim)
@@ -116,7 +139,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        out = self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :])
+        if cpu_ops.supports(gate_up):
+            act = cpu_ops.silu_mul(gate_up, self.inter)
+        else:
+            act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
+        out = self.down_proj(act)
         return out if self.comm is None else self.comm.all_reduce(out)
 
 
@@ -141,8 +168,9 @@ class DecoderLayer(nn.Module):
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor, meta: AttentionMetadata,
     ) -> torch.Tensor:  # fmt: skip
         """``layer_kv``: this layer's slice of the KV tensor (what its attention reads and writes)."""
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer_kv, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, layer_kv, meta)
+        h, x = self.post_attention_layernorm.add_forward(h, attn)
+        return h + self.mlp(x)
 
 
 class Embedding(nn.Embedding):
