@@ -7,7 +7,9 @@
  *   blocks [batch, max_blocks] int64: sequence b's position p lives in block blocks[b][p / block_size];
  *   positions starts[b] <= p < spans[b] are attended (a window or a cascade's suffix starts past 0);
  *   out    [batch, num_kv_heads * group, head_dim] float32, lse [batch, num_kv_heads * group] float32
- *          (natural log-sum-exp of the scaled scores; -inf and a zero row where no position is read).
+ *          (natural log-sum-exp of the scaled scores; -inf and a zero row where no position is read);
+ *   init_out, init_lse: NULL, or the same rows' attention over other keys (a cascade's shared prefix), laid
+ *          out as out and lse: the result is then over the union of both key sets (the two merged exactly).
  * group <= MAX_GROUP, and head_dim one of the sizes HEAD_SIZES instantiates (pdserve_supports_head_dim);
  * the entry points return -1 without reading anything otherwise, 0 when done.
  *
@@ -164,8 +166,8 @@ static inline float tile_softmax(vf sc, int64_t n, float *m, float *l, float *p)
 static void NAME(const T *q, const T *k, const T *v, int64_t block_stride, int64_t token_stride,        \
                  int64_t head_stride, const int64_t *blocks, int64_t max_blocks, const int64_t *starts,  \
                  const int64_t *spans, int64_t batch, int64_t num_kv_heads, int64_t group,               \
-                 int64_t block_size, float scale, float *out, float *lse, int num_threads,               \
-                 int64_t heads_per_item) {                                                               \
+                 int64_t block_size, float scale, const float *init_out, const float *init_lse,          \
+                 float *out, float *lse, int num_threads, int64_t heads_per_item) {                      \
     const int64_t runs = (num_kv_heads + heads_per_item - 1) / heads_per_item;                           \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                            \
     for (int64_t item = 0; item < batch * runs; item++) {                                                \
@@ -176,12 +178,16 @@ static void NAME(const T *q, const T *k, const T *v, int64_t block_stride, int64
         float p[MAX_GROUP][TILE] __attribute__((aligned(64))), m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];     \
         const T *qrow = q + (b * num_kv_heads + h0) * G * DC * W;                                        \
         for (int64_t j = 0; j < Q; j++) {                                                                \
+            const int64_t r = (b * num_kv_heads + h0) * G + j;                                           \
+            /* A partial result over other keys (a cascade's prefix) is where the online softmax starts:  \
+             * its mass e^lse is e^m * l with m = lse, l = 1, and its normalised output the accumulator. */ \
+            const int start = init_lse && init_lse[r] > -INFINITY;                                       \
             for (int c = 0; c < DC; c++) {                                                               \
                 qv[j][c] = LD(qrow + (j * DC + c) * W) * splat(scale);                                   \
-                acc[j][c] = splat(0.f);                                                                  \
+                acc[j][c] = start ? ld_f32(init_out + r * DC * W + c * W) : splat(0.f);                   \
             }                                                                                            \
-            m[j] = -INFINITY;                                                                            \
-            l[j] = 0.f;                                                                                  \
+            m[j] = start ? init_lse[r] : -INFINITY;                                                      \
+            l[j] = start ? 1.f : 0.f;                                                                    \
         }                                                                                                \
         const int64_t *row = blocks + b * max_blocks;                                                    \
         const int64_t span_bytes = ((h1 - h0 - 1) * head_stride + DC * W) * (int64_t)sizeof(T);          \
@@ -265,7 +271,8 @@ static int64_t heads_per_item(int64_t batch, int64_t num_kv_heads, int64_t group
 #define CASE(SUFFIX, T, LD, DC)                                                                           \
     case DC:                                                                                              \
         decode_##SUFFIX##_##DC(q, k, v, block_stride, token_stride, head_stride, blocks, max_blocks, starts, \
-                               spans, batch, num_kv_heads, group, block_size, scale, out, lse, num_threads,        \
+                               spans, batch, num_kv_heads, group, block_size, scale, init_out, init_lse, out, lse, \
+                               num_threads,                                                                       \
                                heads_per_item(batch, num_kv_heads, group, num_threads));        \
         return 0;
 #define SIZE(SUFFIX, T, LD, DC) case DC:
@@ -285,7 +292,8 @@ int pdserve_supports_head_dim(int64_t head_dim) {
                                       int64_t token_stride, int64_t head_stride, const int64_t *blocks,   \
                                       int64_t max_blocks, const int64_t *starts, const int64_t *spans,    \
                                       int64_t batch, int64_t num_kv_heads, int64_t group,                 \
-                                      int64_t head_dim, int64_t block_size, float scale, float *out,      \
+                                      int64_t head_dim, int64_t block_size, float scale,                  \
+                                      const float *init_out, const float *init_lse, float *out,           \
                                       float *lse, int num_threads) {                                      \
         if (head_dim % W || group < 1 || group > MAX_GROUP) return -1;                                    \
         switch (head_dim / W) {                                                                           \

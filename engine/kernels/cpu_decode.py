@@ -25,7 +25,7 @@ _SOURCE = Path(__file__).with_name("cpu_decode.c")
 _DTYPES = {torch.float32: "pdserve_paged_decode_f32", torch.bfloat16: "pdserve_paged_decode_bf16"}
 PROFILER_LABEL = "pdserve::cpu_decode_attention"  # what torch.profiler calls a kernel call
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_ARGTYPES = [_P, _P, _P, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, ctypes.c_int]
+_ARGTYPES = [_P, _P, _P, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, ctypes.c_int]
 
 
 class _Kernel:
@@ -64,8 +64,11 @@ def decode_attention(
     starts: torch.Tensor,
     spans: torch.Tensor,
     scale: float,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query row's attention over its positions ``[starts[b], spans[b])``.
+    """Each query row's attention over its positions ``[starts[b], spans[b])``, and over other keys
+    whose partial result ``prefix`` gives (a cascade's shared prefix: ``(out, lse)`` of any float
+    dtype, viewable as ``[B, Hq, D]`` and ``[B, Hq]``), merged exactly in the kernel.
 
     ``q [B, Hq, D]`` (one query per sequence); ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]``
     with each head's ``D`` values contiguous (a tensor-parallel rank's head slice is fine);
@@ -87,12 +90,18 @@ def decode_attention(
     q = q.contiguous()
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)
     lse = torch.empty(batch, num_heads, dtype=torch.float32)
+    init_out = init_lse = None
+    if prefix is not None:  # float32 and contiguous, each in one copy
+        init_out, init_lse = torch.empty_like(out), torch.empty_like(lse)
+        init_out.view(prefix[0].shape).copy_(prefix[0])
+        init_lse.view(prefix[1].shape).copy_(prefix[1])
     with torch.profiler.record_function(PROFILER_LABEL):
         failed = kernel.fns[q.dtype](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), blocks.data_ptr(), blocks.shape[1], starts.data_ptr(), spans.data_ptr(), batch,
-            num_kv_heads, num_heads // num_kv_heads, head_dim, k_cache.shape[1], scale, out.data_ptr(),
-            lse.data_ptr(), torch.get_num_threads(),
+            num_kv_heads, num_heads // num_kv_heads, head_dim, k_cache.shape[1], scale,
+            None if init_out is None else init_out.data_ptr(), None if init_lse is None else init_lse.data_ptr(),
+            out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
     if failed:  # not reached: supports() above checks what the kernel refuses
         raise ValueError(f"the decode kernel refused head_dim={head_dim}, group={num_heads // num_kv_heads}")

@@ -12,6 +12,7 @@
  * Contract (checked by engine/kernels/cpu_ops.py): rows of `cols` contiguous elements at a row stride;
  * T is float (f32) or uint16_t holding bfloat16 (bf16). OpenMP splits rows when there are enough of
  * them to pay for a parallel region. */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -41,22 +42,35 @@ static inline void vst_f32(float *p, vf v, int64_t n) {
     if (n == W) memcpy(p, &v, sizeof v); else memcpy(p, &v, n * sizeof *p);
 }
 static inline vf vround_f32(vf v) { return v; }
+/* AVX-512 widens and narrows 16 lanes in one instruction; GCC lowers __builtin_convertvector between
+ * 16-bit and 32-bit lanes as two 256-bit halves. */
+#ifdef __AVX512F__
+static inline vf widen(vh h) { return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16); }
+static inline vh narrow(vu u) { return (vh)_mm512_cvtepi32_epi16((__m512i)u); }
+#else
+static inline vf widen(vh h) { return (vf)(__builtin_convertvector(h, vu) << 16); }
+static inline vh narrow(vu u) { return __builtin_convertvector(u, vh); }
+#endif
 static inline vf vld_bf16(const uint16_t *p, int64_t n) {
     vh h = {};
     if (n == W) memcpy(&h, p, sizeof h); else memcpy(&h, p, n * sizeof *p);
-    return (vf)(__builtin_convertvector(h, vu) << 16);
+    return widen(h);
 }
 static inline vh vbf16(vf v) {
     const vu u = (vu)v;
     const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
-    const vu r = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16 & ~nan) | ((u >> 16 | 0x40u) & nan);
-    return __builtin_convertvector(r, vh);
+    return narrow(((u + 0x7fffu + ((u >> 16) & 1u)) >> 16 & ~nan) | ((u >> 16 | 0x40u) & nan));
 }
 static inline void vst_bf16(uint16_t *p, vf v, int64_t n) {
     const vh h = vbf16(v);
     if (n == W) memcpy(p, &h, sizeof h); else memcpy(p, &h, n * sizeof *p);
 }
-static inline vf vround_bf16(vf v) { return (vf)(__builtin_convertvector(vbf16(v), vu) << 16); }
+/* Round to bfloat16 and back without leaving 32-bit lanes: the low 16 bits cleared after rounding. */
+static inline vf vround_bf16(vf v) {
+    const vu u = (vu)v;
+    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    return (vf)((((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u) & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan));
+}
 
 /* e^x, x clamped to [-87, 88] (float32's normal range): x = n ln2 + r
  * with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error under 3e-7), 2^n through

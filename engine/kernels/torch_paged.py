@@ -228,10 +228,7 @@ def _decode_group(
     num_kv_heads = k_cache.shape[2]
     if group.spans is not None and group.starts is not None:
         blocks = group.block_index.view(batch, -1)
-        out, lse = cpu_decode.decode_attention(q, k_cache, v_cache, blocks, group.starts, group.spans, scale)
-        if prefix is not None:
-            group_shape = (batch, num_kv_heads, num_heads // num_kv_heads)
-            out = merge(*prefix, out.view(*group_shape, head_dim), lse.view(group_shape)).reshape(batch, num_heads, head_dim)
+        out, _ = cpu_decode.decode_attention(q, k_cache, v_cache, blocks, group.starts, group.spans, scale, prefix)
         return out.to(q.dtype)
     k = _read(_gather(k_cache, group, 0), q.dtype, k_scale).transpose(1, 2)  # [B, Hkv, L, D]
     v = _read(_gather(v_cache, group, 1), q.dtype, v_scale).transpose(1, 2)

@@ -83,6 +83,24 @@ def test_the_log_sum_exp_and_a_row_with_no_positions() -> None:
     assert torch.equal(out[1], torch.zeros(6, 32)) and bool((lse[1] == float("-inf")).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_partial_result_over_other_keys_is_merged_in(dtype: torch.dtype) -> None:
+    """``prefix``: attention over positions [0, a) given as (out, lse), continued over [a, n) by the
+    kernel, is attention over [0, n); a row whose prefix saw no key (lse -inf) reads only its own."""
+    lens = [40, 100, 17, 64]
+    q, k, v, table, _, _ = _batch(lens, [1] * 4, 8, 2, 64, dtype, seed=6)
+    blocks = table.long().contiguous()
+    spans = torch.tensor(lens, dtype=torch.int64)
+    split = torch.tensor([16, 37, 0, 64], dtype=torch.int64)  # the third's prefix is empty
+    whole, whole_lse = cpu_decode.decode_attention(q, k, v, blocks, torch.zeros(4, dtype=torch.int64), spans, 0.125)
+    part = cpu_decode.decode_attention(q, k, v, blocks, torch.zeros(4, dtype=torch.int64), split, 0.125)
+    assert part[1][2].isinf().all()
+    shaped = (part[0].view(4, 2, 4, 64).to(dtype), part[1].view(4, 2, 4))  # any float dtype and shape
+    out, lse = cpu_decode.decode_attention(q, k, v, blocks, split, spans, 0.125, shaped)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert _rel(out, whole) < tol and torch.allclose(lse, whole_lse, atol=1e-4)
+
+
 def test_a_window_a_cascade_and_prefills_in_one_step() -> None:
     """Mixed batch: decodes beside a prefill, under a sliding window; then twelve decodes sharing a
     prefix through the cascade, whose suffixes the kernel reads and merges by log-sum-exp."""
