@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from pdserve.benchmarks.common import emit
 from pdserve.engine.cpu_features import cpu_bf16_units
-from pdserve.engine.kernels import cpu_gemm
+from pdserve.engine.kernels import cpu_amx, cpu_gemm
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.linear import Linear, onednn_supported
 from pdserve.engine.sampling_params import SamplingParams
@@ -50,7 +50,8 @@ LABELS = {"float32_f_linear": "fp32 F.linear", "float32_engine": "fp32 engine", 
           "bfloat16_engine": "bf16 engine"}  # fmt: skip
 # Operators that are the projections (self time): oneDNN's linear and its conversions, BLAS's mm.
 PROJECTION_OPS = frozenset({"aten::mm", "aten::addmm", "aten::mkldnn_linear", "aten::to_mkldnn", "aten::to_dense",
-                            "mkldnn::_linear_pointwise", cpu_gemm.PROFILER_LABEL})  # fmt: skip
+                            "mkldnn::_linear_pointwise", cpu_gemm.PROFILER_LABEL,
+                            cpu_amx.PROFILER_LABEL})  # fmt: skip
 
 
 def log(msg: str) -> None:

@@ -1,5 +1,6 @@
-"""A model's float32 projections on the CPU, each path: the panel kernel (``engine/kernels/cpu_gemm.c``)
-against torch's products.
+"""A model's projections on the CPU, each path: float32 through the panel kernel
+(``engine/kernels/cpu_gemm.c``), bfloat16 (``--dtype bfloat16``) through the AMX tile kernel
+(``engine/kernels/cpu_amx.c``), against torch's products.
 
 For each row count (a decode batch of that many sequences, or a prefill's tokens), one pass projects the rows through every
 layer's weights of the model (qkv, o, gate_up, down; 30 layers of SmolLM2-135M's widths by default),
@@ -7,18 +8,21 @@ so that, as in a decode step, the weights stream from memory rather than sit in 
 each checked against float64 first (the run exits 1 on a mismatch), then timed in alternation for
 ``--repeats`` rounds, the median pass reported with the weight bytes read per second:
 
-- ``kernel``: :class:`engine.kernels.cpu_gemm.PanelWeights` (the engine's path where it is built);
-- ``w_xt``: ``(weight @ x.T).T``, the transposed product (the engine's path for 2-7 rows without the kernel);
+- ``kernel``: :class:`engine.kernels.cpu_gemm.PanelWeights` (float32) or
+  :class:`engine.kernels.cpu_amx.AMXWeights` (bfloat16), the engine's path where it is built;
+- ``w_xt`` (float32): ``(weight @ x.T).T``, the transposed product (the engine's path for 2-7 rows
+  without the kernel);
 - ``f_linear``: ``F.linear(x, weight)``;
-- ``onednn``: the packed oneDNN copy (the engine's path from 8 rows without the kernel).
+- ``onednn``: the packed oneDNN copy (the engine's path without the kernel: from 8 rows in float32, every
+  row count in bfloat16).
 
 GFLOP/s (2 x rows x in x out per product) say how close many rows come to the FMA units' limit.
 
 ``read`` is the memory's read speed on the same threads (a sum over a buffer the size of the weights):
-what a pass could reach at best. Without a C compiler (or with ``PDSERVE_CPU_KERNELS=0``) the kernel
-is not built: the run says so and exits 0.
+what a pass could reach at best. Without a C compiler (or with ``PDSERVE_CPU_KERNELS=0``), or for
+bfloat16 without AMX-BF16, the kernel does not run here: the run says so and exits 0.
 
-Run: ``python -m pdserve.benchmarks.projections [--rows 1,4,8,16,64,256] [--layers 30] [--json]``.
+Run: ``python -m pdserve.benchmarks.projections [--rows 1,4,8,16,64,256] [--layers 30] [--dtype bfloat16] [--json]``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.benchmarks.common import emit
-from pdserve.engine.kernels import cpu_gemm
+from pdserve.engine.kernels import cpu_amx, cpu_gemm
 from pdserve.engine.model.linear import OneDNNWeights
 
 # SmolLM2-135M's projections: (out, in) of qkv, o, gate_up, down.
@@ -42,13 +46,17 @@ SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
 
 def paths(weights: list[torch.Tensor], rows: int, seed: int) -> tuple[dict[str, Callable[[], list]], list]:
-    """The four paths over ``weights`` for ``rows`` input rows, and the inputs (one per input width)."""
+    """The paths over ``weights`` (of one dtype) for ``rows`` input rows, and the inputs (one per
+    input width)."""
     gen = torch.Generator().manual_seed(seed)
-    xs = {k: torch.randn(rows, k, generator=gen) for k in {w.shape[1] for w in weights}}
+    dtype = weights[0].dtype
+    xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {w.shape[1] for w in weights}}
     packed = [OneDNNWeights(w, None) for w in weights]
-    panels = [cpu_gemm.PanelWeights(w, None) for w in weights]
+    kernel = cpu_gemm.PanelWeights if dtype == torch.float32 else cpu_amx.AMXWeights
+    panels = [kernel(w, None) for w in weights]
     fns: dict[str, Callable[[], list]] = {"kernel": lambda: [p(xs[w.shape[1]]) for p, w in zip(panels, weights)]}
-    fns["w_xt"] = lambda: [(w @ xs[w.shape[1]].t()).t().contiguous() for w in weights]
+    if dtype == torch.float32:
+        fns["w_xt"] = lambda: [(w @ xs[w.shape[1]].t()).t().contiguous() for w in weights]
     fns["f_linear"] = lambda: [F.linear(xs[w.shape[1]], w) for w in weights]
     fns["onednn"] = lambda: [p(xs[w.shape[1]]) for p, w in zip(packed, weights)]
     return fns, [xs[w.shape[1]] for w in weights]
@@ -61,7 +69,7 @@ def check(fns: dict[str, Callable[[], list]], weights: list[torch.Tensor], input
         for out, w, x in list(zip(outs, weights, inputs))[:4]:
             ref = x.double() @ w.double().t()
             err = float((out.double() - ref).abs().max() / ref.abs().max())
-            if not err < 1e-5:
+            if not err < (1e-5 if w.dtype == torch.float32 else 1e-2):
                 raise SystemExit(f"projections: {name} differs from float64 by {err:.2e} at {tuple(w.shape)}")
 
 
@@ -82,21 +90,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,4,8,16,64,256", help="input row counts (comma-separated)")
     ap.add_argument("--layers", type=int, default=30, help="layers of weights per pass (default 30)")
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",") if r]
     if not rows_list or min(rows_list) < 1 or args.layers < 1 or args.repeats < 1:
         ap.error("--rows >= 1, --layers >= 1 and --repeats >= 1 are required")
-    if cpu_gemm.panel() == 0:
+    dtype = getattr(torch, args.dtype)
+    if dtype == torch.float32 and cpu_gemm.panel() == 0:
         print("projections: the panel kernel is not built here (no C compiler, or PDSERVE_CPU_KERNELS=0)")
         return 0
+    if dtype == torch.bfloat16 and not cpu_amx.available(torch.zeros(32, 32, dtype=dtype)):
+        print("projections: the AMX kernel does not run here (no AMX-BF16, no C compiler, or PDSERVE_CPU_KERNELS=0)")
+        return 0
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen) * k**-0.5 for _ in range(args.layers) for n, k in SHAPES]
+    weights = [(torch.randn(n, k, generator=gen) * k**-0.5).to(dtype) for _ in range(args.layers) for n, k in SHAPES]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     flops_per_row = 2 * sum(w.numel() for w in weights)
     buf = torch.ones(nbytes // 4)
     result: dict[str, Any] = {"threads": torch.get_num_threads(), "layers": args.layers, "weight_mb": nbytes >> 20,
-                              "panel": cpu_gemm.panel(), "rows": {}}  # fmt: skip
+                              "dtype": args.dtype, "panel": cpu_gemm.panel(), "rows": {}}  # fmt: skip
     with torch.no_grad():
         for rows in rows_list:
             fns, inputs = paths(weights, rows, seed=rows)
@@ -112,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
-    out = [("weights", f"{result['layers']} layers, {result['weight_mb']} MiB float32, {result['threads']} threads")]
+    out = [("weights", f"{result['layers']} layers, {result['weight_mb']} MiB {result.get('dtype', 'float32')}, "
+                       f"{result['threads']} threads")]
     for rows, by in result["rows"].items():
         best_torch = min(v["ms"] for k, v in by.items() if k not in ("kernel", "read"))
         text = ", ".join(f"{k} {v['ms']} ms ({v['gbps']} GB/s" + (f", {v['gflops']} GFLOP/s)" if "gflops" in v else ")")

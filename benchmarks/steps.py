@@ -35,13 +35,13 @@ from typing import Any
 
 from pdserve.benchmarks.common import emit
 from pdserve.benchmarks.peers import workload
-from pdserve.engine.kernels import cpu_decode, cpu_gemm
+from pdserve.engine.kernels import cpu_amx, cpu_decode, cpu_gemm
 from pdserve.engine.sampling_params import SamplingParams
 
 PARTS = ("schedule", "prepare", "forward", "logits", "sample")
 OP_GROUPS: dict[str, tuple[str, ...]] = {
     "projections": ("aten::mm", "aten::addmm", "aten::mkldnn_linear", "aten::to_mkldnn", "aten::to_dense",
-                    "mkldnn::_linear_pointwise", cpu_gemm.PROFILER_LABEL),
+                    "mkldnn::_linear_pointwise", cpu_gemm.PROFILER_LABEL, cpu_amx.PROFILER_LABEL),
     "attention (SDPA)": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                          "aten::_softmax", "aten::bmm"),
     "attention (in-place decode kernel)": (cpu_decode.PROFILER_LABEL,),

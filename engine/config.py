@@ -135,8 +135,9 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # CPU float32 and bfloat16: projections run through a packed copy of their weights
     # (engine/model/linear.py): float32 through the panel kernel (engine/kernels/cpu_gemm.c) where it
-    # is built, else oneDNN on 8+ rows; bfloat16 through oneDNN on every row count. Costs a second copy
-    # of the linear weights; False keeps torch's products everywhere.
+    # is built, else oneDNN on 8+ rows; bfloat16 through the AMX tile kernel (engine/kernels/cpu_amx.c)
+    # where the CPU has AMX-BF16 and a layer's inputs are a multiple of 32, else oneDNN, on every row
+    # count. Costs a second copy of the linear weights; False keeps torch's products everywhere.
     cpu_onednn: bool = True
     # vLLM's --disable-cascade-attn: on the CPU's torch path, decodes that share prefix blocks read
     # them once together (engine/kernels/cascade.py) unless this is set.

@@ -26,7 +26,9 @@ float32 where the C kernels are built: the packed copy is not oneDNN's but
 :class:`engine.kernels.cpu_gemm.PanelWeights`, the weight reordered once into panels that a C kernel
 streams front to back, for every row count: a decode step of a few rows reads each weight at about the
 memory's speed, and a prefill's products run faster than oneDNN's on the same cores
-(``pdserve bench projections``). The two copies take the same memory. Without a packed copy, float32
+(``pdserve bench projections``). The two copies take the same memory. Likewise bfloat16 on a CPU with
+AMX-BF16, for a layer whose inputs are a multiple of 32: :class:`engine.kernels.cpu_amx.AMXWeights`,
+panels of AMX tiles that a C kernel streams, in place of oneDNN's copy. Without a packed copy, float32
 inputs of 2 to 7 rows compute the transposed product, ``weight @ x.T`` (``SKINNY_ROWS``: the BLAS's
 kernels for a skinny right-hand side read the weight at 2-4x the speed of those for a skinny
 left-hand side), and transpose the small result back.
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.kernels import cpu_gemm
+from pdserve.engine.kernels import cpu_amx, cpu_gemm
 
 # float32 inputs with fewer rows stay on F.linear (oneDNN's conversions dominate below ~8 rows).
 ONEDNN_MIN_ROWS = 8
@@ -103,14 +105,17 @@ class OneDNNWeights:
         return out if padded == rows else out[:rows]
 
 
-PackedWeights = OneDNNWeights | cpu_gemm.PanelWeights
+PackedWeights = OneDNNWeights | cpu_gemm.PanelWeights | cpu_amx.AMXWeights
 
 
 def packed_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeights:
     """The packed copy :func:`project` runs a layer through: panels for the C kernel for a float32
-    weight where it is built, else oneDNN's copy. Raises ValueError where neither takes the weight."""
+    weight where it is built, AMX tiles for a bfloat16 one where the CPU and its shape allow
+    (``cpu_amx.available``), else oneDNN's copy. Raises ValueError where none takes the weight."""
     if cpu_gemm.available(weight):
         return cpu_gemm.PanelWeights(weight, bias)
+    if cpu_amx.available(weight):
+        return cpu_amx.AMXWeights(weight, bias)
     if not onednn_supported(weight.dtype, weight.device):
         raise ValueError(f"a packed linear needs float32 or bfloat16 CPU weights (bfloat16: a CPU oneDNN has "
                          f"bfloat16 kernels for), got {weight.dtype} on {weight.device}")  # fmt: skip
@@ -135,7 +140,8 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) that runs 2-D CPU inputs through a packed copy.
 
     After :meth:`pack`, 2-D inputs go through the copy :func:`packed_copy` makes: every row count
-    through the panel kernel (float32, where it is built), else those of at least
+    through the panel kernel (float32, where it is built) or the AMX tile kernel (bfloat16, where the
+    CPU has AMX-BF16 and the inputs are a multiple of 32), else those of at least
     ``ONEDNN_MIN_ROWS`` rows (float32) or of any row count (bfloat16) through oneDNN's. Without a
     copy, float32 CPU inputs of ``SKINNY_ROWS`` rows run as the transposed product; everything else
     is plain ``F.linear``. Results agree with ``F.linear`` to the dtype's rounding (the summation

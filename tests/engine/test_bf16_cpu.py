@@ -1,6 +1,6 @@
 """bfloat16 on the CPU: the auto dtype rule (engine/model/dtype.py, the CPU's units injected), the
-packed bfloat16 projections on oneDNN's AMX kernels, and the engine in bfloat16 against
-transformers in bfloat16 on the same bfloat16 checkpoint.
+packed bfloat16 projections on AMX (the tile kernel of engine/kernels/cpu_amx.c, else oneDNN's), and
+the engine in bfloat16 against transformers in bfloat16 on the same bfloat16 checkpoint.
 
 Accuracy, stated (teacher-forced logits over 4 prompts, a batched chunked prefill then 4 batched
 decode steps, against transformers' eager bfloat16 forward of each whole sequence):
@@ -32,7 +32,8 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.cpu_features import BF16_FLAGS, cpu_bf16_units
 from pdserve.engine.model import ModelConfig, make_tiny_model
 from pdserve.engine.model.dtype import resolve_dtype, stored_precision
-from pdserve.engine.model.linear import onednn_supported
+from pdserve.engine.kernels import cpu_amx
+from pdserve.engine.model.linear import Linear, OneDNNWeights, onednn_supported
 from tests.support.gguf_files import smollm2_path, write_gguf
 from tests.support.models import PagedRunner, hf_logits, make_hf_checkpoint
 
@@ -122,15 +123,22 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.skipif("amx_bf16" not in cpu_bf16_units(), reason="this CPU has no AMX-BF16")
 def test_auto_runs_a_bf16_checkpoint_on_amx(checkpoints: dict[str, Path], capfd: pytest.CaptureFixture[str]) -> None:
-    """Auto picks bfloat16 here, packs every projection for oneDNN, and oneDNN runs them on AMX."""
+    """Auto picks bfloat16 here and packs every projection for AMX: this project's tile kernel where
+    the inputs come in whole tile rows (engine/kernels/cpu_amx.c, the model's 64), else oneDNN,
+    which runs them on AMX too."""
     engine = LLM(str(checkpoints["llama_gqa"]), num_blocks=32, block_size=8).engine
     assert engine.dtype == torch.bfloat16 and engine.onednn
     layer = engine.model.model.layers[0].self_attn.qkv_proj
     assert layer.packed
+    if cpu_amx.available(layer.weight):
+        assert isinstance(layer._packed, cpu_amx.AMXWeights)
+    odd = Linear(72, 40, bias=False).to(torch.bfloat16)  # 72 inputs: not whole tile rows
+    odd.pack()
+    assert isinstance(odd._packed, OneDNNWeights)
     capfd.readouterr()
     with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
         for rows in (1, 9, 300):  # a decode row, a decode batch, a prefill (bucketed)
-            layer(torch.randn(rows, layer.in_features, dtype=torch.bfloat16))
+            odd(torch.randn(rows, odd.in_features, dtype=torch.bfloat16))
     runs = [line for line in capfd.readouterr().out.splitlines() if ",exec," in line and "inner_product" in line]
     assert len(runs) == 3 and all("amx" in line for line in runs), runs
 
