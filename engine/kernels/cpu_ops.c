@@ -1,5 +1,6 @@
 /* A decoder layer's elementwise work on the CPU in one pass each: RMSNorm (with the residual add
- * before it), SwiGLU's silu(gate) * up, and rotary embedding in place.
+ * before it), SwiGLU's silu(gate) * up, and rotary embedding in place; and the KV write, a copy of
+ * each token's rows into its cache slot (pdserve_write_kv, at the end).
  *
  * At a decode step's few rows each of these is a handful of torch operators over a few kilobytes, and
  * their cost is the operators' dispatch, not the arithmetic; one call replaces them. Each reproduces
@@ -180,3 +181,18 @@ DEFINE_SILU_MUL(bf16, uint16_t, vld_bf16, vst_bf16, vround_bf16)
 DEFINE_ROTARY(f32, float, vld_f32, vst_f32, vround_f32)
 DEFINE_ROTARY(bf16, uint16_t, vld_bf16, vst_bf16, vround_bf16)
 #pragma GCC pop_options
+
+/* Each token's K and V rows (row_bytes: its heads, adjacent) copied into slot slots[t] of the caches,
+ * block slots[t] / block_size at offset slots[t] % block_size (strides in bytes); a negative slot
+ * skips the token. A decode step writes a few hundred bytes per token: a loop, not a parallel one. */
+void pdserve_write_kv(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *k_cache,
+                      char *v_cache, int64_t block_stride, int64_t token_stride, const int64_t *slots, int64_t tokens,
+                      int64_t block_size, int64_t row_bytes) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t s = slots[t];
+        if (s < 0) continue;
+        const int64_t at = (s / block_size) * block_stride + (s % block_size) * token_stride;
+        memcpy(k_cache + at, key + t * key_stride, (size_t)row_bytes);
+        memcpy(v_cache + at, value + t * value_stride, (size_t)row_bytes);
+    }
+}

@@ -1,4 +1,4 @@
-"""A decoder layer's elementwise work on the CPU, one call each (``cpu_ops.c``).
+"""A decoder layer's elementwise work on the CPU, and its KV write, one call each (``cpu_ops.c``).
 
 At a decode step's few rows, RMSNorm (with the residual add before it), SwiGLU's activation and the
 rotary embedding are each several torch operators over a few kilobytes, and what they cost is the
@@ -33,6 +33,7 @@ class _Kernel:
             self.norm[dtype] = _bind(lib, f"pdserve_add_rms_norm_{suffix}", [_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _N])
             self.silu_mul[dtype] = _bind(lib, f"pdserve_silu_mul_{suffix}", [_P, _I, _P, _I, _I, _I, _N])
             self.rotary[dtype] = _bind(lib, f"pdserve_rotary_{suffix}", [_P, _I, _I, _I, _I, _P, _P, _N])
+        self.write_kv = _bind(lib, "pdserve_write_kv", [_P, _I, _P, _I, _P, _P, _I, _I, _P, _I, _I, _I])
 
 
 def _bind(lib: ctypes.CDLL, name: str, argtypes: list[type]) -> ctypes._CFuncPtr:
@@ -107,6 +108,31 @@ def rotary_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: 
         _get().rotary[x.dtype](  # type: ignore[union-attr]
             x.data_ptr(), x.stride(0), n, heads, head_dim, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
         )
+
+
+def writes_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether :func:`write_kv` takes these: ``key``/``value [n, heads, head_dim]`` and the caches
+    ``[blocks, block_size, heads, head_dim]`` of one dtype :func:`supports` takes, each token's heads
+    adjacent (a strided cache or a head slice of one is fine), the caches' strides equal."""
+    head_dim = key.shape[-1]
+    return (key.dim() == 3 and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype and supports(key)
+            and k_cache.device.type == "cpu" and k_cache.stride() == v_cache.stride()
+            and k_cache.stride()[2:] == (head_dim, 1)
+            and all(t.stride()[1:] == (head_dim, 1) for t in (key, value)))  # fmt: skip
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:  # fmt: skip
+    """Copy each token's K and V rows into slot ``slot_mapping[t]`` of the caches (``-1`` skips the
+    token), as ``engine.kernels.torch_paged.write_kv_torch`` does. Requires :func:`writes_kv` and a
+    contiguous int64 ``slot_mapping`` of in-range slots (the caller's checks)."""
+    size = key.element_size()
+    with torch.profiler.record_function(PROFILER_LABEL):
+        _get().write_kv(  # type: ignore[union-attr]
+            key.data_ptr(), key.stride(0) * size, value.data_ptr(), value.stride(0) * size, k_cache.data_ptr(),
+            v_cache.data_ptr(), k_cache.stride(0) * size, k_cache.stride(1) * size, slot_mapping.data_ptr(),
+            key.shape[0], k_cache.shape[1], key.shape[1] * key.shape[2] * size,
+        )  # fmt: skip
 
 
 def _check(dtype: torch.dtype, *others: torch.Tensor | None) -> None:

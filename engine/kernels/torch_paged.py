@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import cpu_decode
+from pdserve.engine.kernels import cpu_decode, cpu_ops
 from pdserve.engine.kernels.cascade import CascadePrefix, attention_lse, merge, plan_prefix
 from pdserve.engine.kernels.quant import dequantize, is_fp8, quantize
 
@@ -40,6 +40,9 @@ def write_kv_torch(
     """Scatter ``key``/``value`` rows into their cache slots in place (quantized for an FP8
     cache); ``-1`` slots are skipped."""
     if key.shape[0] == 0:
+        return
+    if cpu_ops.writes_kv(key, value, k_cache, v_cache) and slot_mapping.is_contiguous():
+        cpu_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)  # one call for the ops below
         return
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.kernels import cpu_build, cpu_ops
+from pdserve.engine.kernels.reference import write_kv_ref
 from pdserve.engine.model.llama import RMSNorm, rotate_qk
 from pdserve.engine.model.rope import apply_rotary
 
@@ -111,6 +112,29 @@ def test_rmsnorm_module_uses_it_and_keeps_the_torch_path() -> None:
         torch.testing.assert_close(norm(x.view(2, 3, 64)), _norm_ref(x, norm.weight, 1e-5).view(2, 3, 64))
     x.requires_grad_(True)  # an autograd graph is asked for: torch's expression
     assert norm(x).grad_fn is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_is_the_reference_write(dtype: torch.dtype) -> None:
+    """Rows land in their slots of a layer's strided view of a multi-layer cache, and of a head
+    slice of it (a tensor-parallel rank's); -1 slots are skipped; nothing else changes."""
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(12, 3, 2, 8, 4, 16, generator=gen).to(dtype)  # [blocks, layers, K/V, block, heads, dim]
+    slots = torch.tensor([5, -1, 17, 95, 40, -1, 0], dtype=torch.int64)
+    for heads in (slice(None), slice(1, 3)):
+        k_cache, v_cache = cache[:, 1, 0, :, heads], cache[:, 1, 1, :, heads]
+        n_heads = k_cache.shape[2]
+        qkv = torch.randn(7, 4 + 2 * n_heads, 16, generator=gen).to(dtype)  # keys and values as views of one row
+        key, value = qkv[:, 4 : 4 + n_heads], qkv[:, 4 + n_heads :]
+        assert cpu_ops.writes_kv(key, value, k_cache, v_cache)
+        want = cache.clone()
+        write_kv_ref(key, value, want[:, 1, 0, :, heads], want[:, 1, 1, :, heads], slots)
+        cpu_ops.write_kv(key, value, k_cache, v_cache, slots)
+        assert torch.equal(cache, want)
+    assert not cpu_ops.writes_kv(torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), torch.zeros(3, 8, 4, 16, dtype=torch.bfloat16),
+                                 torch.zeros(3, 8, 4, 16, dtype=torch.bfloat16))  # fmt: skip
+    assert not cpu_ops.writes_kv(torch.zeros(2, 16, 4).transpose(1, 2), torch.zeros(2, 4, 16), torch.zeros(3, 8, 4, 16),
+                                 torch.zeros(3, 8, 4, 16))  # heads not adjacent  # fmt: skip
 
 
 def test_refusals() -> None:
