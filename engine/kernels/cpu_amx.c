@@ -44,6 +44,18 @@ static void config(int r0, int r1) {
     _tile_loadconfig(&c);
 }
 
+/* 16 float32 sums rounded to bfloat16, to nearest even; a NaN stays a (quiet) NaN. */
+static inline __m256i bf16_of(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+
 int pdserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *out,
                        int64_t rows, int64_t n, int64_t k, int num_threads) {
     if (k % 32) return -1;
@@ -79,17 +91,11 @@ int pdserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *w, c
             if (r1) { _tile_stored(2, &buf[16][0], 128); _tile_stored(3, &buf[16][16], 128); }
             const int64_t cols = n - p * 32 < 32 ? n - p * 32 : 32;
             for (int64_t h = 0; h < cols; h += 16) {
-                const int64_t w16 = cols - h < 16 ? cols - h : 16;
-                const __mmask16 mask = (__mmask16)((1u << w16) - 1u);
+                const __mmask16 mask = (__mmask16)((1u << (cols - h < 16 ? cols - h : 16)) - 1u);
                 const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + p * 32 + h) : _mm512_setzero_ps();
-                for (int64_t i = 0; i < m; i++) {
-                    const __m512i u = _mm512_castps_si512(_mm512_add_ps(_mm512_load_ps(&buf[i][h]), bv));
-                    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-                    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-                    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-                    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-                    _mm256_mask_storeu_epi16(out + (m0 + i) * n + p * 32 + h, mask, _mm512_cvtepi32_epi16(r));
-                }
+                for (int64_t i = 0; i < m; i++)
+                    _mm256_mask_storeu_epi16(out + (m0 + i) * n + p * 32 + h, mask,
+                                             bf16_of(_mm512_add_ps(_mm512_load_ps(&buf[i][h]), bv)));
             }
         }
         if (cur >= 0) _tile_release();

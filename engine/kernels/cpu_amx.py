@@ -96,7 +96,9 @@ class AMXWeights:
         if rows == 0:
             return out
         with torch.profiler.record_function(PROFILER_LABEL):
-            self._fn(x.data_ptr(), x.stride(0), self.tiles.data_ptr(),  # type: ignore[misc]
-                     None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows, self.out_features,
-                     self.in_features, torch.get_num_threads())  # fmt: skip
+            failed = self._fn(x.data_ptr(), x.stride(0), self.tiles.data_ptr(),  # type: ignore[misc]
+                              None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows,
+                              self.out_features, self.in_features, torch.get_num_threads())  # fmt: skip
+        if failed:  # not reached: available() checked what the kernel refuses
+            raise ValueError(f"the AMX kernel refused a [{rows}, {self.in_features}] input")
         return out
