@@ -15,7 +15,8 @@
  *
  * One sequence and a run of its KV heads per OpenMP iteration (DEFINE_DECODE); each head's query heads
  * (its GQA group) share each K/V row it loads. Keys go in tiles of one vector (TILE = W: 16 floats with
- * AVX-512, else 8) with an online softmax, accumulated in float32. Vectors are GCC/Clang vector
+ * AVX-512, else 8) with an online softmax, accumulated in float32; a bfloat16 cache's dot products go by
+ * pairs where the CPU has AVX512-BF16 (dot_pairs). Vectors are GCC/Clang vector
  * extensions, lowered to whatever SIMD the CPU has (-march=native).
  * The OpenMP runtime is the one torch already loaded (same soname), so these threads are torch's
  * intra-op threads. */
@@ -124,6 +125,25 @@ static inline vf reduce(const vf *p) {
 }
 #endif
 
+/* bfloat16 dot products by pairs (AVX512-BF16's vdpbf16ps: 32 products summed into 16 float32 lanes
+ * per instruction, each product exact), for a bfloat16 cache: half the instructions of widening K to
+ * float32 first. Elsewhere stubs that nothing calls (BF16_PAIRS 0). */
+#if defined(__AVX512BF16__) && W == 16
+#define BF16_PAIRS 1
+typedef __m512bh vb;
+static inline vb ld_pairs(const uint16_t *p) { return (vb)_mm512_loadu_si512(p); }
+static inline vf dot_pairs(const vb *qb, const uint16_t *k, int n2) {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < n2; c++) a = _mm512_dpbf16_ps(a, qb[c], ld_pairs(k + 32 * c));
+    return (vf)a;
+}
+#else
+#define BF16_PAIRS 0
+typedef vf vb;
+static inline vb ld_pairs(const uint16_t *p) { (void)p; return (vb){}; }
+static inline vf dot_pairs(const vb *qb, const uint16_t *k, int n2) { (void)qb; (void)k; (void)n2; return (vf){}; }
+#endif
+
 /* e^x for -87 <= x <= 0 (scores minus their maximum): x = n ln2 + r with |r| <= ln2/2, e^r by its
  * degree-6 Taylor polynomial (relative error under 3e-7), 2^n through the exponent bits. */
 static inline vf vexp(vf x) {
@@ -179,6 +199,8 @@ static void NAME(const T *q, const T *k, const T *v, int64_t block_stride, int64
         const int64_t h1 = h0 + heads_per_item < num_kv_heads ? h0 + heads_per_item : num_kv_heads;     \
         const int64_t G = group, Q = (h1 - h0) * G; /* this item's query heads */                        \
         vf qv[MAX_ITEM_HEADS][DC], acc[MAX_ITEM_HEADS][DC], part[MAX_GROUP][W], vrow[TILE][DC];          \
+        vb qb[MAX_ITEM_HEADS][(DC + 1) / 2]; /* the queries as bfloat16 pairs (pairs: scores scaled after) */ \
+        const int pairs = BF16_PAIRS && sizeof(T) == 2 && DC % 2 == 0;                                   \
         float p[MAX_GROUP][TILE] __attribute__((aligned(64))), m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];     \
         const T *qrow = q + (b * num_kv_heads + h0) * G * DC * W;                                        \
         for (int64_t j = 0; j < Q; j++) {                                                                \
@@ -186,6 +208,8 @@ static void NAME(const T *q, const T *k, const T *v, int64_t block_stride, int64
             /* A partial result over other keys (a cascade's prefix) is where the online softmax starts:  \
              * its mass e^lse is e^m * l with m = lse, l = 1, and its normalised output the accumulator. */ \
             const int start = init_lse && init_lse[r] > -INFINITY;                                       \
+            for (int c = 0; pairs && c < DC / 2; c++)                                                    \
+                qb[j][c] = ld_pairs((const uint16_t *)qrow + (j * DC + 2 * c) * W);                      \
             for (int c = 0; c < DC; c++) {                                                               \
                 qv[j][c] = LD(qrow + (j * DC + c) * W) * splat(scale);                                   \
                 acc[j][c] = start ? ld_f32(init_out + r * DC * W + c * W) : splat(0.f);                   \
@@ -213,12 +237,17 @@ static void NAME(const T *q, const T *k, const T *v, int64_t block_stride, int64
             for (int64_t h = h0; h < h1; h++) {                                                          \
                 const int64_t hb = (h - h0) * head_stride, j0 = (h - h0) * G;                            \
                 for (int64_t t = 0; t < n; t++) {                                                        \
-                    vf kc[DC];                                                                           \
-                    for (int c = 0; c < DC; c++) kc[c] = LD(k + at[t] + hb + c * W);                     \
-                    for (int64_t g = 0; g < G; g++) {                                                    \
-                        vf a = qv[j0 + g][0] * kc[0];                                                    \
-                        for (int c = 1; c < DC; c++) a += qv[j0 + g][c] * kc[c];                         \
-                        part[g][BITREV[t]] = a;                                                          \
+                    if (pairs) {                                                                         \
+                        for (int64_t g = 0; g < G; g++)                                                  \
+                            part[g][BITREV[t]] = dot_pairs(qb[j0 + g], (const uint16_t *)(k + at[t] + hb), DC / 2); \
+                    } else {                                                                             \
+                        vf kc[DC];                                                                       \
+                        for (int c = 0; c < DC; c++) kc[c] = LD(k + at[t] + hb + c * W);                 \
+                        for (int64_t g = 0; g < G; g++) {                                                \
+                            vf a = qv[j0 + g][0] * kc[0];                                                \
+                            for (int c = 1; c < DC; c++) a += qv[j0 + g][c] * kc[c];                     \
+                            part[g][BITREV[t]] = a;                                                      \
+                        }                                                                                \
                     }                                                                                    \
                     for (int c = 0; c < DC; c++) vrow[t][c] = LD(v + at[t] + hb + c * W);                \
                 }                                                                                        \
@@ -228,7 +257,8 @@ static void NAME(const T *q, const T *k, const T *v, int64_t block_stride, int64
                     for (int64_t g = 0; g < G; g++) part[g][BITREV[t]] = splat(0.f);                     \
                 for (int64_t g = 0; g < G; g++) {                                                        \
                     const int64_t j = j0 + g;                                                            \
-                    const float corr = tile_softmax(reduce(part[g]), n, &m[j], &l[j], p[g]);             \
+                    const vf sc = pairs ? reduce(part[g]) * splat(scale) : reduce(part[g]);              \
+                    const float corr = tile_softmax(sc, n, &m[j], &l[j], p[g]);                          \
                     vf a[DC], a2[DC]; /* two chains of sums (even and odd keys): half the FMA latency */ \
                     for (int c = 0; c < DC; c++) { a[c] = acc[j][c] * splat(corr); a2[c] = splat(0.f); } \
                     for (int64_t t = 0; t < n; t += 2) { /* an odd n: p[g][n] and vrow[n] are zero */    \
