@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.kernels import cpu_build
+from pdserve.engine.kernels.kernel_weights import KernelWeights
 
 _SOURCE = Path(__file__).with_name("cpu_amx.c")
 PROFILER_LABEL = "pdserve::cpu_amx_linear"  # what torch.profiler calls a kernel call
@@ -58,15 +59,14 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(padded // PANEL, 2, 16, k // BLOCK, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
 
 
-class AMXWeights:
-    """An AMX copy of one bfloat16 linear map (weight ``[out, in]``, optional bias) for the kernel.
+class AMXWeights(KernelWeights):
+    """An AMX copy of one bfloat16 linear map (weight ``[out, in]``, optional bias) for the kernel
+    (:class:`KernelWeights` runs it: float32 sums rounded once to bfloat16, as ``F.linear`` rounds).
+    Requires :func:`available` for the weight."""
 
-    Derived state like ``linear.OneDNNWeights``: never saved or moved with the model; its owner
-    rebuilds it from the dense weight when that changes. ``min_rows`` (1): every 2-D input runs
-    through it. Requires :func:`available` for the weight.
-    """
-
-    min_rows = 1
+    dtype = torch.bfloat16
+    label = PROFILER_LABEL
+    name = "AMX linear"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         if not available(weight):
@@ -75,30 +75,6 @@ class AMXWeights:
                              f"{weight.device}")  # fmt: skip
         if bias is not None and bias.shape != weight.shape[:1]:
             raise ValueError(f"bias: expected shape {tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
-        self.out_features, self.in_features = weight.shape
-        self._fn = _get()
-        self.tiles = pack(weight)
-        # Added to the float32 sums before the rounding (oneDNN adds a bfloat16 bias the same way).
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T + bias`` as a new contiguous ``[rows, out]`` bfloat16 tensor: float32 sums
-        rounded once, as ``F.linear`` rounds (the order of the sums may differ). ``x``: 2-D bfloat16
-        CPU, ``in_features`` columns; a row stride is fine, a column stride is copied first. Raises
-        ValueError for anything else."""
-        if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[1] != self.in_features:
-            raise ValueError(f"AMX linear: x must be a bfloat16 CPU [rows, {self.in_features}] tensor, got "
-                             f"{tuple(x.shape)} {x.dtype} on {x.device}")  # fmt: skip
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        rows = x.shape[0]
-        out = torch.empty(rows, self.out_features, dtype=torch.bfloat16)
-        if rows == 0:
-            return out
-        with torch.profiler.record_function(PROFILER_LABEL):
-            failed = self._fn(x.data_ptr(), x.stride(0), self.tiles.data_ptr(),  # type: ignore[misc]
-                              None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows,
-                              self.out_features, self.in_features, torch.get_num_threads())  # fmt: skip
-        if failed:  # not reached: available() checked what the kernel refuses
-            raise ValueError(f"the AMX kernel refused a [{rows}, {self.in_features}] input")
-        return out
+        # The bias is added to the float32 sums before the rounding (oneDNN adds a bfloat16 bias the same way).
+        super().__init__(_get(), pack(weight), weight.shape,
+                         None if bias is None else bias.detach().float().contiguous())  # fmt: skip

@@ -211,7 +211,7 @@ static void NAME(const T *q, const T *k, const T *v, int64_t block_stride, int64
             for (int c = 0; pairs && c < DC / 2; c++)                                                    \
                 qb[j][c] = ld_pairs((const uint16_t *)qrow + (j * DC + 2 * c) * W);                      \
             for (int c = 0; c < DC; c++) {                                                               \
-                qv[j][c] = LD(qrow + (j * DC + c) * W) * splat(scale);                                   \
+                qv[j][c] = pairs ? splat(0.f) : LD(qrow + (j * DC + c) * W) * splat(scale);              \
                 acc[j][c] = start ? ld_f32(init_out + r * DC * W + c * W) : splat(0.f);                   \
             }                                                                                            \
             m[j] = start ? init_lse[r] : -INFINITY;                                                      \

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.kernels import cpu_build
+from pdserve.engine.kernels.kernel_weights import KernelWeights
 
 _SOURCE = Path(__file__).with_name("cpu_gemm.c")
 PROFILER_LABEL = "pdserve::cpu_gemm_linear"  # what torch.profiler calls a kernel call
@@ -64,15 +65,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(padded // p, p, k).transpose(1, 2).contiguous()
 
 
-class PanelWeights:
-    """A panel copy of one float32 linear map (weight ``[out, in]``, optional bias) for the kernel.
+class PanelWeights(KernelWeights):
+    """A panel copy of one float32 linear map (weight ``[out, in]``, optional bias) for the kernel
+    (:class:`KernelWeights` runs it). Requires :func:`available` for the weight."""
 
-    Derived state like ``linear.OneDNNWeights``: never saved or moved with the model; its owner
-    rebuilds it from the dense weight when that changes. ``min_rows`` (1): every 2-D input runs
-    through it. Requires :func:`available` for the weight.
-    """
-
-    min_rows = 1
+    dtype = torch.float32
+    label = PROFILER_LABEL
+    name = "panel linear"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         if not available(weight):
@@ -81,29 +80,6 @@ class PanelWeights:
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != weight.shape[:1]):
             raise ValueError(f"bias: expected float32 of shape {tuple(weight.shape[:1])}, got "
                              f"{tuple(bias.shape)} {bias.dtype}")  # fmt: skip
-        self.out_features, self.in_features = weight.shape
         kernel = _get()
         assert kernel is not None  # available() built the library
-        self._fn = kernel.fn
-        self.panels = pack(weight)
-        self.bias = None if bias is None else bias.detach().contiguous()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T + bias`` as a new contiguous ``[rows, out]`` float32 tensor, equal to
-        ``F.linear`` up to float32 rounding (a different summation order). ``x``: 2-D float32 CPU,
-        ``in_features`` columns; a row stride is fine, a column stride is copied first. Raises
-        ValueError for anything else."""
-        if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != self.in_features:
-            raise ValueError(f"panel linear: x must be a float32 CPU [rows, {self.in_features}] tensor, got "
-                             f"{tuple(x.shape)} {x.dtype} on {x.device}")  # fmt: skip
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        rows = x.shape[0]
-        out = torch.empty(rows, self.out_features, dtype=torch.float32)
-        if rows == 0:
-            return out
-        with torch.profiler.record_function(PROFILER_LABEL):
-            self._fn(x.data_ptr(), x.stride(0), self.panels.data_ptr(),
-                      None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows,
-                      self.out_features, self.in_features, torch.get_num_threads())  # fmt: skip
-        return out
+        super().__init__(kernel.fn, pack(weight), weight.shape, None if bias is None else bias.detach().contiguous())
