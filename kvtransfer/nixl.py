@@ -17,11 +17,13 @@ region it made for that holder; a holder never sends metadata at all (it only wr
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,8 +52,33 @@ def load_nixl() -> tuple[Any, Any]:
             raise NixlUnavailable(
                 f"NIXL is not installed (pip install 'pdserve[nixl]'): {exc}", permanent=True
             ) from None
+        load_cuda12_runtime()
     logging.getLogger("nixl").setLevel(logging.WARNING)  # the library logs every agent at INFO
     return nixl_agent, nixl_agent_config
+
+
+def load_cuda12_runtime() -> bool:
+    """Load CUDA 12's runtime into the process (global symbols) if it can be found; whether it is loaded.
+
+    ``nixl-cu12``'s UCX module for CUDA memory links ``libcudart.so.12``. Where only CUDA 13's runtime is
+    installed (torch's cu13 builds), that module does not load, UCX takes GPU memory for host memory and
+    NIXL refuses to register it. The ``nvidia-cuda-runtime-cu12`` wheel (in ``pdserve[nixl]``) ships the
+    library outside the loader's path; loaded here first, it satisfies the module's link. It needs no GPU.
+    """
+    candidates = ["libcudart.so.12"]
+    try:
+        import nvidia.cuda_runtime  # namespace package of the nvidia-cuda-runtime-cu12 wheel
+
+        candidates += [str(Path(base) / "lib" / "libcudart.so.12") for base in nvidia.cuda_runtime.__path__]
+    except ImportError:
+        pass
+    for name in candidates:
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        return True
+    return False
 
 
 def nixl_installed() -> bool:

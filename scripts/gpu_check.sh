@@ -13,13 +13,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
   | tee -a "$OUT/gpu.txt"
 status=0
-python -m pytest -q -p no:cacheprovider tests/engine/test_kernels.py tests/engine/test_kernels_fp8.py \
+# Compiling the kernels' specialisations is the long part: one worker per core pair.
+WORKERS=${GPU_CHECK_WORKERS:-$(( $(nproc) / 2 > 2 ? $(nproc) / 2 : 2 ))}
+PYTEST="python -m pytest -q -p no:cacheprovider --timeout 300 -rfE --tb=short"
+$PYTEST -n "$WORKERS" tests/engine/test_kernels.py tests/engine/test_kernels_fp8.py \
   tests/engine/test_mla_kernels.py 2>&1 \
   | tee "$OUT/kernels.log" | tail -3 || status=1
-python -m pytest -q -p no:cacheprovider tests/engine/test_model.py tests/engine/test_engine.py \
+$PYTEST tests/engine/test_model.py tests/engine/test_engine.py \
   tests/engine/test_deepseek.py -k cuda 2>&1 | tee "$OUT/cuda_model.log" | tail -3 || status=1
-python -c "import nixl_cu12" 2>/dev/null || pip install -q 'nixl-cu12>=1.5.1' >/dev/null 2>&1
-python -m pytest -q -p no:cacheprovider -n 0 tests/kvtransfer/test_nixl.py -k gpu_memory -rs 2>&1 \
+# The nixl extra: the library, and CUDA 12's runtime that its UCX links for GPU memory (a CUDA 13 image lacks it).
+python -c "import nixl_cu12, nvidia.cuda_runtime" 2>/dev/null \
+  || pip install -q 'nixl-cu12>=1.5.1' 'nvidia-cuda-runtime-cu12>=12.4' >/dev/null 2>&1
+$PYTEST -n 0 tests/kvtransfer/test_nixl.py -k gpu_memory -rs 2>&1 \
   | tee "$OUT/nixl_gpu.log" | tail -3 || status=1
 python -m pdserve.benchmarks.attention_gpu --json > "$OUT/attention_gpu.json" 2> "$OUT/attention_gpu.err" || status=1
 python - "$OUT" <<'PY' || status=1

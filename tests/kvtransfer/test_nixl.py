@@ -357,6 +357,17 @@ def hide_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setitem(sys.modules, name, None)  # an import of it fails, as without the package
 
 
+@requires_nixl
+def test_loading_nixl_loads_cuda12_runtime_for_its_gpu_memory_module() -> None:
+    """nixl-cu12's UCX links libcudart.so.12 for GPU memory; on a CUDA 13 machine only the
+    nvidia-cuda-runtime-cu12 wheel has it. Loading NIXL maps that library into the process (a GPU
+    machine's NIXL pull from GPU memory failed to register its memory without it)."""
+    pytest.importorskip("nvidia.cuda_runtime", reason="nvidia-cuda-runtime-cu12 is not installed")
+    load_nixl()
+    maps = open("/proc/self/maps").read()
+    assert "libcudart.so.12" in maps
+
+
 def test_without_the_library_everything_goes_by_grpc(monkeypatch: pytest.MonkeyPatch) -> None:
     hide_nixl(monkeypatch)
     with pytest.raises(NixlUnavailable, match=r"pip install 'pdserve\[nixl\]'"):
