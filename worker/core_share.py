@@ -5,10 +5,14 @@ one by default): a 1P+1D service on two cores gives each worker one. A decode wo
 use half the machine while the prefill worker waits for its next prompt, and a prefill worker's
 steps half of it while no decode runs. A CoreShare makes the split work-conserving: a worker whose
 engine has work runs torch on its own CPUs plus those of every worker of the host that is idle at
-the start of the step, and gives them back at its next step once their owner is busy again.
+the start of the step, and gives them back at its next step once their owner is busy again. An
+owner that turns busy while a peer's step runs on its cores waits for that step to end (at most
+``RECLAIM_WAIT_S``) rather than start a team beside it: two OpenMP teams on one core make every
+parallel region of both wait for a time slice, and the borrower's step (a decode step whose tokens
+clients are waiting for) would take several times as long.
 
 The workers of a host (this user's, every service) meet in one table: a file mapped by each, of
-``SLOTS`` slots of (pid, CPUs, busy). A worker claims a slot at start (under an exclusive lock of
+``SLOTS`` slots of (pid, CPUs, busy, CPUs borrowed by its current step). A worker claims a slot at start (under an exclusive lock of
 the file), writes its busy flag when its engine loop starts stepping and when it waits, and reads
 the table before each step (a few microseconds). A slot whose process is gone counts for nothing
 and is claimed again.
@@ -17,7 +21,8 @@ Guarantees and limits:
 
 - A worker never runs on fewer threads than its own CPUs nor on more than the host has.
 - Borrowed cores are returned at a step boundary: after a worker turns busy, a peer that borrowed
-  its cores keeps them for at most the peer's current step.
+  its cores keeps them for at most the peer's current step, and the owner's first step waits for
+  that step's end, for at most ``RECLAIM_WAIT_S``.
 - Only the cores of registered workers are lent: a core that no pdserve worker owns is never taken.
 - Cores that other programs keep busy are not borrowed: what the host's processes outside the table
   used over the last half second (``worker/outside_load.py``), beyond the cores no worker owns, is
@@ -39,7 +44,9 @@ import os
 import stat
 import struct
 import tempfile
+import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from pdserve.kvtransfer.shm_socket import own_runtime_dir
 from pdserve.worker.outside_load import OutsideLoad
@@ -48,8 +55,11 @@ logger = logging.getLogger(__name__)
 
 TABLE_NAME = "pdserve-cores-{uid}.table"
 SLOTS = 64
-_SLOT = struct.Struct("<iIi4x")  # pid (0: free), CPUs, busy (0/1)
+_SLOT = struct.Struct("<iIiI")  # pid (0: free), CPUs, busy (0/1), CPUs borrowed by the current step
 _TABLE_BYTES = SLOTS * _SLOT.size
+# How long a worker that turns busy waits for a peer's step on its cores to end: a few decode steps.
+RECLAIM_WAIT_S = 0.25
+_RECLAIM_POLL_S = 0.001  # its cores are the peer's meanwhile: waking a thousand times a second costs ~1%
 
 
 def table_path(base: str | None = None) -> str:
@@ -104,6 +114,13 @@ class _locked:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
 
 
+class _Scan(NamedTuple):
+    idle: int  # CPUs of the other live workers that are idle
+    owned: int  # CPUs of every live worker, this one's included
+    stepping: int  # CPUs the other live workers' current steps run on (their own and borrowed)
+    pids: list[int]  # every live worker's, this one's first
+
+
 class CoreShare:
     """One worker's place in its host's table (see the module docstring).
 
@@ -113,16 +130,21 @@ class CoreShare:
     """
 
     def __init__(self, cpus: int, set_threads: Callable[[int], None], path: str | None = None,
-                 max_cpus: int | None = None, outside: OutsideLoad | None = None) -> None:  # fmt: skip
+                 max_cpus: int | None = None, outside: OutsideLoad | None = None,
+                 reclaim_wait_s: float = RECLAIM_WAIT_S) -> None:  # fmt: skip
         if cpus < 1:
             raise ValueError(f"cpus must be >= 1, got {cpus}")
+        if reclaim_wait_s < 0:
+            raise ValueError(f"reclaim_wait_s must be >= 0, got {reclaim_wait_s}")
         self.cpus = cpus
+        self.reclaim_wait_s = reclaim_wait_s
         self.max_cpus = max(cpus, max_cpus if max_cpus is not None else host_cpus())
         self.path = path or table_path()
         self._set_threads = set_threads
         self.outside = outside if outside is not None else OutsideLoad()
         self.threads = cpus
         self._busy = False
+        self._borrowed = 0  # as this worker's slot says
         self._fd = _open_table(self.path)
         try:
             self._map = mmap.mmap(self._fd, _TABLE_BYTES)
@@ -135,9 +157,9 @@ class CoreShare:
         pid = os.getpid()
         with _locked(self._fd):
             for i in range(SLOTS):
-                owner, _, _ = _SLOT.unpack_from(self._map, i * _SLOT.size)
+                owner = _SLOT.unpack_from(self._map, i * _SLOT.size)[0]
                 if owner == 0 or (owner != pid and not _alive(owner)):
-                    _SLOT.pack_into(self._map, i * _SLOT.size, pid, self.cpus, 0)
+                    _SLOT.pack_into(self._map, i * _SLOT.size, pid, self.cpus, 0, 0)
                     return i
         raise OSError(f"{self.path}: all {SLOTS} slots are taken by live workers")
 
@@ -150,58 +172,81 @@ class CoreShare:
     def closed(self) -> bool:
         return self._fd < 0
 
-    def _scan(self) -> tuple[int, int, list[int]]:
-        """(CPUs the other live workers leave idle, CPUs of every live worker, their pids)."""
+    def _scan(self) -> _Scan:
+        """The other live workers of the host, as the table says now."""
         pid = os.getpid()
-        idle, owned, pids = 0, self.cpus, [pid]
-        for owner, cpus, busy in _SLOT.iter_unpack(self._map):
+        idle, owned, stepping, pids = 0, self.cpus, 0, [pid]
+        for owner, cpus, busy, borrowed in _SLOT.iter_unpack(self._map):
             if owner and owner != pid and _alive(owner):
                 owned += cpus
                 pids.append(owner)
-                if not busy:
+                if busy:
+                    stepping += cpus + borrowed
+                else:
                     idle += cpus
-        return idle, owned, pids
+        return _Scan(idle, owned, stepping, pids)
 
     def lendable(self) -> int:
         """The CPUs that the other live workers of the host leave idle right now."""
-        return self._scan()[0]
+        return self._scan().idle
 
     def borrowable(self) -> int:
         """What this worker may borrow now: the idle workers' CPUs, less what programs outside the
         table keep busy beyond the cores no worker owns (a core counts while a quarter of it is free)."""
-        idle, owned, pids = self._scan()
-        if not idle:
+        scan = self._scan()
+        if not scan.idle:
             return 0
-        excess = max(0.0, self.outside.cores(pids) - max(0, self.max_cpus - owned))
-        return max(0, min(idle, int(idle - excess + 0.75)))
+        excess = max(0.0, self.outside.cores(scan.pids) - max(0, self.max_cpus - scan.owned))
+        return max(0, min(scan.idle, int(scan.idle - excess + 0.75)))
+
+    def _reclaim(self) -> float:
+        """Wait until the steps of the other workers run on no more cores than this worker leaves
+        them, at most ``reclaim_wait_s``; the seconds waited. A borrower gives a core back at its
+        next step or when it goes idle; a borrower that dies gives it back at once."""
+        start = time.monotonic()
+        deadline = start + self.reclaim_wait_s
+        while self._scan().stepping + self.cpus > self.max_cpus and time.monotonic() < deadline:
+            time.sleep(_RECLAIM_POLL_S)
+        return time.monotonic() - start
 
     def before_step(self) -> int:
         """Mark this worker busy and set the step's thread count: its own CPUs plus the idle
-        workers', at most the host's. Returns the count."""
+        workers', at most the host's. The first step after an idle period first waits for peers'
+        steps on this worker's cores to end (``_reclaim``). Returns the count."""
         if not self._busy:
             self._busy = True
-            self._write_busy(1)
+            self._write(1, 0)
+            self._reclaim()
         threads = min(self.max_cpus, self.cpus + self.borrowable())
+        if threads > self.cpus:
+            # Announce the borrowing, then look again: an owner that turned busy in between (and saw
+            # no borrowing yet) keeps its cores.
+            self._write(1, threads - self.cpus)
+            threads = min(threads, self.cpus + self.borrowable())
+        if threads - self.cpus != self._borrowed:
+            self._write(1, threads - self.cpus)
         if threads != self.threads:
             self._set_threads(threads)
             self.threads = threads
         return threads
 
     def idle(self) -> None:
-        """This worker has no step to run: its CPUs are the others' until its next step."""
+        """This worker has no step to run: its CPUs are the others' until its next step, and it
+        holds none of theirs."""
         if self._busy and self._fd >= 0:
             self._busy = False
-            self._write_busy(0)
+            self._write(0, 0)
 
-    def _write_busy(self, busy: int) -> None:
-        _SLOT.pack_into(self._map, self._slot * _SLOT.size, os.getpid(), self.cpus, busy)
+    def _write(self, busy: int, borrowed: int) -> None:
+        _SLOT.pack_into(self._map, self._slot * _SLOT.size, os.getpid(), self.cpus, busy, borrowed)
+        self._borrowed = borrowed
 
     def close(self) -> None:
         """Leave the table (the slot is free for another worker)."""
         if self._fd < 0:
             return
         with _locked(self._fd):
-            _SLOT.pack_into(self._map, self._slot * _SLOT.size, 0, 0, 0)
+            _SLOT.pack_into(self._map, self._slot * _SLOT.size, 0, 0, 0, 0)
         self._map.close()
         os.close(self._fd)
         self._fd = -1

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,13 @@ from tests.support.polling import wait_until
 PEER = """
 import sys
 from pdserve.worker.core_share import CoreShare
-share = CoreShare(int(sys.argv[2]), lambda n: None, sys.argv[1], max_cpus=64)
+share = CoreShare(int(sys.argv[2]), lambda n: None, sys.argv[1], max_cpus=int(sys.argv[3]))
 print(share._slot, flush=True)
 for line in sys.stdin:
     cmd = line.strip()
     if cmd == "busy":
-        share.before_step()
+        print("ok", share.before_step(), flush=True)
+        continue
     elif cmd == "idle":
         share.idle()
     elif cmd == "close":
@@ -40,9 +42,9 @@ for line in sys.stdin:
 class Peer:
     """Another worker process in the same table, driven step by step."""
 
-    def __init__(self, path: str, cpus: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", PEER, path, str(cpus)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+    def __init__(self, path: str, cpus: int, max_cpus: int = 64) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", PEER, path, str(cpus), str(max_cpus)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
         self.slot = int(self._read())
 
     def _read(self) -> str:
@@ -51,11 +53,14 @@ class Peer:
         assert line, "the peer process ended"
         return line.strip()
 
-    def tell(self, cmd: str) -> None:
+    def tell(self, cmd: str) -> int | None:
+        """Send ``cmd``; for ``busy``, the peer's thread count for its step."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(cmd + "\n")
         self.proc.stdin.flush()
-        assert self._read() in ("ok", "closed")
+        answer = self._read().split()
+        assert answer[0] in ("ok", "closed")
+        return int(answer[1]) if len(answer) > 1 else None
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -79,9 +84,31 @@ class Outside:
         return self.value
 
 
-def share(table: str, cpus: int, max_cpus: int, outside: float = 0.0, threads: list[int] | None = None) -> CoreShare:
+def share(table: str, cpus: int, max_cpus: int, outside: float = 0.0, threads: list[int] | None = None,
+          reclaim_wait_s: float = 60.0) -> CoreShare:  # fmt: skip
     sink = threads.append if threads is not None else (lambda n: None)
-    return CoreShare(cpus, sink, table, max_cpus=max_cpus, outside=Outside(outside))  # type: ignore[arg-type]
+    return CoreShare(cpus, sink, table, max_cpus=max_cpus, outside=Outside(outside),  # type: ignore[arg-type]
+                     reclaim_wait_s=reclaim_wait_s)  # fmt: skip
+
+
+class Stepping:
+    """``share.before_step()`` on a thread of its own: an owner waiting for its cores."""
+
+    def __init__(self, share: CoreShare) -> None:
+        self.threads: int | None = None
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(share,), daemon=True)
+        self._thread.start()
+        assert wait_until(lambda: share.busy)  # marked busy: now waiting, or (wrongly) already done
+
+    def _run(self, share: CoreShare) -> None:
+        self.threads = share.before_step()
+        self.done.set()
+
+    def join(self) -> int | None:
+        assert self.done.wait(30)
+        self._thread.join(30)
+        return self.threads
 
 
 @pytest.fixture()
@@ -107,6 +134,69 @@ def test_a_step_borrows_what_idle_peers_leave_and_gives_it_back(table: str) -> N
     finally:
         peer.end()
         me.close()
+
+
+def test_an_owner_turning_busy_waits_for_the_step_on_its_core_to_end(table: str) -> None:
+    """Two workers of one core each on a 2-core host. The peer borrows the idle worker's core; that
+    worker turns busy during the peer's step and waits: the peer's next step runs on its own core
+    and only then does the owner's step start. Their teams never share a core."""
+    me = share(table, 1, 2)
+    peer = Peer(table, 1, max_cpus=2)
+    try:
+        assert peer.tell("busy") == 2  # borrowed
+        owner = Stepping(me)
+        assert not owner.done.is_set()  # the peer's step is still on its core
+        assert peer.tell("busy") == 1  # the peer's next step gives it back ...
+        assert owner.join() == 1  # ... and the owner's step starts
+        me.idle()
+        assert peer.tell("busy") == 2
+        owner = Stepping(me)
+        assert not owner.done.is_set()
+        peer.tell("idle")  # a borrower that goes idle gives the core back too
+        assert owner.join() == 2  # and lends its own
+    finally:
+        peer.end()
+        me.close()
+
+
+def test_an_owner_waits_at_most_reclaim_wait_and_not_for_a_dead_borrower(table: str) -> None:
+    me = share(table, 1, 2, reclaim_wait_s=0.05)
+    peer = Peer(table, 1, max_cpus=2)
+    try:
+        assert peer.tell("busy") == 2
+        assert me.before_step() == 1  # the borrower never stepped again: the owner went on
+    finally:
+        peer.end()
+        me.close()
+    me = share(table, 1, 2)
+    peer = Peer(table, 1, max_cpus=2)
+    try:
+        assert peer.tell("busy") == 2
+        owner = Stepping(me)
+        assert not owner.done.is_set()
+        peer.kill()
+        assert owner.join() == 1
+    finally:
+        peer.end()
+        me.close()
+    with pytest.raises(ValueError, match="reclaim_wait_s"):
+        share(table, 1, 2, reclaim_wait_s=-1)
+
+
+def test_a_borrower_gives_back_what_an_owner_took_between_its_looks(table: str) -> None:
+    """A borrower announces what it borrows and then looks again: an owner that turned busy in
+    between keeps its core (the owner saw no borrowing and did not wait)."""
+    peer = Peer(table, 1, max_cpus=2)
+    me: CoreShare | None = None
+    try:
+        me = share(table, 1, 2)
+        looks = iter([1, 0])  # the first look sees the peer idle, the second sees it busy
+        me.borrowable = lambda: next(looks)  # type: ignore[method-assign]
+        assert me.before_step() == 1
+    finally:
+        peer.end()
+        if me is not None:
+            me.close()
 
 
 def test_never_more_threads_than_the_host_has(table: str) -> None:
