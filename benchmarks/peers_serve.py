@@ -11,7 +11,9 @@ alternate between the servers (one is loaded while the other idles), so drift fa
 
 Per server and concurrency, medians over the rounds of: TTFT p50/p99 (send -> first token), inter-token
 latency p50/p99 (the gaps between a stream's successive chunks after the first, as ``vllm bench serve``
-counts them) and output tokens/s (the round's tokens over its wall time).
+counts them) and output tokens/s (the round's tokens over its wall time). Two more split the ITL: the first
+gap of each stream (p50/p99; in pdserve the prefill worker's first token to the decode worker's second,
+so the hand-over of the request and its KV) and the p99 of the gaps after it (the decode steps alone).
 
 Without vLLM it says how to install it and exits 0.
 """
@@ -117,12 +119,23 @@ async def run_load(http: str, prompts: list[list[int]], concurrency: int, max_to
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    ttft = [r["chunks"][0] for r in results if r["chunks"]]
-    itl = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
-    return {"ttft_p50_ms": 1e3 * _pct(ttft, 50), "ttft_p99_ms": 1e3 * _pct(ttft, 99),
-            "itl_p50_ms": 1e3 * _pct(itl, 50), "itl_p99_ms": 1e3 * _pct(itl, 99),
+    return {**latencies([r["chunks"] for r in results]),
             "output_tok_per_s": sum(r["tokens"] for r in results) / wall, "requests": len(results),
             "tokens": sum(r["tokens"] for r in results), "chunks": sum(len(r["chunks"]) for r in results)}  # fmt: skip
+
+
+def latencies(streams: list[list[float]]) -> dict[str, float]:
+    """From each stream's chunk arrival times (seconds from its send): TTFT p50/p99, ITL p50/p99 over
+    every gap, the first gap's p50/p99 and the p99 of the gaps after it, in milliseconds."""
+    ttft = [times[0] for times in streams if times]
+    gaps = [[b - a for a, b in zip(times, times[1:])] for times in streams]
+    itl = [g for stream in gaps for g in stream]
+    first = [stream[0] for stream in gaps if stream]
+    later = [g for stream in gaps for g in stream[1:]]
+    return {"ttft_p50_ms": 1e3 * _pct(ttft, 50), "ttft_p99_ms": 1e3 * _pct(ttft, 99),
+            "itl_p50_ms": 1e3 * _pct(itl, 50), "itl_p99_ms": 1e3 * _pct(itl, 99),
+            "first_gap_p50_ms": 1e3 * _pct(first, 50), "first_gap_p99_ms": 1e3 * _pct(first, 99),
+            "later_itl_p99_ms": 1e3 * _pct(later, 99)}  # fmt: skip
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -195,7 +208,9 @@ def report_rows(result: dict[str, Any], levels: list[int]) -> list[tuple[str, st
         for name in ("pdserve", "vllm"):
             v = result["results"][name][str(c)]
             rows.append((f"c={c} {name}", f"TTFT p50/p99 {v['ttft_p50_ms']:.0f}/{v['ttft_p99_ms']:.0f} ms, "
-                                          f"ITL p50/p99 {v['itl_p50_ms']:.1f}/{v['itl_p99_ms']:.1f} ms, "
+                                          f"ITL p50/p99 {v['itl_p50_ms']:.1f}/{v['itl_p99_ms']:.1f} ms "
+                                          f"(first gap p50/p99 {v['first_gap_p50_ms']:.0f}/"
+                                          f"{v['first_gap_p99_ms']:.0f} ms, later p99 {v['later_itl_p99_ms']:.1f} ms), "
                                           f"{v['output_tok_per_s']:.1f} tok/s"))  # fmt: skip
     return rows
 

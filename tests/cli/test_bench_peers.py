@@ -42,3 +42,19 @@ def test_the_load_client_times_every_stream_of_a_real_server(tiny_model: str, tm
     assert 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"]
     assert 0 < result["itl_p50_ms"] <= result["itl_p99_ms"] and result["output_tok_per_s"] > 0
     assert up.access_statuses() == {"length": 4}  # every request ended by its length, none refused
+
+
+def test_the_first_gap_of_each_stream_is_split_from_the_later_ones() -> None:
+    """Two streams' chunk times: the first gaps (0.2 and 0.05 s, the hand-over in pdserve) and the
+    later ones (0.05, 0.05 and 0.01 s) are summarised apart, and ITL counts them all."""
+    from pdserve.benchmarks.peers_serve import latencies
+    from pdserve.benchmarks.serve_load import percentile
+
+    streams = [[0.1, 0.3, 0.35, 0.40], [0.2, 0.25, 0.26], []]
+    got = latencies(streams)
+    ms = lambda values, q: pytest.approx(1e3 * percentile(values, q))  # noqa: E731
+    assert got["ttft_p50_ms"] == ms([0.1, 0.2], 50)
+    assert got["itl_p99_ms"] == ms([0.2, 0.05, 0.05, 0.05, 0.01], 99)
+    assert got["first_gap_p50_ms"] == ms([0.2, 0.05], 50) and got["first_gap_p99_ms"] == ms([0.2, 0.05], 99)
+    assert got["later_itl_p99_ms"] == ms([0.05, 0.05, 0.01], 99)
+    assert got["first_gap_p99_ms"] > 150 and got["later_itl_p99_ms"] < 60
