@@ -7,9 +7,10 @@ while queued or while pulling, consumer gone, worker stopping):
 
 * the registration: ``DecodeCall`` (an async context manager) aborts it on exit; the abort
   runs on a thread that is never cancelled, so a second cancellation cannot drop it;
-* the pull: ``pull`` claims the engine's load with ``begin_load`` on its own thread and ends
-  it with ``finish_load`` in that thread's ``finally``; a pull that never starts (its task
-  was cancelled while queued) claims nothing, and the abort frees the blocks at once;
+* the pull: the registration claims the engine's load for writing (one wait for the engine's
+  lock, not two); ``pull`` hands the claim to its own thread, which ends it with
+  ``finish_load`` in its ``finally`` (without writing when the request was aborted first); a
+  claim no pull took is ended on exit, after the abort, so the blocks go back at once;
 * the lease: ``settle_lease`` releases it once (after the pull, or unpulled), and the exit
   settles it if nothing did.
 """
@@ -61,6 +62,7 @@ class DecodeCall:
         self._ender = ender
         self._lease_settled = prefill is None or not prefill.lease_id
         self._registered = False
+        self._claimed_load = False  # a claimed load no pull has taken: ended on exit
         self.pulled_bytes = 0  # what a successful pull moved
 
     def register(self, on_output: OutputCallback) -> KVLoad | None:
@@ -77,6 +79,7 @@ class DecodeCall:
         # The first token came from the prefill worker; the engine continues after it.
         load = rt.loop.submit_remote(req, on_output, RemotePrefill(len(spec.prompt_token_ids), (prefill.first_token,)))
         self._registered = True
+        self._claimed_load = load is not None
         return load
 
     async def __aenter__(self) -> DecodeCall:
@@ -86,9 +89,16 @@ class DecodeCall:
                         tb: TracebackType | None) -> None:  # fmt: skip
         # Finished (a no-op then), failed, cancelled or the consumer left: the engine drops the
         # request and its blocks (a load being written keeps them until its finish_load).
-        rid = self.spec.request_id
+        rid, loop = self.spec.request_id, self.rt.loop
+        claimed, self._claimed_load = self._claimed_load, False
+
+        def end() -> None:
+            loop.abort(rid)
+            if claimed:  # after the abort: the load's blocks go back to the pool
+                loop.finish_load(rid, False)
+
         if self._registered:  # an id in use elsewhere is not this call's to abort
-            await run_to_end(self._ender, lambda: self.rt.loop.abort(rid))
+            await run_to_end(self._ender, end)
         if not self._lease_settled:
             self.settle_lease(pulled=None)
 
@@ -122,10 +132,10 @@ class DecodeCall:
         used: list[KVTransferClient] = []
 
         def work() -> KVTransferClient | None:
-            if not rt.loop.begin_load(rid):
-                return None  # aborted before the pull began: nothing to write, blocks already free
             ok = False
             try:
+                if rt.loop.load_aborted(rid):
+                    return None  # aborted before the pull began: nothing to write
                 client = rt.client(prefill.address)
                 used.append(client)
                 pulled = pull_kv(client, rt.engine.handover.kv_tensor, load, lease_id=prefill.lease_id)
@@ -136,6 +146,9 @@ class DecodeCall:
             finally:
                 rt.loop.finish_load(rid, ok)
 
+        # The claim is the pull's from here: run_to_end runs ``work`` (and its finish_load) to its end.
+        assert self._claimed_load, "pull() takes the load its register() claimed, once"
+        self._claimed_load = False
         try:
             client = await run_to_end(self._pulls, work)
         except TransferError as exc:

@@ -339,6 +339,12 @@ class LLMEngine:
             self._writing_loads.add(request_id)
             return True
 
+    def load_aborted(self, request_id: str) -> bool:
+        """Whether the request of a load claimed with :meth:`begin_load` was aborted since. Read
+        without the lock (a step may hold it): a stale False only means a write that
+        :meth:`finish_load` then discards."""
+        return request_id in self._aborted_loads
+
     def finish_load(self, request_id: str, ok: bool) -> None:
         """The load claimed by :meth:`begin_load` ended: ``ok`` means every block of it was
         written. The request then runs from that KV; otherwise it recomputes. If it was aborted

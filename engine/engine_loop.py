@@ -73,19 +73,24 @@ class EngineLoop:
         self._wake.set()
 
     def submit_remote(self, request: Request, on_output: OutputCallback, remote: RemotePrefill) -> KVLoad | None:
-        """``engine.add_remote`` with its outputs delivered to ``on_output``: a ``KVLoad`` to fill
-        and then ``finish_load``, or None when the request recomputes here instead."""
+        """``engine.add_remote`` with its outputs delivered to ``on_output``: a ``KVLoad`` already
+        claimed for writing (``engine.begin_load``), which the caller must end with exactly one
+        ``finish_load``; or None when the request recomputes here instead. Registering and claiming
+        in one hold of the lock waits for one step boundary, not two."""
         with self.engine.lock:
             self._check_free(request.request_id)
             load = self.engine.add_remote(request, remote)
             self._callbacks[request.request_id] = on_output
+            if load is not None:
+                claimed = self.engine.begin_load(request.request_id)
+                assert claimed, "a load just added is not aborted"
         if load is None:
             self._wake.set()
         return load
 
-    def begin_load(self, request_id: str) -> bool:
-        """``engine.begin_load``: claim a load for writing (False: the request was aborted)."""
-        return self.engine.begin_load(request_id)
+    def load_aborted(self, request_id: str) -> bool:
+        """``engine.load_aborted``: the request of a claimed load was aborted (nothing to write)."""
+        return self.engine.load_aborted(request_id)
 
     def finish_load(self, request_id: str, ok: bool) -> None:
         """``engine.finish_load``, then step: the request can run now."""

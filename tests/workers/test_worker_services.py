@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.decode_worker.call import DecodeCall
 from pdserve.decode_worker.service import DecodeService
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.kvindex.config import IndexConfig
@@ -322,6 +323,38 @@ def test_prefill_cancelled_right_after_the_handoff_holds_nothing(tiny_model: str
                                     "free_blocks": prt.pool_state()["num_blocks"]}  # fmt: skip
         prt.engine.make_request([1, 2, 3], SamplingParams(), "r1")  # the id is free again
     finally:
+        prt.close()
+
+
+def test_a_load_claimed_at_registration_that_no_pull_took_is_ended_on_exit(tiny_model: str, redis_server) -> None:
+    """Registering a handed-over request claims its KV load for writing (one wait for the engine's
+    lock). A call that ends before a pull takes the claim (its body failed) ends it after the abort:
+    every block back in the pool, the id free, the prefill worker's lease released."""
+    ns = unique_namespace()
+    prt = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill")
+    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode")
+    service = DecodeService(drt)
+    try:
+        spec = RequestSpec("r", tuple(range(1, 41)), SamplingParams(max_tokens=5, ignore_eos=True))
+
+        async def run() -> None:
+            pre = await PrefillService(prt).prefill(spec)
+            with pytest.raises(RuntimeError, match="consumer gone"):
+                async with DecodeCall(drt, spec, pre, service._pulls, service._ender) as call:
+                    assert call.register(lambda out: None) is not None
+                    assert drt.engine.load_aborted("r") is False
+                    assert drt.pool_state()["free_blocks"] < drt.pool_state()["num_blocks"]
+                    raise RuntimeError("consumer gone")
+
+        asyncio.run(run())
+        service.close()
+        assert wait_until(lambda: prt.pool_state()["leases"] == 0)
+        state = drt.pool_state()
+        assert state["requests"] == 0 and state["free_blocks"] == state["num_blocks"], state
+        drt.engine.make_request([1, 2, 3], SamplingParams(), "r")  # the id is free again
+    finally:
+        service.close()
+        drt.close()
         prt.close()
 
 
