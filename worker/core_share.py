@@ -12,9 +12,10 @@ parallel region of both wait for a time slice, and the borrower's step (a decode
 clients are waiting for) would take several times as long.
 
 The workers of a host (this user's, every service) meet in one table: a file mapped by each, of
-``SLOTS`` slots of (pid, CPUs, busy, CPUs borrowed by its current step). A worker claims a slot at start (under an exclusive lock of
-the file), writes its busy flag when its engine loop starts stepping and when it waits, and reads
-the table before each step (a few microseconds). A slot whose process is gone counts for nothing
+``SLOTS`` slots of (pid, CPUs, busy, CPUs borrowed by its current step). A worker claims a slot at
+start (under an exclusive lock of the file), writes its busy flag and what it borrows when its
+engine loop starts a step and when it waits, and reads the table before each step (a few
+microseconds). A slot whose process is gone counts for nothing
 and is claimed again.
 
 Guarantees and limits:
