@@ -13,6 +13,10 @@ while queued or while pulling, consumer gone, worker stopping):
   claim no pull took is ended on exit, after the abort, so the blocks go back at once;
 * the lease: ``settle_lease`` releases it once (after the pull, or unpulled), and the exit
   settles it if nothing did.
+
+Before registering, ``stage`` may pull the KV into a buffer of the call's own
+(``decode_worker/staging.py``); the registration then fills the load from it and no pull follows.
+The buffer touches nothing in the engine, so it needs no owner beyond the call.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from concurrent.futures import Executor
 from types import TracebackType
 from typing import TypeVar
 
+from pdserve.decode_worker.staging import StagedKV, pull_staged
 from pdserve.engine.engine_loop import OutputCallback
 from pdserve.engine.kv_handover import KVLoad, RemotePrefill
+from pdserve.engine.request import Request
 from pdserve.kvtransfer.client import KVTransferClient
 from pdserve.kvtransfer.errors import LayoutMismatchError, PeerUnavailableError, TransferError
 from pdserve.kvtransfer.pull import pull_kv
@@ -63,6 +69,9 @@ class DecodeCall:
         self._lease_settled = prefill is None or not prefill.lease_id
         self._registered = False
         self._claimed_load = False  # a claimed load no pull has taken: ended on exit
+        self._request: Request | None = None
+        self._staged: StagedKV | None = None
+        self.filled: KVLoad | None = None  # the load the staged KV filled at registration
         self.pulled_bytes = 0  # what a successful pull moved
 
     def register(self, on_output: OutputCallback) -> KVLoad | None:
@@ -71,16 +80,59 @@ class DecodeCall:
         ``KVLoad`` to pull (None when this pool has no room: it recomputes instead). Raises
         ValueError for a bad request or an id in use (then nothing is registered)."""
         spec, rt, prefill = self.spec, self.rt, self.prefill
-        req = rt.engine.make_request(spec.prompt_token_ids, spec.params, spec.request_id, spec.cache_salt)
+        req = self._build_request()
         if prefill is None:
             rt.loop.submit(req, on_output)
             self._registered = True
             return None
         # The first token came from the prefill worker; the engine continues after it.
-        load = rt.loop.submit_remote(req, on_output, RemotePrefill(len(spec.prompt_token_ids), (prefill.first_token,)))
+        staged, kv_tensor = self._staged, rt.engine.handover.kv_tensor
+        fill = None if staged is None else (lambda load: staged.fill(kv_tensor, load))
+        load, filled = rt.loop.submit_remote(req, on_output, RemotePrefill(len(spec.prompt_token_ids),
+                                                                           (prefill.first_token,)), fill)  # fmt: skip
         self._registered = True
+        self._staged = None  # the buffer's bytes are in the pool now, or of no use
+        if filled:
+            assert staged is not None and load is not None
+            self.filled, self.pulled_bytes = load, staged.stats.num_bytes
+            self.settle_lease(pulled=staged.client)
+            return None
         self._claimed_load = load is not None
         return load
+
+    def _build_request(self) -> Request:
+        if self._request is None:
+            spec = self.spec
+            self._request = self.rt.engine.make_request(spec.prompt_token_ids, spec.params, spec.request_id,
+                                                        spec.cache_salt)  # fmt: skip
+        return self._request
+
+    async def stage(self) -> None:
+        """Pull the handed-over KV into a buffer before registering (``decode_worker/staging.py``),
+        where it is small enough; on any failure nothing is staged and ``pull`` follows as before.
+        Raises ValueError for a bad request (as ``register`` would)."""
+        prefill, rt = self.prefill, self.rt
+        assert prefill is not None and not self._registered
+        if not prefill.lease_id:
+            return
+        req = self._build_request()
+        lease_id = prefill.lease_id
+
+        def work() -> StagedKV | None:
+            return pull_staged(rt.engine, rt.client(prefill.address), req, len(self.spec.prompt_token_ids), lease_id)
+
+        try:
+            self._staged = await run_to_end(self._pulls, work)
+        except TransferError as exc:  # the holder cannot be reached or refuses: the pull will say so
+            logger.debug("staged pull of %s from %s failed: %s", req.request_id, prefill.address, exc)
+            return
+        except Exception:  # noqa: BLE001 - staging only saves time: the pull after registration decides
+            logger.exception("staged pull of %s from %s failed; pulling after registration", req.request_id,
+                             prefill.address)  # fmt: skip
+            return
+        if self._staged is not None:
+            stats = self._staged.stats
+            rt.metrics.transfer_done(stats.num_bytes, stats.num_blocks, stats.seconds, stats.transport)
 
     async def __aenter__(self) -> DecodeCall:
         return self

@@ -65,9 +65,13 @@ class DecodeService:
         self.prefetches.stop(spec.request_id)  # the request is here: its own pull takes what is left
         # The call owns the request and the lease from here on, and ends both.
         async with DecodeCall(rt, spec, prefill, self._pulls, self._ender) as call:
+            if prefill is not None:
+                await call.stage()
             load = call.register(on_output)
             if prefill is not None:
-                if load is not None and await call.pull(load):
+                if call.filled is not None:
+                    local_hit, transferred = call.filled.num_local_hit_tokens, call.filled.num_external_tokens
+                elif load is not None and await call.pull(load):
                     local_hit, transferred = load.num_local_hit_tokens, load.num_external_tokens
                 else:
                     call.settle_lease(pulled=None)  # recomputed here: the prefill worker's blocks are of no use

@@ -339,6 +339,11 @@ class LLMEngine:
             self._writing_loads.add(request_id)
             return True
 
+    def cached_prefix_hint(self, block_hashes: Sequence[bytes]) -> int:
+        """How many of ``block_hashes``, from the first, this pool's prefix cache holds now, read
+        without the lock (a step may hold it): a guess that may be stale once the lock is taken."""
+        return self.kv_manager.num_cached_prefix(block_hashes)
+
     def load_aborted(self, request_id: str) -> bool:
         """Whether the request of a load claimed with :meth:`begin_load` was aborted since. Read
         without the lock (a step may hold it): a stale False only means a write that

@@ -72,11 +72,18 @@ class EngineLoop:
             self._callbacks[request.request_id] = on_output
         self._wake.set()
 
-    def submit_remote(self, request: Request, on_output: OutputCallback, remote: RemotePrefill) -> KVLoad | None:
-        """``engine.add_remote`` with its outputs delivered to ``on_output``: a ``KVLoad`` already
-        claimed for writing (``engine.begin_load``), which the caller must end with exactly one
-        ``finish_load``; or None when the request recomputes here instead. Registering and claiming
-        in one hold of the lock waits for one step boundary, not two."""
+    def submit_remote(self, request: Request, on_output: OutputCallback, remote: RemotePrefill,
+                      fill: Callable[[KVLoad], bool] | None = None) -> tuple[KVLoad | None, bool]:  # fmt: skip
+        """``engine.add_remote`` with its outputs delivered to ``on_output``. Returns ``(load, filled)``:
+
+        * ``(load, False)``: the ``KVLoad`` to write, already claimed (``engine.begin_load``); the
+          caller ends it with exactly one ``finish_load``. Registering and claiming in one hold of
+          the lock waits for one step boundary, not two.
+        * ``(load, True)``: ``fill`` (called under the lock with the claimed load) wrote every block
+          of it; the load is finished and the request runs from the next step. Nothing to end.
+        * ``(None, False)``: no room in the pool; the request recomputes here instead.
+        """
+        filled = False
         with self.engine.lock:
             self._check_free(request.request_id)
             load = self.engine.add_remote(request, remote)
@@ -84,9 +91,16 @@ class EngineLoop:
             if load is not None:
                 claimed = self.engine.begin_load(request.request_id)
                 assert claimed, "a load just added is not aborted"
-        if load is None:
+                if fill is not None:
+                    try:
+                        filled = fill(load)
+                    except Exception:  # noqa: BLE001 - the load is still claimed: the caller writes it
+                        logger.exception("filling the KV load of %s failed; it is written instead", request.request_id)
+                    if filled:
+                        self.engine.finish_load(request.request_id, True)
+        if load is None or filled:
             self._wake.set()
-        return load
+        return load, filled
 
     def load_aborted(self, request_id: str) -> bool:
         """``engine.load_aborted``: the request of a claimed load was aborted (nothing to write)."""

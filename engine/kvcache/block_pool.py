@@ -71,6 +71,11 @@ class BlockPool:
     def num_cached_hashes(self) -> int:
         return len(self._cached)
 
+    def has_cached(self, block_hash: bytes) -> bool:
+        """Whether a block is cached under ``block_hash``: one lookup, so a reader without the pool's
+        lock gets a true answer of some moment (no iteration a writer could disturb)."""
+        return bool(self._cached.get(block_hash))
+
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         """The oldest block cached under ``block_hash``, or None."""
         copies = self._cached.get(block_hash)

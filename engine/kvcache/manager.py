@@ -303,10 +303,11 @@ class KVCacheManager:
         return blocks
 
     def num_cached_prefix(self, block_hashes: Sequence[bytes]) -> int:
-        """How many of ``block_hashes``, from the first on, are cached (stopping at the first that is not)."""
+        """How many of ``block_hashes``, from the first on, are cached (stopping at the first that is not).
+        Also safe without the caller's lock, as a hint: each lookup is a single read."""
         n = 0
         for h in block_hashes:
-            if self.pool.get_cached_block(h) is None:
+            if not self.pool.has_cached(h):
                 break
             n += 1
         return n

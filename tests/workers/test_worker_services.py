@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.decode_worker import staging
 from pdserve.decode_worker.call import DecodeCall
 from pdserve.decode_worker.service import DecodeService
 from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
 from pdserve.kvindex.config import IndexConfig
 from pdserve.kvindex.stats import read_stats
 from pdserve.kvtransfer.config import TransferConfig
@@ -140,6 +142,31 @@ def test_handover_between_services_matches_one_engine(tiny_model: str, redis_ser
     FP8 block arrives as the bytes (and under the scales) it was written with: the same tokens as
     one engine with the same FP8 cache."""
     _handover_matches_one_engine(tiny_model, redis_server, kv_cache_dtype)
+
+
+@pytest.mark.parametrize("mode", ["staged", "too_large", "stale_guess"])
+def test_handed_over_kv_is_staged_before_registering_or_pulled_after(tiny_model: str, redis_server,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     mode: str) -> None:  # fmt: skip
+    """Small enough, the handed-over KV is pulled before the request registers and copied into the
+    pool as it registers (one fill). Over ``STAGE_MAX_BYTES`` it is pulled after registering; so too
+    when the staged blocks do not cover the load (the guess of the cached prefix was stale: here it
+    claimed a block the pool does not hold). Every way gives one engine's tokens and leaves both pools
+    whole."""
+    fills: list[bool] = []
+    real_fill = staging.StagedKV.fill
+
+    def spy(self: staging.StagedKV, kv_tensor, load) -> bool:  # noqa: ANN001
+        fills.append(real_fill(self, kv_tensor, load))
+        return fills[-1]
+
+    monkeypatch.setattr(staging.StagedKV, "fill", spy)
+    if mode == "too_large":
+        monkeypatch.setattr(staging, "STAGE_MAX_BYTES", 0)
+    if mode == "stale_guess":
+        monkeypatch.setattr(LLMEngine, "cached_prefix_hint", lambda self, hashes: 1)
+    _handover_matches_one_engine(tiny_model, redis_server, "auto")
+    assert fills == {"staged": [True], "too_large": [], "stale_guess": [False]}[mode]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
