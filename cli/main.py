@@ -261,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-share-idle-cpus", dest="share_idle_cpus", action="store_false", default=None,
                    help="CPU workers run on their own CPUs only (default: a step also takes the cores that the "
                         "host's other workers leave idle)")
+    p.add_argument("--core-reclaim-wait-s", type=float, default=None, metavar="S",
+                   help="with idle cores shared: how long a worker that turns busy waits for a peer's step on its "
+                        "cores to end (default 0.25; 0: start at once, both sharing those cores meanwhile)")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
     p.add_argument("--prefill-resources", type=_resources, default=None, metavar="JSON",

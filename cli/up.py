@@ -73,6 +73,7 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
         prefill_cpus_per_worker=args.prefill_cpus,
         decode_cpus_per_worker=args.decode_cpus,
         share_idle_cpus=args.share_idle_cpus,
+        core_reclaim_wait_s=args.core_reclaim_wait_s,
         engine__scheduler__max_model_len=args.max_model_len,
         engine__scheduler__max_num_seqs=args.max_num_seqs,
         engine__scheduler__max_num_batched_tokens=args.max_num_batched_tokens,

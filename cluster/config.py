@@ -46,6 +46,9 @@ class ServiceConfig:
     # CPU workers of one host lend each other the cores they leave idle: a step runs torch on its
     # worker's own CPUs plus those of the host's idle workers (worker/core_share.py).
     share_idle_cpus: bool = True
+    # With sharing: how long a worker that turns busy waits for a peer's step on its cores to end
+    # (0: start at once, two thread teams sharing those cores for the rest of that step).
+    core_reclaim_wait_s: float = 0.25
     # Tensor parallelism per role (vLLM's tensor_parallel_size, on each side); None: the engine's
     # ``parallel.tensor_parallel_size``. A worker of size N asks Ray for N * ``cpus_per_rank(role)`` CPUs.
     prefill_tensor_parallel_size: int | None = None
@@ -90,6 +93,8 @@ class ServiceConfig:
                 raise ValueError(f"{name} must be in [1, 64], got {value}")
         if self.gpus_per_worker < 0 or self.cpus_per_worker < 0:
             raise ValueError("gpus_per_worker and cpus_per_worker must be >= 0")
+        if not 0 <= self.core_reclaim_wait_s <= 10:
+            raise ValueError(f"core_reclaim_wait_s must be in [0, 10] seconds, got {self.core_reclaim_wait_s}")
         for name in ("prefill_cpus_per_worker", "decode_cpus_per_worker"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -236,6 +236,7 @@ class Service:
             transfer=self.transfer,
             bind_host="127.0.0.1" if local else "0.0.0.0",
             share_idle_cpus=c.share_idle_cpus,
+            core_reclaim_wait_s=c.core_reclaim_wait_s,
         )
 
     def engine_config(self, role: str | None = None) -> EngineConfig:

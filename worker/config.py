@@ -29,12 +29,17 @@ class WorkerConfig:
     # Lend the CPUs this worker leaves idle to the host's other CPU workers, and borrow theirs
     # (worker/core_share.py). Applies to a CPU engine of tensor-parallel size 1.
     share_idle_cpus: bool = False
+    # With sharing: how long the first step after an idle period waits for a peer's step on this
+    # worker's cores to end (worker/core_share.py RECLAIM_WAIT_S).
+    core_reclaim_wait_s: float = 0.25
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
         if not isinstance(self.share_idle_cpus, bool):
             raise ValueError(f"share_idle_cpus must be true or false, got {self.share_idle_cpus!r}")
+        if not 0 <= self.core_reclaim_wait_s <= 10:
+            raise ValueError(f"core_reclaim_wait_s must be in [0, 10] seconds, got {self.core_reclaim_wait_s}")
         if not self.worker_id:
             raise ValueError("worker_id must not be empty")
         if self.engine.model is None:

@@ -253,10 +253,11 @@ class CoreShare:
         self._fd = -1
 
 
-def start_core_share(cpus: int, set_threads: Callable[[int], None], path: str | None = None) -> CoreShare | None:
+def start_core_share(cpus: int, set_threads: Callable[[int], None], path: str | None = None,
+                     reclaim_wait_s: float = RECLAIM_WAIT_S) -> CoreShare | None:  # fmt: skip
     """A CoreShare, or None (with a warning) when the host's table cannot be used."""
     try:
-        return CoreShare(cpus, set_threads, path)
+        return CoreShare(cpus, set_threads, path, reclaim_wait_s=reclaim_wait_s)
     except OSError as exc:
         logger.warning("not sharing idle CPUs with this host's other workers: %s", exc)
         return None

@@ -126,7 +126,7 @@ class WorkerRuntime:
         c = self.config
         if not c.share_idle_cpus or self.engine.device.type != "cpu" or c.engine.parallel.tensor_parallel_size > 1:
             return None
-        return start_core_share(torch_threads(), set_torch_threads)
+        return start_core_share(torch_threads(), set_torch_threads, reclaim_wait_s=c.core_reclaim_wait_s)
 
     def _close_core_share(self) -> None:
         if self.cores is not None:

@@ -125,7 +125,7 @@ def test_a_chat_template_replaces_the_checkpoints(model_dir: Path) -> None:
 def test_print_config_shows_the_flags_and_hides_secrets(hub_env: dict[str, str]) -> None:
     r = pdserve("up", "--print-config", "--model", "org/tiny", "--host", "0.0.0.0", "--max-model-len", "2K",
                 "--api-key", "sekrit-key", "--redis-url", "redis://:pw@10.0.0.1:6379/0", "--decode-cpus", "2",
-                "--no-share-idle-cpus", env=hub_env)  # fmt: skip
+                "--no-share-idle-cpus", "--core-reclaim-wait-s", "0", env=hub_env)  # fmt: skip
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     snapshot = Path(hub_env["HF_HOME"]) / "hub" / "models--org--tiny" / "snapshots" / COMMIT
@@ -134,6 +134,7 @@ def test_print_config_shows_the_flags_and_hides_secrets(hub_env: dict[str, str])
     assert out["host"] == "0.0.0.0" and out["engine"]["scheduler"]["max_model_len"] == 2048
     assert (out["prefill_cpus_per_worker"], out["decode_cpus_per_worker"]) == (None, 2.0)
     assert out["share_idle_cpus"] is False  # on by default
+    assert out["core_reclaim_wait_s"] == 0.0  # 0.25 by default
     assert out["router"]["api_key"] == "***" and "sekrit-key" not in r.stdout and ":pw@" not in r.stdout
 
 

@@ -24,6 +24,7 @@ def test_types_are_checked_and_errors_name_the_field(tmp_path: Path) -> None:
         ({"transfer__lease_ttl_s": -1}, "transfer.lease_ttl_s must be"),
         ({"decode_cpus_per_worker": 0}, "decode_cpus_per_worker must be > 0"),
         ({"share_idle_cpus": "no"}, "share_idle_cpus must be true or false"),
+        ({"core_reclaim_wait_s": -1}, r"core_reclaim_wait_s must be in \[0, 10\] seconds"),
     ]:
         with pytest.raises(ValueError, match=needle):
             ServiceConfig.load(**flags)

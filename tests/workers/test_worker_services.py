@@ -35,12 +35,13 @@ SECRET = TransferConfig(cluster_secret="worker-services-test-secret")
 def runtime(model: str, url: str, ns: str, wid: str, role: str, block_size: int = 16,
             transfer: TransferConfig = SECRET, kv_cache_dtype: str = "auto", num_blocks: int = 64,
             kv_offload_gb: float = 0.0, kv_offload_disk_gb: float = 0.0,
-            share_idle_cpus: bool = False) -> WorkerRuntime:  # fmt: skip
+            share_idle_cpus: bool = False, core_reclaim_wait_s: float = 0.25) -> WorkerRuntime:  # fmt: skip
     cache = CacheConfig(block_size, num_blocks, kv_cache_dtype=kv_cache_dtype, kv_offload_gb=kv_offload_gb,
                         kv_offload_disk_gb=kv_offload_disk_gb)  # fmt: skip
     engine = EngineConfig(model, device="cpu", cache=cache)
     return WorkerRuntime(WorkerConfig(wid, role, engine, IndexConfig(url, namespace=ns), transfer,
-                                      bind_host="127.0.0.1", share_idle_cpus=share_idle_cpus))  # fmt: skip
+                                      bind_host="127.0.0.1", share_idle_cpus=share_idle_cpus,
+                                      core_reclaim_wait_s=core_reclaim_wait_s))  # fmt: skip
 
 
 def metric(rt: WorkerRuntime, sample: str, **labels: str) -> float:
@@ -113,8 +114,10 @@ def test_failed_pull_releases_the_lease_at_once_and_counts_the_recompute(tiny_mo
 
 def test_local_prefill_counts_what_it_computed_and_close_leaves_nothing(tiny_model: str, redis_server) -> None:
     ns = unique_namespace()
-    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode", share_idle_cpus=True)
+    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode", share_idle_cpus=True,
+                  core_reclaim_wait_s=0.1)
     assert drt.cores is not None  # a CPU worker takes its place among the host's workers
+    assert drt.cores.reclaim_wait_s == 0.1
     prompt = tuple(range(1, 41))
 
     async def run(rid: str) -> list:
