@@ -200,15 +200,13 @@ class CoreShare:
         excess = max(0.0, self.outside.cores(scan.pids) - max(0, self.max_cpus - scan.owned))
         return max(0, min(scan.idle, int(scan.idle - excess + 0.75)))
 
-    def _reclaim(self) -> float:
+    def _reclaim(self) -> None:
         """Wait until the steps of the other workers run on no more cores than this worker leaves
-        them, at most ``reclaim_wait_s``; the seconds waited. A borrower gives a core back at its
-        next step or when it goes idle; a borrower that dies gives it back at once."""
-        start = time.monotonic()
-        deadline = start + self.reclaim_wait_s
+        them, at most ``reclaim_wait_s``. A borrower gives a core back at its next step or when it
+        goes idle; a borrower that dies gives it back at once."""
+        deadline = time.monotonic() + self.reclaim_wait_s
         while self._scan().stepping + self.cpus > self.max_cpus and time.monotonic() < deadline:
             time.sleep(_RECLAIM_POLL_S)
-        return time.monotonic() - start
 
     def before_step(self) -> int:
         """Mark this worker busy and set the step's thread count: its own CPUs plus the idle

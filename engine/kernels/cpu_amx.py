@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.kernels import cpu_build
-from pdserve.engine.kernels.kernel_weights import KernelWeights
+from pdserve.engine.kernels.kernel_weights import KernelWeights, pad_rows
 
 _SOURCE = Path(__file__).with_name("cpu_amx.c")
 PROFILER_LABEL = "pdserve::cpu_amx_linear"  # what torch.profiler calls a kernel call
@@ -51,12 +51,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight [n, k]`` as ``[ceil(n / 32), k / 32, 2, 16, 16, 2]``: per panel of 32 output columns
     and block of 32 inputs, its two column tiles, each 16 input pairs x 16 columns x the pair
     (``w[p * 32 + t * 16 + c, b * 32 + 2 * i + e]`` at ``[p, b, t, i, c, e]``); columns past ``n`` are zero."""
-    n, k = weight.shape
-    padded = -(-n // PANEL) * PANEL
-    w = weight.detach()
-    if padded != n:
-        w = torch.cat([w, w.new_zeros(padded - n, k)])
-    return w.reshape(padded // PANEL, 2, 16, k // BLOCK, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+    w = pad_rows(weight, PANEL)
+    k = w.shape[1]
+    return w.reshape(w.shape[0] // PANEL, 2, 16, k // BLOCK, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
 
 
 class AMXWeights(KernelWeights):

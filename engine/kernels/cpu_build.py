@@ -4,9 +4,10 @@ Contract of :func:`load`: returns a ``ctypes.CDLL`` of ``source`` compiled for t
 (with one warning saying why) when kernels are turned off (``PDSERVE_CPU_KERNELS=0``), no C
 compiler is found, the build fails or the cache directory is writable by anyone but this user;
 callers then use their torch path. Libraries are kept in
-:func:`pdserve.envs.kernel_cache_dir` (mode 0700) under a name that hashes the source, the flags,
-the compiler's version and the CPU's feature flags, so a changed source, compiler or machine (a
-home directory shared across a cluster's nodes) never loads a stale build. Processes that build
+:func:`pdserve.envs.kernel_cache_dir` (mode 0700) under a name that hashes the source and the
+headers beside it (what it may include), the flags, the compiler's version and the CPU's feature
+flags, so a changed source, header, compiler or machine (a home directory shared across a cluster's
+nodes) never loads a stale build. Processes that build
 the same library at once each write their own file and rename it into place (atomic), so a reader
 never sees a partial one. Building takes a few seconds (about 3 for cpu_decode.c); it happens on first use.
 
@@ -56,10 +57,10 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def _build_key(source: bytes, cc: str) -> str:
+def _build_key(source: bytes, headers: list[bytes], cc: str) -> str:
     version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
-    for part in (source, " ".join(FLAGS).encode(), cc.encode(), version.encode(), _cpu_flags().encode()):
+    for part in (source, *headers, " ".join(FLAGS).encode(), cc.encode(), version.encode(), _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:24]
@@ -79,7 +80,8 @@ def _build(source_path: Path, cc: str, cache: Path) -> Path:
     ``RuntimeError`` with the compiler's message when the build fails, or when ``cache`` is not private."""
     _private(cache)
     source = source_path.read_bytes()
-    target = cache / f"{source_path.stem}-{_build_key(source, cc)}.so"
+    headers = [h.read_bytes() for h in sorted(source_path.parent.glob("*.h"))]
+    target = cache / f"{source_path.stem}-{_build_key(source, headers, cc)}.so"
     if target.exists():
         return target
     started = time.monotonic()

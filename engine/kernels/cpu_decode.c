@@ -144,23 +144,7 @@ static inline vb ld_pairs(const uint16_t *p) { (void)p; return (vb){}; }
 static inline vf dot_pairs(const vb *qb, const uint16_t *k, int n2) { (void)qb; (void)k; (void)n2; return (vf){}; }
 #endif
 
-/* e^x for -87 <= x <= 0 (scores minus their maximum): x = n ln2 + r with |r| <= ln2/2, e^r by its
- * degree-6 Taylor polynomial (relative error under 3e-7), 2^n through the exponent bits. */
-static inline vf vexp(vf x) {
-    const vf shifter = splat(12582912.f); /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
-    vf n = (x * splat(1.44269504088896341f) + shifter) - shifter;
-    vf r = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
-    vf p = splat(1.f / 720.f);
-    p = p * r + splat(1.f / 120.f);
-    p = p * r + splat(1.f / 24.f);
-    p = p * r + splat(1.f / 6.f);
-    p = p * r + splat(0.5f);
-    p = p * r + splat(1.f);
-    p = p * r + splat(1.f);
-    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    vf s; memcpy(&s, &e, sizeof s);
-    return p * s;
-}
+#include "cpu_vexp.h" /* vexp_in_range: e^x of scores minus their maximum, clamped at -87 */
 
 /* Softmax of one tile's scores (lanes < n valid) of one query head against its running max m and
  * sum l; leaves the probabilities in p (zero past n) and returns the factor that rescales what was
@@ -169,7 +153,7 @@ static inline float tile_softmax(vf sc, int64_t n, float *m, float *l, float *p)
     const vi valid = LANES < (vi){} + (int32_t)n;
     sc = (vf)(((vi)sc & valid) | ((vi)splat(-INFINITY) & ~valid));
     const float top = hmax(sc), mx = *m > top ? *m : top;
-    vf e = vexp(vmax(sc - splat(mx), splat(-87.f)));
+    vf e = vexp_in_range(vmax(sc - splat(mx), splat(-87.f)));
     e = (vf)((vi)e & valid);
     memcpy(p, &e, sizeof e);
     const float corr = expf(*m - mx);

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.kernels import cpu_build
-from pdserve.engine.kernels.kernel_weights import KernelWeights
+from pdserve.engine.kernels.kernel_weights import KernelWeights, pad_rows
 
 _SOURCE = Path(__file__).with_name("cpu_gemm.c")
 PROFILER_LABEL = "pdserve::cpu_gemm_linear"  # what torch.profiler calls a kernel call
@@ -57,12 +57,8 @@ def available(weight: torch.Tensor) -> bool:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ``[n, k]`` as ``[ceil(n / panel), k, panel]`` panels (rows past ``n`` are zeros)."""
     p = panel()
-    n, k = weight.shape
-    padded = -(-n // p) * p
-    w = weight.detach()
-    if padded != n:
-        w = torch.cat([w, w.new_zeros(padded - n, k)])
-    return w.reshape(padded // p, p, k).transpose(1, 2).contiguous()
+    w = pad_rows(weight, p)
+    return w.reshape(w.shape[0] // p, p, w.shape[1]).transpose(1, 2).contiguous()
 
 
 class PanelWeights(KernelWeights):

@@ -73,24 +73,13 @@ static inline vf vround_bf16(vf v) {
     return (vf)((((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u) & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan));
 }
 
-/* e^x, x clamped to [-87, 88] (float32's normal range): x = n ln2 + r
- * with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error under 3e-7), 2^n through
- * the exponent bits. */
+#include "cpu_vexp.h"
+
+/* e^x, x clamped to [-87, 88] (float32's normal range). */
 static inline vf vexp(vf x) {
     x = (vf)(((vi)x & (vi)(x > splat(-87.f))) | ((vi)splat(-87.f) & (vi)(x <= splat(-87.f))));
     x = (vf)(((vi)x & (vi)(x < splat(88.f))) | ((vi)splat(88.f) & (vi)(x >= splat(88.f))));
-    const vf shifter = splat(12582912.f); /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
-    vf n = (x * splat(1.44269504088896341f) + shifter) - shifter;
-    vf r = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
-    vf p = splat(1.f / 720.f);
-    p = p * r + splat(1.f / 120.f);
-    p = p * r + splat(1.f / 24.f);
-    p = p * r + splat(1.f / 6.f);
-    p = p * r + splat(0.5f);
-    p = p * r + splat(1.f);
-    p = p * r + splat(1.f);
-    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    return p * (vf)e;
+    return vexp_in_range(x);
 }
 /* e^x, +inf past float32's range (as expf). */
 static inline vf vexp_inf(vf x) {

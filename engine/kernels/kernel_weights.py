@@ -15,6 +15,15 @@ from typing import ClassVar
 import torch
 
 
+def pad_rows(weight: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``weight`` ``[n, k]`` (detached) with zero rows appended up to a multiple of ``multiple``:
+    the whole panels a packing lays out."""
+    n, k = weight.shape
+    w = weight.detach()
+    pad = -n % multiple
+    return torch.cat([w, w.new_zeros(pad, k)]) if pad else w
+
+
 class KernelWeights:
     """A packed copy of one linear map (weight ``[out, in]``, optional bias) for a C kernel.
 

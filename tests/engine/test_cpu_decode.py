@@ -216,8 +216,9 @@ def _load_in_a_process(source: Path, env: dict[str, str]) -> str:
 
 
 def test_built_once_per_machine_and_the_fallbacks(tmp_path: Path) -> None:
-    source = tmp_path / "k.c"
-    source.write_text("int pdserve_k(void) { return 7; }\n")
+    source, header = tmp_path / "k.c", tmp_path / "k.h"
+    header.write_text("#define SEVEN 7\n")
+    source.write_text('#include "k.h"\nint pdserve_k(void) { return SEVEN; }\n')
     env = {"PDSERVE_KERNEL_CACHE": str(tmp_path / "cache")}
     first = _load_in_a_process(source, env)
     assert "LOADED True" in first and "built k.c" in first
@@ -226,7 +227,9 @@ def test_built_once_per_machine_and_the_fallbacks(tmp_path: Path) -> None:
     assert "LOADED True" in second and "built" not in second  # the first process's library
     source.write_text("int pdserve_k(void) { return 8; }\n")  # a changed source is built again
     assert "built k.c" in _load_in_a_process(source, env)
-    assert len(list((tmp_path / "cache").glob("k-*.so"))) == 2
+    header.write_text("#define SEVEN 8\n")  # and so is one whose header beside it changed
+    assert "built k.c" in _load_in_a_process(source, env)
+    assert len(list((tmp_path / "cache").glob("k-*.so"))) == 3
     off = _load_in_a_process(source, {**env, "PDSERVE_CPU_KERNELS": "0"})
     assert "LOADED False" in off and "PDSERVE_CPU_KERNELS=0" in off
     missing = _load_in_a_process(source, {**env, "CC": "/nonexistent/cc"})

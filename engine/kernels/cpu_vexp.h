@@ -1,0 +1,20 @@
+/* e^x on vectors, for the CPU kernels that include it (cpu_ops.c, cpu_decode.c). The includer
+ * defines the vector types vf (W floats) and vi (W int32s) and splat(). The build key of a kernel
+ * covers the headers beside its source (cpu_build.py), so a change here rebuilds both. */
+
+/* e^x for -87 <= x <= 88 (the caller clamps): x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6
+ * Taylor polynomial (relative error under 3e-7), 2^n through the exponent bits. */
+static inline vf vexp_in_range(vf x) {
+    const vf shifter = splat(12582912.f); /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+    vf n = (x * splat(1.44269504088896341f) + shifter) - shifter;
+    vf r = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
+    vf p = splat(1.f / 720.f);
+    p = p * r + splat(1.f / 120.f);
+    p = p * r + splat(1.f / 24.f);
+    p = p * r + splat(1.f / 6.f);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.f);
+    p = p * r + splat(1.f);
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)e;
+}
