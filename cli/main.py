@@ -243,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Jinja chat template replacing the checkpoint's: a file, or the template itself")
     p.add_argument("--disable-cascade-attn", action="store_true", default=None,
                    help="CPU: decodes sharing prefix blocks gather them each instead of reading them once together")
+    p.add_argument("--cpu-fp32-gemm", choices=("auto", "kernel", "torch"), default=None,
+                   help="CPU float32: which product projections run: auto (default) times the packed kernel "
+                        "against torch's per weight shape and row count at start and takes the faster, kernel "
+                        "or torch takes that one everywhere")
     p.add_argument("--print-config", action="store_true",
                    help="print the service config these flags and --config give (JSON, secrets hidden) and exit")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",

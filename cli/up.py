@@ -57,6 +57,7 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
         engine__seed=args.seed,
         engine__chat_template=args.chat_template,
         engine__disable_cascade_attn=args.disable_cascade_attn,
+        engine__cpu_fp32_gemm=args.cpu_fp32_gemm,
         engine__cache__hash_seed=args.hash_seed,
         engine__cache__block_size=args.block_size,
         engine__cache__kv_cache_memory_bytes=args.kv_cache_memory_bytes,

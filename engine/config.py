@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pdserve import envs
 
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # engine.kernels.quant maps them
+CPU_FP32_GEMM_CHOICES = ("auto", "kernel", "torch")  # engine.model.gemm_paths
 # vLLM's --dtype spellings that are not the stored names: "auto" is None (the device's default).
 DTYPE_ALIASES: dict[str, str | None] = {"auto": None, "half": "float16", "float": "float32"}
 
@@ -139,6 +140,11 @@ class EngineConfig:
     # where the CPU has AMX-BF16 and a layer's inputs are a multiple of 32, else oneDNN, on every row
     # count. Costs a second copy of the linear weights; False keeps torch's products everywhere.
     cpu_onednn: bool = True
+    # CPU float32 with cpu_onednn: which product each projection runs (engine/model/gemm_paths.py).
+    # "auto": the packed copy and torch's product are timed per weight shape and row count when the
+    # model loads, and the faster taken; "kernel": the packed copy at every row count; "torch": torch's
+    # products only (no float32 copy is built). Default from PDSERVE_CPU_FP32_GEMM, else "auto".
+    cpu_fp32_gemm: str = field(default_factory=envs.cpu_fp32_gemm)
     # vLLM's --disable-cascade-attn: on the CPU's torch path, decodes that share prefix blocks read
     # them once together (engine/kernels/cascade.py) unless this is set.
     disable_cascade_attn: bool = False
@@ -171,6 +177,8 @@ class EngineConfig:
         for name in ("cpu_onednn", "disable_cascade_attn"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.cpu_fp32_gemm not in CPU_FP32_GEMM_CHOICES:
+            raise ValueError(f"cpu_fp32_gemm must be one of {', '.join(CPU_FP32_GEMM_CHOICES)}, got {self.cpu_fp32_gemm!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16 (or half, float), got {self.dtype!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):

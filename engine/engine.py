@@ -156,7 +156,7 @@ class LLMEngine:
         self.model = load_model(config.model, dtype=self.dtype_choice.dtype, device=self.device,
                                 shard=TPShard(0, tp))  # fmt: skip
         self.dtype = next(self.model.parameters()).dtype
-        self.onednn = config.cpu_onednn and self.model.pack_onednn()
+        self.onednn = config.cpu_onednn and self.model.pack_onednn(config.cpu_fp32_gemm)
         logger.info("dtype %s (%s)%s", self.dtype_choice.name, self.dtype_choice.why,
                     "; projections through oneDNN" if self.onednn else "")  # fmt: skip
         cc = config.cache
@@ -427,6 +427,7 @@ class LLMEngine:
         torch.set_num_threads(threads)
         spec = {
             "model": self.config.model, "dtype": str(self.dtype).removeprefix("torch."), "onednn": self.onednn,
+            "fp32_gemm": self.config.cpu_fp32_gemm,
             "quantized": bool(layout.kv_scales), "threads": threads, "num_blocks": num_blocks, "cascade": self.cascade,
             "layout": {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
                        "head_dim": layout.head_dim, "block_size": layout.block_size,

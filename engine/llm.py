@@ -35,7 +35,7 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
     cache = {k: options.pop(k) for k in list(options) if k in _CACHE_KEYS}
     sched = {k: options.pop(k) for k in list(options) if k in _SCHED_KEYS}
     parallel = {k: options.pop(k) for k in list(options) if k in _PARALLEL_KEYS}
-    engine_keys = {"dtype", "device", "cpu_onednn", "disable_cascade_attn"}
+    engine_keys = {"dtype", "device", "cpu_onednn", "cpu_fp32_gemm", "disable_cascade_attn"}
     unknown = set(options) - engine_keys
     if unknown:
         raise TypeError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
@@ -49,7 +49,7 @@ class LLM:
     Options are the fields of ``CacheConfig`` (block_size, num_blocks, ...),
     ``SchedulerConfig`` (max_num_batched_tokens, max_num_seqs, max_model_len),
     ``ParallelConfig`` (tensor_parallel_size, ...) and ``EngineConfig`` (dtype, device, cpu_onednn,
-    disable_cascade_attn).
+    cpu_fp32_gemm, disable_cascade_attn).
     """
 
     def __init__(self, model: str, **options: Any) -> None:

@@ -100,6 +100,13 @@ def cpu_kernels() -> bool:
     raise ValueError(f"PDSERVE_CPU_KERNELS must be 0 or 1, got {value!r}")
 
 
+def cpu_fp32_gemm() -> str:
+    """``PDSERVE_CPU_FP32_GEMM``: the default of ``EngineConfig.cpu_fp32_gemm`` (``auto``, ``kernel`` or
+    ``torch``: which product float32 projections run on the CPU, ``engine/model/gemm_paths.py``);
+    unset: ``auto``. Validated by the config."""
+    return os.environ.get("PDSERVE_CPU_FP32_GEMM", "auto").strip() or "auto"
+
+
 def kernel_cache_dir() -> str:
     """Where compiled CPU kernels are kept between processes (``PDSERVE_KERNEL_CACHE``, default
     ``$XDG_CACHE_HOME/pdserve/kernels`` or ``~/.cache/pdserve/kernels``)."""

@@ -16,6 +16,11 @@ from typing import Any
 # Two workers with a thread per core each, spinning between ops, took 3x as long in CPU-bound tests.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
+# Every engine a test starts (and every process it starts) runs float32 projections through the
+# packed copy at every row count, as the parity tests were written against: "auto" would time the
+# paths at each start and, on a loaded machine, two engines of one test could choose differently.
+# tests/engine/test_gemm_paths.py runs "auto" and "torch".
+os.environ.setdefault("PDSERVE_CPU_FP32_GEMM", "kernel")
 
 import pytest  # noqa: E402
 

@@ -31,7 +31,8 @@ AMX-BF16, for a layer whose inputs are a multiple of 32: :class:`engine.kernels.
 panels of AMX tiles that a C kernel streams, in place of oneDNN's copy. Without a packed copy, float32
 inputs of 2 to 7 rows compute the transposed product, ``weight @ x.T`` (``SKINNY_ROWS``: the BLAS's
 kernels for a skinny right-hand side read the weight at 2-4x the speed of those for a skinny
-left-hand side), and transpose the small result back.
+left-hand side), and transpose the small result back. A float32 layer's ``paths`` (``gemm_paths``,
+timed when the model is packed) may send some row counts to that torch path despite its copy.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.kernels import cpu_amx, cpu_gemm
+from pdserve.engine.model.gemm_paths import RowPaths
 
 # float32 inputs with fewer rows stay on F.linear (oneDNN's conversions dominate below ~8 rows).
 ONEDNN_MIN_ROWS = 8
@@ -123,12 +125,14 @@ def packed_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            packed: PackedWeights | None) -> torch.Tensor:
+            packed: PackedWeights | None, paths: RowPaths | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``: through the packed copy for 2-D inputs of at least its ``min_rows``
-    rows when one is given; as ``(weight @ x.T).T`` for float32 CPU inputs of ``SKINNY_ROWS`` rows;
-    else ``F.linear``. The result is contiguous."""
+    rows when one is given, unless ``paths`` (``gemm_paths``) sends inputs of that many rows to torch;
+    as ``(weight @ x.T).T`` for float32 CPU inputs of ``SKINNY_ROWS`` rows; else ``F.linear``. The
+    result is contiguous."""
     if x.dim() == 2:
-        if packed is not None and x.shape[0] >= packed.min_rows:
+        rows = x.shape[0]
+        if packed is not None and rows >= packed.min_rows and (paths is None or not paths.use_torch(rows)):
             return packed(x)
         if x.shape[0] in SKINNY_ROWS and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
             out = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x.t())
@@ -151,6 +155,7 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self._packed: PackedWeights | None = None
+        self.paths: RowPaths | None = None  # which row counts skip the copy (gemm_paths); None: none
 
     def pack(self) -> None:
         """Build the packed copy (:func:`packed_copy`) from the current weights.
@@ -159,15 +164,21 @@ class Linear(nn.Linear):
         ``weight``/``bias`` are not seen by the copy (call ``pack`` again).
         """
         self._packed = packed_copy(self.weight, self.bias)
+        self.paths = None
 
     def unpack(self) -> None:
         """Drop the packed copy (every input then goes through torch's products)."""
         self._packed = None
+        self.paths = None
 
     @property
     def packed(self) -> bool:
         return self._packed is not None
 
+    @property
+    def packed_copy(self) -> PackedWeights | None:
+        return self._packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias, self._packed)
+        return project(x, self.weight, self.bias, self._packed, self.paths)
 

@@ -23,6 +23,7 @@ from torch import nn
 from pdserve.engine.kernels import cpu_ops, paged_attention, write_kv
 from pdserve.engine.kernels.metadata import AttentionMetadata
 from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.gemm_paths import GEMM_CHOICES, Projection, RowPaths, choose
 from pdserve.engine.model.linear import Linear, PackedWeights, onednn_supported, packed_copy, project
 from pdserve.engine.model.rope import RotaryEmbedding, apply_rotary
 from pdserve.engine.model.tp_layers import TPComm, VocabParallelEmbedding
@@ -244,6 +245,7 @@ class LlamaForCausalLM(nn.Module):
         inter = shard.split(config.intermediate_size)[1]
         self._shard_sizes = {"qkv_proj": (q, kv, kv), "gate_up_proj": (inter, inter)}
         self._head_packed: PackedWeights | None = None
+        self._head_paths: RowPaths | None = None
 
     def forward(
         self,
@@ -278,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[n, vocab_size]`` for the given hidden rows (select first). Under tensor
         parallelism every rank must call it with the same rows: the ranks' vocab slices are gathered."""
-        local = project(hidden, self._head_weight(), None, self._head_packed).float()
+        local = project(hidden, self._head_weight(), None, self._head_packed, self._head_paths).float()
         return local if self.comm is None else self.comm.gather_columns(local, self.config.vocab_size)
 
     def join(self, group: object) -> None:
@@ -290,21 +292,39 @@ class LlamaForCausalLM(nn.Module):
     def _head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_onednn(self) -> bool:
+    def pack_onednn(self, fp32_gemm: str = "auto") -> bool:
         """Give every projection and the LM head a packed copy (``linear.packed_copy``: panels for the
         C kernel in float32 where it is built, else oneDNN's).
 
+        float32 only, ``fp32_gemm`` (``gemm_paths``): "auto" times the copies against torch's products
+        per weight shape and row count and keeps the faster per row count; "kernel" runs every row
+        count through the copies; "torch" drops any and returns False.
         Call once the weights are loaded. Returns False (and changes nothing) where the
         path is unsupported: not float32 or bfloat16 (bfloat16: without oneDNN's bfloat16
         kernels for this CPU), not on the CPU, or torch without oneDNN.
         """
+        if fp32_gemm not in GEMM_CHOICES:
+            raise ValueError(f"fp32_gemm must be one of {GEMM_CHOICES}, got {fp32_gemm!r}")
         weight = self._head_weight()
+        fp32 = weight.dtype == torch.float32
         if not onednn_supported(weight.dtype, weight.device):
             return False
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack()
-        self._head_packed = packed_copy(weight, None)
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        if fp32 and fp32_gemm == "torch":
+            for module in linears:
+                module.unpack()
+            self._head_packed = self._head_paths = None
+            return False
+        for module in linears:
+            module.pack()
+        self._head_packed, self._head_paths = packed_copy(weight, None), None
+        if fp32 and fp32_gemm == "auto":
+            # The head sees a batch's last positions only: its classes past a decode batch's take that choice.
+            heads = [Projection(weight, None, self._head_packed, max_rows=64)]
+            layers = [Projection(m.weight, m.bias, m.packed_copy) for m in linears]  # type: ignore[arg-type]
+            *choices, self._head_paths = choose(layers + heads, lambda x, w, b: project(x, w, b, None))
+            for module, paths in zip(linears, choices):
+                module.paths = paths
         return True
 
     # ------------------------------------------------------------------ weights
@@ -402,6 +422,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.unpack()
         self._head_packed = None
+        self._head_paths = None
         params = dict(self.named_parameters())
         seen: set[str] = set()
         unexpected: list[str] = []

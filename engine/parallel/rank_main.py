@@ -35,7 +35,7 @@ def _load(spec: dict[str, Any]) -> tuple[torch.nn.Module, torch.Tensor]:
     model = load_model(spec["model"], dtype=getattr(torch, spec["dtype"]), device="cpu",
                        shard=TPShard(int(spec["rank"]), int(spec["size"])))  # fmt: skip
     if spec["onednn"]:
-        model.pack_onednn()
+        model.pack_onednn(spec["fp32_gemm"])
     model.kv_scales(quantized=bool(spec["quantized"]))
     lay = spec["layout"]
     layout = KVLayout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], lay["block_size"],

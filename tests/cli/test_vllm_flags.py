@@ -78,6 +78,7 @@ FLAGS = [
     (["--revision", "v1.0"], "engine.revision", "v1.0"),
     (["--download-dir", "/data/hf"], "engine.download_dir", "/data/hf"),
     (["--disable-cascade-attn"], "engine.disable_cascade_attn", True),
+    (["--cpu-fp32-gemm", "torch"], "engine.cpu_fp32_gemm", "torch"),
 ]
 
 

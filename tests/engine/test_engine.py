@@ -54,11 +54,18 @@ def assert_idle(llm: LLM) -> None:
 BATCH_LENGTHS = [*LENGTHS, 3, 24, 33]
 
 
-@pytest.mark.parametrize("cpu_onednn", [True, False], ids=["onednn", "torch-linear"])
-def test_batch_matches_transformers(checkpoint, cpu_onednn: bool) -> None:
+@pytest.mark.parametrize(
+    ("cpu_onednn", "fp32_gemm"),
+    [(True, "kernel"), (True, "auto"), (True, "torch"), (False, "kernel")],
+    ids=["packed", "packed-or-torch-timed", "torch-products", "torch-linear"],
+)
+def test_batch_matches_transformers(checkpoint, cpu_onednn: bool, fp32_gemm: str) -> None:
+    """Every float32 projection path (engine/model/gemm_paths.py): the packed copy at every row count,
+    the faster of it and torch's per row count as timed at load, torch's products only."""
     path, hf = checkpoint
-    llm = LLM(str(path), num_blocks=128, block_size=16, cpu_onednn=cpu_onednn)
-    assert llm.engine.onednn == (cpu_onednn and torch.backends.mkldnn.is_available())
+    llm = LLM(str(path), num_blocks=128, block_size=16, cpu_onednn=cpu_onednn, cpu_fp32_gemm=fp32_gemm)
+    packed = cpu_onednn and fp32_gemm != "torch" and torch.backends.mkldnn.is_available()
+    assert llm.engine.onednn == packed
     ps = prompts(0, BATCH_LENGTHS)
     outs = llm.generate(ps, GREEDY)
     for p, o in zip(ps, outs):
