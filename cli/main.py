@@ -96,6 +96,7 @@ BENCHMARKS = {
     "steps": ("pdserve.benchmarks.steps", "where a decode step's time goes: scheduling, inputs, forward by part, sampling; prompts joining (--joins)"),
     "attention-cpu": ("pdserve.benchmarks.attention_cpu", "CPU decode attention per layer: K/V read in place vs gathered + SDPA"),
     "projections": ("pdserve.benchmarks.projections", "a model's float32 projections: the panel kernel vs torch's products"),
+    "fp32-paths": ("pdserve.benchmarks.fp32_paths", "the engine under each float32 projection choice: kernel, auto, torch"),
     "tp": ("pdserve.benchmarks.tp", "tensor parallelism on the CPU: a decode step at TP=N vs TP=1, collective share"),
     "gguf": ("pdserve.benchmarks.gguf", "reading a GGUF header: pdserve's one-pass reader vs gguf.GGUFReader"),
     "overlap": ("pdserve.benchmarks.overlap", "a long prompt's handover with and without prefetching during its prefill"),
