@@ -158,7 +158,7 @@ class LLMEngine:
         self.dtype = next(self.model.parameters()).dtype
         self.onednn = config.cpu_onednn and self.model.pack_onednn(config.cpu_fp32_gemm)
         logger.info("dtype %s (%s)%s", self.dtype_choice.name, self.dtype_choice.why,
-                    "; projections through oneDNN" if self.onednn else "")  # fmt: skip
+                    "; projections through packed weights (engine/model/linear.py)" if self.onednn else "")  # fmt: skip
         cc = config.cache
         # An FP8 cache stores one byte per value (KV_CACHE_DTYPES), read back with per-layer scales.
         cache_dtype = KV_CACHE_DTYPES[cc.kv_cache_dtype] or self.dtype
