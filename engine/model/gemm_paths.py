@@ -11,9 +11,9 @@ both when it packs the model: for every distinct weight shape, at one row count 
 
 Both paths compute ``x @ weight.T + bias`` in float32; they differ only in summation order, so
 outputs agree to float32 rounding whichever is taken. A near tie keeps the packed copy
-(:data:`MARGIN`), so a choice does not flip between runs on an idle machine; on a loaded one it may,
-and two processes may then take different paths for the same class (each one's outputs within
-float32 rounding of the other's).
+(:data:`MARGIN`); a class whose paths differ by about the margin (or a machine under load) can still
+choose differently from one load to the next, and two processes may then take different paths for the
+same class, each one's outputs within float32 rounding of the other's.
 """
 
 from __future__ import annotations
