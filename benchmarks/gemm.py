@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from pdserve.benchmarks.common import emit
 from pdserve.engine.cpu_features import cpu_bf16_units
-from pdserve.engine.kernels import cpu_amx, cpu_gemm
+from pdserve.engine.kernels import cpu_amx, cpu_gemm, labels
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.linear import Linear, onednn_supported
 from pdserve.engine.sampling_params import SamplingParams
@@ -158,7 +158,7 @@ def decode_profile(llm: Any, prompts: list[list[int]], max_tokens: int) -> float
     while len(started) < len(prompts):  # the prefill steps
         started.update(o.request_id for o in engine.step() if o.new_token_ids)
     n = max(1, (max_tokens - 1) // 2)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with labels.labelled(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(n):
             engine.step()
     while engine.has_unfinished():

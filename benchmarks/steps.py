@@ -35,7 +35,7 @@ from typing import Any
 
 from pdserve.benchmarks.common import emit
 from pdserve.benchmarks.peers import workload
-from pdserve.engine.kernels import cpu_amx, cpu_decode, cpu_gemm
+from pdserve.engine.kernels import cpu_amx, cpu_decode, cpu_gemm, labels
 from pdserve.engine.sampling_params import SamplingParams
 
 PARTS = ("schedule", "prepare", "forward", "logits", "sample")
@@ -138,7 +138,7 @@ def forward_ops(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[
     from torch.profiler import ProfilerActivity, profile
 
     prefill_all(engine, prompts, max_tokens)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with labels.labelled(), profile(activities=[ProfilerActivity.CPU]) as prof:
         while engine.has_unfinished():
             engine.step()
     by_group: dict[str, float] = defaultdict(float)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.kernels import cpu_build
+from pdserve.engine.kernels import cpu_build, labels
 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
 _DTYPES = {torch.float32: "pdserve_paged_decode_f32", torch.bfloat16: "pdserve_paged_decode_bf16"}
@@ -95,7 +95,7 @@ def decode_attention(
         init_out, init_lse = torch.empty_like(out), torch.empty_like(lse)
         init_out.view(prefix[0].shape).copy_(prefix[0])
         init_lse.view(prefix[1].shape).copy_(prefix[1])
-    with torch.profiler.record_function(PROFILER_LABEL):
+    with labels.label(PROFILER_LABEL):
         failed = kernel.fns[q.dtype](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), blocks.data_ptr(), blocks.shape[1], starts.data_ptr(), spans.data_ptr(), batch,

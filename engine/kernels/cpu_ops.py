@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.kernels import cpu_build
+from pdserve.engine.kernels import cpu_build, labels
 
 _SOURCE = Path(__file__).with_name("cpu_ops.c")
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -68,7 +68,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         raise ValueError(f"weight must be a contiguous [{d}] tensor, not {tuple(weight.shape)}")
     out = torch.empty(n, d, dtype=h.dtype)
     s = h if delta is None else torch.empty(n, d, dtype=h.dtype)
-    with torch.profiler.record_function(PROFILER_LABEL):
+    with labels.label(PROFILER_LABEL):
         _get().norm[h.dtype](  # type: ignore[union-attr]
             h.data_ptr(), h.stride(0), None if delta is None else delta.data_ptr(),
             0 if delta is None else delta.stride(0), s.data_ptr(), weight.data_ptr(), out.data_ptr(), n, d, eps,
@@ -85,7 +85,7 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
         raise ValueError(f"gate_up has {width} columns, not 2 x {inter}")
     _check(gate_up.dtype)
     out = torch.empty(n, inter, dtype=gate_up.dtype)
-    with torch.profiler.record_function(PROFILER_LABEL):
+    with labels.label(PROFILER_LABEL):
         _get().silu_mul[gate_up.dtype](  # type: ignore[union-attr]
             gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, n, inter, torch.get_num_threads()
         )
@@ -104,7 +104,7 @@ def rotary_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: 
     for name, t in (("cos", cos), ("sin", sin)):
         if t.numel() != n * half or not t.is_contiguous():
             raise ValueError(f"{name} must hold {n} x {half} contiguous values")
-    with torch.profiler.record_function(PROFILER_LABEL):
+    with labels.label(PROFILER_LABEL):
         _get().rotary[x.dtype](  # type: ignore[union-attr]
             x.data_ptr(), x.stride(0), n, heads, head_dim, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
         )
@@ -127,7 +127,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     token), as ``engine.kernels.torch_paged.write_kv_torch`` does. Requires :func:`writes_kv` and a
     contiguous int64 ``slot_mapping`` of in-range slots (the caller's checks)."""
     size = key.element_size()
-    with torch.profiler.record_function(PROFILER_LABEL):
+    with labels.label(PROFILER_LABEL):
         _get().write_kv(  # type: ignore[union-attr]
             key.data_ptr(), key.stride(0) * size, value.data_ptr(), value.stride(0) * size, k_cache.data_ptr(),
             v_cache.data_ptr(), k_cache.stride(0) * size, k_cache.stride(1) * size, slot_mapping.data_ptr(),

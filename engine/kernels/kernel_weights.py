@@ -14,6 +14,8 @@ from typing import ClassVar
 
 import torch
 
+from pdserve.engine.kernels import labels
+
 
 def pad_rows(weight: torch.Tensor, multiple: int) -> torch.Tensor:
     """``weight`` ``[n, k]`` (detached) with zero rows appended up to a multiple of ``multiple``:
@@ -62,7 +64,7 @@ class KernelWeights:
         out = torch.empty(rows, self.out_features, dtype=self.dtype)
         if rows == 0:
             return out
-        with torch.profiler.record_function(self.label):
+        with labels.label(self.label):
             failed = self._fn(x.data_ptr(), x.stride(0), self.packed.data_ptr(),
                               None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows,
                               self.out_features, self.in_features, torch.get_num_threads())  # fmt: skip

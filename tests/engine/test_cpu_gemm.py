@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import cpu_build, cpu_gemm
+from pdserve.engine.kernels import cpu_build, cpu_gemm, labels
 from pdserve.engine.model import linear
 
 pytestmark = pytest.mark.skipif(cpu_gemm.panel() == 0, reason="no C compiler here: the kernel is not built")
@@ -110,7 +110,7 @@ def test_packed_linear_layers_run_every_row_count_through_it() -> None:
             layer.pack()
         for rows in (1, 4, 8, 17, 300):
             x = torch.randn(rows, 96, generator=gen)
-            with torch.profiler.profile() as prof:
+            with labels.labelled(), torch.profiler.profile() as prof:
                 out = layer(x)
             used = any(e.name == cpu_gemm.PROFILER_LABEL for e in prof.events())
             assert used == packed, (rows, packed)
