@@ -134,7 +134,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         rows = x.shape[0]
         if packed is not None and rows >= packed.min_rows and (paths is None or not paths.use_torch(rows)):
             return packed(x)
-        if x.shape[0] in SKINNY_ROWS and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
+        if rows in SKINNY_ROWS and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
             out = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x.t())
             return out.t().contiguous()
     return F.linear(x, weight, bias)

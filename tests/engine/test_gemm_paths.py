@@ -3,8 +3,6 @@ choice, and the layers and model that follow it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,4 +116,3 @@ def test_the_config_names_the_choices(monkeypatch: pytest.MonkeyPatch, tiny_mode
     assert EngineConfig(tiny_model).cpu_fp32_gemm == "torch"
     monkeypatch.delenv("PDSERVE_CPU_FP32_GEMM")
     assert EngineConfig(tiny_model).cpu_fp32_gemm == "auto"
-    assert Path(tiny_model).exists()
