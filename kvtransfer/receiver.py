@@ -1,8 +1,9 @@
 """BlockReceiver: checks each arriving chunk and writes its pieces into the local KV tensor.
 
 Plain Python (the client feeds it chunks converted from protobuf). Every piece is
-copied once, straight into ``kv_tensor.block_bytes(dest_id)[offset:...]`` (via a small pinned
-staging buffer when the tensor lives on a GPU); no pull is ever assembled in memory.
+copied once, straight into ``kv_tensor.block_bytes(dest_id)[offset:...]`` (with streaming stores,
+``engine/kernels/stream_copy``; via a small pinned staging buffer when the tensor lives on a GPU);
+no pull is ever assembled in memory.
 A piece is written only after its checksum matched. On any error the destination
 blocks hold partial data: the caller must free them (never cache them).
 """
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pdserve.engine.kernels.stream_copy import stream_copy
 from pdserve.engine.kv_tensor import KVTensor
 from pdserve.kvtransfer.errors import ChecksumError, InvalidPullError
 from pdserve.kvtransfer.wire import Chunk, PulledBlock, PullStats, checksum
@@ -123,7 +125,7 @@ class BlockReceiver:
     def _write(self, block_id: int, offset: int, data: bytes | memoryview) -> None:
         if self._flat is not None:
             start = block_id * self.block_nbytes + offset
-            self._flat[start : start + len(data)] = data  # the one copy
+            stream_copy(self._flat[start : start + len(data)], data)  # the one copy, streamed past the cache
             return
         src = np.frombuffer(data, dtype=np.uint8)
         dest = self.kv_tensor.block_bytes(block_id)[offset : offset + len(data)]

@@ -16,6 +16,7 @@ import threading
 from pdserve.engine.cpu_threads import on_passing_thread, set_torch_threads, torch_threads
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.kernels import stream_copy
 from pdserve.kvindex.config import REDIS_ERRORS, IndexConfig
 from pdserve.kvindex.publisher import KVEventPublisher, remove_worker_blocks
 from pdserve.kvindex.registry import WorkerRegistry
@@ -83,6 +84,7 @@ class WorkerRuntime:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         tune_malloc()  # chunk buffers of the KV wire stay resident (kvtransfer/allocator.py)
+        stream_copy.available()  # built (once per machine) before the first pull needs it
         _forget_blocks(config.index, config.worker_id)
         self.publisher = KVEventPublisher(config.index, config.worker_id)
         self.stats = StatsRecorder(config.index, config.worker_id)
