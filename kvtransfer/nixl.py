@@ -100,8 +100,23 @@ def _as_unavailable(doing: str) -> Iterator[None]:
         raise NixlUnavailable(f"NIXL failed {doing}: {type(exc).__name__}: {exc}") from None
 
 
-def _descs(addrs: np.ndarray, nbytes: int, device: int = 0) -> np.ndarray:
-    """NIXL's Nx3 descriptor array: address, length, device id (a GPU's index; 0 for host memory)."""
+def split_ranges(local: np.ndarray, remote: np.ndarray, nbytes: int,
+                 most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """Ranges of ``nbytes`` at each ``local[i]`` -> ``remote[i]`` as pieces of at most ``most`` bytes:
+    ``(local, remote, lengths)``, each range's pieces in order, covering it exactly."""
+    if nbytes <= most:
+        return local, remote, np.full(len(local), nbytes, dtype=np.uint64)
+    count = -(-nbytes // most)
+    offsets = np.arange(count, dtype=np.uint64) * np.uint64(most)
+    lengths = np.minimum(np.uint64(nbytes) - offsets, np.uint64(most))
+    n = len(local)
+    return ((local[:, None] + offsets).reshape(-1), (remote[:, None] + offsets).reshape(-1),
+            np.tile(lengths, n))  # fmt: skip
+
+
+def _descs(addrs: np.ndarray, nbytes: int | np.ndarray, device: int = 0) -> np.ndarray:
+    """NIXL's Nx3 descriptor array: address, length (one for all, or one each), device id (a GPU's
+    index; 0 for host memory)."""
     out = np.zeros((len(addrs), 3), dtype=np.uint64)
     out[:, 0] = addrs
     out[:, 1] = nbytes
@@ -178,9 +193,9 @@ class NixlAgent:
             return list(self._loaded)
 
     # -- transfers ------------------------------------------------------------------------
-    def write(self, local: np.ndarray, remote: np.ndarray, nbytes: int, peer: str, notif: bytes,
+    def write(self, local: np.ndarray, remote: np.ndarray, nbytes: int | np.ndarray, peer: str, notif: bytes,
               timeout_s: float, local_memory: tuple[str, int] = ("DRAM", 0)) -> None:  # fmt: skip
-        """Write ``nbytes`` from each local address (in ``local_memory``, as ``memory_of`` names it) to
+        """Write ``nbytes`` (one length for all, or one each) from each local address (in ``local_memory``, as ``memory_of`` names it) to
         the remote address at the same position, in ``peer``'s host memory, then notify ``peer`` with
         ``notif``; returns once the transfer is done.
         Raises ``NixlUnavailable`` on any failure of the library (a peer gone, an address outside

@@ -10,6 +10,7 @@ import threading
 from dataclasses import replace
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -21,7 +22,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.client import KVTransferClient
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.errors import ChecksumError, PeerUnavailableError
-from pdserve.kvtransfer.nixl import NixlAgent, NixlUnavailable, load_nixl, nixl_installed
+from pdserve.kvtransfer import nixl_server
+from pdserve.kvtransfer.nixl import NixlAgent, NixlUnavailable, load_nixl, nixl_installed, split_ranges
 from pdserve.kvtransfer.pull import pull_kv
 from pdserve.kvtransfer.wire import PullStats
 from pdserve.v1 import kvtransfer_pb2 as pb
@@ -212,6 +214,27 @@ def test_a_failed_nixl_write_falls_back_to_grpc_and_every_pin_is_returned(monkey
         stats, second = pull_lease(holder, client, "s", 30)  # a new region, and NIXL again
         assert stats.transport == "nixl" and stats.num_chunks == 3
         assert all_released(holder, [first, second])
+
+
+@requires_nixl
+def test_blocks_larger_than_a_descriptor_go_in_pieces_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With descriptors of at most 300 bytes, each 1 KiB block goes as pieces of 300, 300, 300 and 124."""
+    monkeypatch.setattr(nixl_server, "DESC_BYTES", 300)
+    with Holder(nixl=True) as holder, nixl_client(holder.address) as client:
+        stats, lease = pull_lease(holder, client, "r", 30)  # checks every block's bytes
+        assert stats.transport == "nixl" and stats.num_chunks == 3
+        assert all_released(holder, [lease])
+
+
+def test_ranges_split_into_pieces_that_cover_them() -> None:
+    local, remote = np.array([4096, 100_000], dtype=np.uint64), np.array([0, 1000], dtype=np.uint64)
+    assert [a.tolist() for a in split_ranges(local, remote, 1000, 1000)] == [[4096, 100_000], [0, 1000], [1000, 1000]]
+    pieces = split_ranges(local, remote, 1000, 300)
+    assert [a.tolist() for a in pieces] == [
+        [4096, 4396, 4696, 4996, 100_000, 100_300, 100_600, 100_900],
+        [0, 300, 600, 900, 1000, 1300, 1600, 1900],
+        [300, 300, 300, 100] * 2,
+    ]
 
 
 @requires_nixl
