@@ -62,24 +62,30 @@ class NixlExporter:
         self._lock = threading.Lock()
         self._pullers: OrderedDict[str, bytes] = OrderedDict()  # agent name -> its metadata, least recent first
         self._by_metadata: dict[bytes, str] = {}
+        self._turns: dict[str, threading.Lock] = {}  # per puller agent: held while one of its windows is written
 
     def write(self, metadata: bytes, region_addr: int, block_ids: list[int], notif: bytes) -> None:
         """Write ``block_ids`` to ``region_addr``, ``region_addr + block_nbytes``, ... of the puller whose
-        partial metadata is ``metadata``. Raises ``NixlUnavailable``."""
-        peer = self._load(metadata)
+        partial metadata is ``metadata``. Raises ``NixlUnavailable``.
+
+        One puller's windows are written one at a time, another puller's beside them: two windows of
+        one pull written at once share the holder's cores and both land late, while the puller waits
+        for the first (on two cores, 0.59 -> 0.66 of a bare READ for 256 KiB blocks; README, "NIXL")."""
+        peer, turn = self._load(metadata)
         nb = self.block_nbytes
         local = self._base + np.asarray(block_ids, dtype=np.uint64) * np.uint64(nb)
         remote = np.uint64(region_addr) + np.arange(len(block_ids), dtype=np.uint64) * np.uint64(nb)
         local, remote, lengths = split_ranges(local, remote, nb, DESC_BYTES)
-        self.agent.write(local, remote, lengths, peer, notif, self.config.stall_timeout_s, self._memory)
+        with turn:
+            self.agent.write(local, remote, lengths, peer, notif, self.config.stall_timeout_s, self._memory)
 
-    def _load(self, metadata: bytes) -> str:
-        """The puller's agent name, its metadata loaded (again only when it changed)."""
+    def _load(self, metadata: bytes) -> tuple[str, threading.Lock]:
+        """The puller's agent name, its metadata loaded (again only when it changed), and its turn."""
         with self._lock:
             name = self._by_metadata.get(metadata)
             if name is not None:
                 self._pullers.move_to_end(name)
-                return name
+                return name, self._turns[name]
             try:
                 name = self.agent.load(metadata)
             except Exception as exc:  # noqa: BLE001 - nixl's own types: malformed, a name taken, this agent's own
@@ -89,11 +95,13 @@ class NixlExporter:
                 del self._by_metadata[old]
             self._pullers[name] = metadata
             self._by_metadata[metadata] = name
+            turn = self._turns.setdefault(name, threading.Lock())
             while len(self._pullers) > self.config.nixl_max_peers:
                 gone, gone_metadata = self._pullers.popitem(last=False)
                 del self._by_metadata[gone_metadata]
+                del self._turns[gone]  # a write still holding it ends on its own
                 self.agent.forget(gone)
-            return name
+            return name, turn
 
     def __len__(self) -> int:
         """Puller agents known."""

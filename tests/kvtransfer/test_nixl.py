@@ -226,6 +226,62 @@ def test_blocks_larger_than_a_descriptor_go_in_pieces_bit_exact(monkeypatch: pyt
         assert all_released(holder, [lease])
 
 
+@requires_nixl
+def test_one_pullers_windows_are_written_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two windows are asked for at once; the first write waits (up to 1 s) for a second to start
+    beside it, and none does: the holder writes one puller's windows in turn."""
+    with Holder(nixl=True) as holder, nixl_client(holder.address) as client:
+        agent = holder.servicer.nixl.agent
+        real, lock, active, most, second = agent.write, threading.Lock(), [0], [0], threading.Event()
+
+        def counted(*args: object) -> None:
+            with lock:
+                active[0] += 1
+                most[0] = max(most[0], active[0])
+                if active[0] > 1:
+                    second.set()
+            try:
+                second.wait(1.0)  # returns at once where a write runs beside this one
+                real(*args)
+            finally:
+                with lock:
+                    active[0] -= 1
+
+        monkeypatch.setattr(agent, "write", counted)
+        stats, lease = pull_lease(holder, client, "r", 30)  # windows of 3, 3, 2 blocks, two asked for at once
+        assert stats.transport == "nixl" and stats.num_chunks == 3
+        assert most[0] == 1
+        assert all_released(holder, [lease])
+
+
+@requires_nixl
+def test_a_stalled_puller_does_not_hold_up_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first puller's write hangs until the second puller's whole pull has gone by NIXL."""
+    with Holder(nixl=True) as holder, nixl_client(holder.address) as first, nixl_client(holder.address) as second:
+        agent = holder.servicer.nixl.agent
+        real, stalled, second_done = agent.write, [], threading.Event()
+
+        def first_peer_stalls(local, remote, lengths, peer, *rest) -> None:  # type: ignore[no-untyped-def]
+            if not stalled:
+                stalled.append(peer)
+            if peer == stalled[0]:
+                second_done.wait(20.0)
+            real(local, remote, lengths, peer, *rest)
+
+        monkeypatch.setattr(agent, "write", first_peer_stalls)
+        out: list[tuple[PullStats, str]] = []
+        t = threading.Thread(target=lambda: out.append(pull_lease(holder, first, "a", 12)))
+        t.start()
+        assert wait_until(lambda: bool(stalled))  # the first puller's write is under way
+        stats, lease_b = pull_lease(holder, second, "b", 30)
+        done_while_stalled = not second_done.is_set() and t.is_alive()
+        second_done.set()
+        t.join(30)
+        assert done_while_stalled and stats.transport == "nixl"
+        assert out and out[0][0].transport == "nixl"
+        assert all_released(holder, [out[0][1], lease_b])
+
+
 def test_ranges_split_into_pieces_that_cover_them() -> None:
     local, remote = np.array([4096, 100_000], dtype=np.uint64), np.array([0, 1000], dtype=np.uint64)
     assert [a.tolist() for a in split_ranges(local, remote, 1000, 1000)] == [[4096, 100_000], [0, 1000], [1000, 1000]]
