@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from pdserve.cluster.errors import WorkerStartError
+from pdserve.engine.config import CPU_FP32_GEMM_CHOICES
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # as pdserve.cluster.config (not imported: slow)
 
@@ -244,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Jinja chat template replacing the checkpoint's: a file, or the template itself")
     p.add_argument("--disable-cascade-attn", action="store_true", default=None,
                    help="CPU: decodes sharing prefix blocks gather them each instead of reading them once together")
-    p.add_argument("--cpu-fp32-gemm", choices=("auto", "kernel", "torch"), default=None,
+    p.add_argument("--cpu-fp32-gemm", choices=CPU_FP32_GEMM_CHOICES, default=None,
                    help="CPU float32: which product projections run: auto (default) times the packed kernel "
                         "against torch's per weight shape and row count at start and takes the faster, kernel "
                         "or torch takes that one everywhere")

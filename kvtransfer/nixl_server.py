@@ -60,9 +60,9 @@ class NixlExporter:
         # A worker's helper threads run torch on their own thread only (engine/cpu_threads.py).
         self.checksums = ThreadPoolExecutor(2, thread_name_prefix="nixl-checksums", initializer=single_threaded_torch)
         self._lock = threading.Lock()
-        self._pullers: OrderedDict[str, bytes] = OrderedDict()  # agent name -> its metadata, least recent first
+        # agent name -> its metadata and its turn (held while one of its windows is written), least recent first
+        self._pullers: OrderedDict[str, tuple[bytes, threading.Lock]] = OrderedDict()
         self._by_metadata: dict[bytes, str] = {}
-        self._turns: dict[str, threading.Lock] = {}  # per puller agent: held while one of its windows is written
 
     def write(self, metadata: bytes, region_addr: int, block_ids: list[int], notif: bytes) -> None:
         """Write ``block_ids`` to ``region_addr``, ``region_addr + block_nbytes``, ... of the puller whose
@@ -85,21 +85,20 @@ class NixlExporter:
             name = self._by_metadata.get(metadata)
             if name is not None:
                 self._pullers.move_to_end(name)
-                return name, self._turns[name]
+                return name, self._pullers[name][1]
             try:
                 name = self.agent.load(metadata)
             except Exception as exc:  # noqa: BLE001 - nixl's own types: malformed, a name taken, this agent's own
                 raise NixlUnavailable(f"the puller's NIXL metadata is unusable: {type(exc).__name__}: {exc}") from None
             old = self._pullers.pop(name, None)
             if old is not None:
-                del self._by_metadata[old]
-            self._pullers[name] = metadata
+                del self._by_metadata[old[0]]
+            turn = old[1] if old is not None else threading.Lock()
+            self._pullers[name] = (metadata, turn)
             self._by_metadata[metadata] = name
-            turn = self._turns.setdefault(name, threading.Lock())
             while len(self._pullers) > self.config.nixl_max_peers:
-                gone, gone_metadata = self._pullers.popitem(last=False)
+                gone, (gone_metadata, _) = self._pullers.popitem(last=False)  # a write holding its turn ends on its own
                 del self._by_metadata[gone_metadata]
-                del self._turns[gone]  # a write still holding it ends on its own
                 self.agent.forget(gone)
             return name, turn
 
