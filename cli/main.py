@@ -81,6 +81,7 @@ BENCHMARKS = {
     "kvcache": ("pdserve.benchmarks.kvcache", "block hashing vs raw xxh3, BlockPool operations per second"),
     "engine": ("pdserve.benchmarks.engine", "offline batch throughput vs transformers, paged-KV memory use"),
     "transfer": ("pdserve.benchmarks.transfer", "KV pull over gRPC, shared memory and NIXL vs a raw TCP socket"),
+    "nixl-designs": ("pdserve.benchmarks.nixl_designs", "how near a checked NIXL pull can get to a bare READ: READ or WRITE, checksums"),
     "prefix": ("pdserve.benchmarks.prefix", "TTFT with a cached long prefix vs cold"),
     "serve": ("pdserve.benchmarks.serve", "open-loop load on 1P+1D vs monolithic; --http: via the OpenAI API"),
     "kvquant": ("pdserve.benchmarks.kv_quant", "FP8 KV cache vs unquantized: perplexity, greedy agreement, bytes"),

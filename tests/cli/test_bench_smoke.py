@@ -260,3 +260,25 @@ def test_serve_bench_load_sends_the_api_key(http: bool) -> None:
             assert seen == [f"Bearer {key}" if key else None] * (2 if http else 1)
     finally:
         stop()
+
+
+def test_nixl_designs_bench_times_every_design_on_checked_bytes() -> None:
+    from pdserve.kvtransfer.nixl import nixl_installed
+
+    if not nixl_installed():
+        pytest.skip("NIXL is not installed (pip install 'pdserve[nixl]')")
+    out = bench("nixl-designs", "--total-mb", "4", "--block-kb", "256", "--window-mb", "1", "--repeats", "1")
+    (r,) = out["results"]  # every pull's bytes were compared with the holder's inside the benchmark
+    assert r["total_bytes"] == 4 << 20 and r["block_nbytes"] == 256 << 10 and r["window_bytes"] == 1 << 20
+    designs = {f"{d}/{s}" for d in ("read", "write") for s in ("none", "sealed", "both")}
+    assert set(r["designs"]) == {"bare"} | designs
+    assert r["designs"]["bare"]["over_bare"] == 1.0
+    assert all(d["gbps"] > 0 and d["over_bare"] > 0 for d in r["designs"].values())
+
+
+def test_nixl_designs_bench_without_the_library_says_so() -> None:
+    script = ("import sys; import pdserve.kvtransfer.nixl as n; import pdserve.benchmarks.nixl_designs as b\n"
+              "def off(): raise n.NixlUnavailable('NIXL is not installed (test)', permanent=True)\n"
+              "b.load_nixl = off; sys.exit(b.main(['--repeats', '1']))")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0 and "NIXL is not installed (test)" in r.stderr and not r.stdout
