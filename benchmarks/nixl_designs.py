@@ -8,6 +8,8 @@ Each round times, on the same blocks, one after another:
 
 - ``bare``: one READ of every block (a descriptor each) from the holder's whole registered tensor. Nothing
   is checked or scoped: the reference of ``pdserve bench transfer``'s ``over_bare_nixl``.
+- ``bare_write``: the same the other way, one WRITE by the holder into the puller's whole registered tensor
+  (nothing zeroed, checked or scoped): the ceiling of any design in which the holder writes.
 - ``read``: the holder registers exactly the pull's blocks and sends partial metadata of them; the puller
   READs them window by window straight into its destination blocks. The puller may read what the pull
   grants, nothing else; nothing of the puller's is registered for the holder.
@@ -43,6 +45,7 @@ from pdserve.kvtransfer.wire import checksum
 MiB = 1 << 20
 DESIGNS = [(d, s) for d in ("read", "write") for s in ("none", "sealed", "both")]
 _POLL_S = 0.0002
+TIMEOUT_S = 60.0  # a transfer still going after this fails the benchmark
 
 
 def _agent(name: str) -> Any:
@@ -66,8 +69,8 @@ def _move(agent: Any, op: str, local: list[int], remote: list[int], nb: int, pee
     handle = agent.initialize_xfer(op, agent.get_xfer_descs(_descs(np.asarray(local, dtype=np.uint64), nb), "DRAM"),
                                    agent.get_xfer_descs(_descs(np.asarray(remote, dtype=np.uint64), nb), "DRAM"),
                                    peer, notif)  # fmt: skip
-    state = agent.transfer(handle)
-    while state == "PROC":
+    state, deadline = agent.transfer(handle), time.monotonic() + TIMEOUT_S
+    while state == "PROC" and time.monotonic() < deadline:
         state = agent.check_xfer_state(handle)
     agent.release_xfer_handle(handle)
     if state != "DONE":
@@ -118,6 +121,12 @@ class _Holder:
             raise RuntimeError("the puller did not end its read")
         self.agent.deregister_memory(reg)
 
+    def bare_write(self, ids: list[int], metadata: bytes, dest: list[int]) -> None:
+        """One WRITE of every block of ``ids`` to ``dest`` (the puller's whole tensor registered), then "done"."""
+        peer = self.agent.add_remote_agent(metadata)
+        _move(self.agent, "WRITE", [self.base + i * self.nb for i in ids], dest, self.nb, peer)
+        self.conn.send("done")
+
     def write(self, ids: list[int], per: int, mode: str, windows: int) -> None:
         """Write each asked-for window (metadata, destination addresses) in turn, notifying its index."""
         for _ in range(windows):
@@ -143,6 +152,7 @@ class _Puller:
         self.kv = torch.ones(nbytes, dtype=torch.uint8)
         self.base, self.view = self.kv.data_ptr(), memoryview(self.kv.numpy())
         self.whole = self.agent.register_memory(self.kv)
+        self.whole_metadata: bytes | None = None
         self.zeros = memoryview(torch.zeros(nb, dtype=torch.uint8).numpy())
         self.check = ThreadPoolExecutor(1)
         rng = np.random.default_rng(seed)
@@ -154,6 +164,15 @@ class _Puller:
 
     def bare(self) -> None:
         _move(self.agent, "READ", self.dest, [self.holder_base + i * self.nb for i in self.src], self.nb, self.holder)
+
+    def bare_write(self) -> None:
+        if self.whole_metadata is None:  # once: the holder keeps it loaded, as a peer would
+            self.whole_metadata = self.agent.get_partial_agent_metadata(self.whole, True)
+        self.conn.send(("bare_write", self.src, self.whole_metadata, self.dest))
+        while not self.conn.poll(_POLL_S):  # the holder's wire-up to this agent needs its progress
+            self.agent.get_new_notifs()
+        if self.conn.recv() != "done":
+            raise RuntimeError("the holder did not end its write")
 
     def verify(self, dest: list[int], sums: list[int]) -> None:
         if _sums(self.view, dest, self.base, self.nb) != sums:
@@ -216,11 +235,12 @@ def run(total_mb: int, block_kb: int, window_mb: int, repeats: int, seed: int = 
     holder = ctx.Process(target=_holder_main, args=(there, seed, nbytes, nb), daemon=True)
     holder.start()
     torch.set_num_threads(1)
-    times: dict[str, list[float]] = {"bare": [], **{f"{d}/{s}": [] for d, s in DESIGNS}}
+    times: dict[str, list[float]] = {"bare": [], "bare_write": [], **{f"{d}/{s}": [] for d, s in DESIGNS}}
     try:
         puller = _Puller(here, nbytes, nb, per, seed)
         expected = _blocks(seed, nbytes)
-        methods = {"bare": puller.bare, **{f"{d}/{s}": (lambda d=d, s=s: getattr(puller, d)(s)) for d, s in DESIGNS}}
+        designs = {f"{d}/{s}": (lambda d=d, s=s: getattr(puller, d)(s)) for d, s in DESIGNS}
+        methods = {"bare": puller.bare, "bare_write": puller.bare_write, **designs}
         for r in range(repeats + 1):  # round 0 warms every path up (agents' wire-up, page faults)
             for name, fn in methods.items():
                 t0 = time.perf_counter()

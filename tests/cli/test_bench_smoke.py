@@ -271,7 +271,7 @@ def test_nixl_designs_bench_times_every_design_on_checked_bytes() -> None:
     (r,) = out["results"]  # every pull's bytes were compared with the holder's inside the benchmark
     assert r["total_bytes"] == 4 << 20 and r["block_nbytes"] == 256 << 10 and r["window_bytes"] == 1 << 20
     designs = {f"{d}/{s}" for d in ("read", "write") for s in ("none", "sealed", "both")}
-    assert set(r["designs"]) == {"bare"} | designs
+    assert set(r["designs"]) == {"bare", "bare_write"} | designs
     assert r["designs"]["bare"]["over_bare"] == 1.0
     assert all(d["gbps"] > 0 and d["over_bare"] > 0 for d in r["designs"].values())
 
