@@ -131,6 +131,13 @@ def memory_of(tensor: torch.Tensor) -> tuple[str, int]:
     return "DRAM", 0
 
 
+class _Ended:
+    """What an ended ``NixlAgent`` holds instead of the library's agent: every call is refused."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise NixlUnavailable("this NIXL agent has ended")
+
+
 class NixlAgent:
     """One NIXL agent (UCX backend) named ``name``. Thread-safe: calls are serialized by a lock,
     except ``write``'s wait, which holds only its own transfer.
@@ -235,3 +242,11 @@ class NixlAgent:
         """Forget every peer. The agent itself ends when the object is collected (NIXL has no close)."""
         for name in self.peers():
             self.forget(name)
+
+    def end(self) -> None:
+        """Forget every peer and drop the library's agent now: its UCX worker closes, and a peer's copy of
+        metadata it gave out reaches nothing any more (deregistering alone does not stop a peer over UCX's
+        TCP transport). Every later call raises ``NixlUnavailable``."""
+        self.close()
+        with self._lock:
+            self._agent = _Ended()

@@ -13,7 +13,9 @@ holder, the notification missing, the region busy with another pull, a block lar
 region); the caller pulls again over gRPC with a fresh receiver. A call's ``grpc.RpcError`` or a
 ``TransferError`` (a checksum, a malformed answer) fails the pull. After any failure of a window the
 region is ended (the next pull makes a new one), so a write still in flight cannot land in the next
-pull's region; its memory is kept until such a write must have ended (``_end_region``).
+pull's region; its memory is kept until such a write must have ended (``_end_region``). A region ends
+with its agent (after a failure, when idle, at ``close``): a holder's copy of its metadata then reaches
+nothing, and the memory that held it can go back to the process.
 """
 
 from __future__ import annotations
@@ -213,19 +215,23 @@ class NixlPuller:
         return self._region
 
     def _end_region(self, keep_until: float | None = None) -> None:
-        """Deregister the region; free its memory now, or (``keep_until``, a monotonic time) only then.
+        """End the region and the agent that registered it; free the region's memory now, or (``keep_until``,
+        a monotonic time) only then. The next pull makes both afresh (an agent of another random name).
 
-        Deregistering stops writes where the transport checks registrations (RDMA), not a same-host
-        ``process_vm_writev``: memory freed under a late write there would be another object's."""
+        Over UCX's TCP transport a holder's copy of the region's metadata still reaches the memory after
+        it is deregistered, but nothing once the agent is gone (tested): memory that held the region goes
+        back to the process only with the agent ended. Over cma a holder's ``process_vm_writev`` needs no
+        agent at all: memory freed under a late write there would be another object's, hence ``keep_until``."""
         region, self._region = self._region, None
-        if region is None:
-            return
-        if self._agent is not None:
-            try:
-                self._agent.unregister(region.handle)
-            except Exception as exc:  # noqa: BLE001 - the registration goes with the agent anyway
-                logger.debug("NIXL: ending a staging region: %s", exc)
-        if keep_until is not None:
+        agent, self._agent = self._agent, None
+        if agent is not None:
+            if region is not None:
+                try:
+                    agent.unregister(region.handle)
+                except Exception as exc:  # noqa: BLE001 - the registration goes with the agent anyway
+                    logger.debug("NIXL: ending a staging region: %s", exc)
+            agent.end()
+        if region is not None and keep_until is not None:
             keeper = threading.Timer(max(keep_until - time.monotonic(), 0.0), _drop, args=(region,))
             keeper.daemon = True
             keeper.start()
@@ -251,7 +257,4 @@ class NixlPuller:
         """End the region and the agent (a pull in progress ends first)."""
         with self._busy:
             self._end_region()
-            agent, self._agent = self._agent, None
             self._off = NixlUnavailable("the client is closed")
-        if agent is not None:
-            agent.close()

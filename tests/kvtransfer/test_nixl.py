@@ -422,6 +422,59 @@ def test_an_idle_region_is_ended_and_the_next_pull_makes_one() -> None:
 
 
 @requires_nixl
+@pytest.mark.parametrize("ending", ["idle", "failed pull"])
+def test_a_holder_reaches_nothing_of_an_ended_region_over_tcp(ending: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attack: a holder keeps the metadata of a puller's region and writes to it after the region
+    ended (trimmed when idle, or after a failed pull). Over UCX's TCP transport, as between hosts, a
+    deregistered region is still reachable by that metadata; ending the puller's agent with it leaves
+    the holder nothing: the write is refused and the memory (kept alive here, so the test can look)
+    unchanged. The next pull makes a fresh agent and region."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # every agent of this test speaks TCP over loopback
+    config = replace(NIXL, shm_region_idle_s=0.05, stall_timeout_s=2.0)
+    with Holder(nixl=True) as holder, nixl_client(holder.address, config) as client:
+        first = pull_lease(holder, client, "r", 8)
+        assert first[0].transport == "nixl"
+        region = client.nixl._region  # the test holds the memory, as a process reusing it would
+        assert region is not None
+        exporter = holder.servicer.nixl
+        assert exporter is not None
+        (puller,) = exporter.agent.peers()
+        leases = [first[1]]
+        if ending == "idle":
+            assert wait_until(lambda: client.nixl.trim() == 1)
+        else:
+            real = exporter.write
+
+            def fails(*args: object) -> None:
+                raise NixlUnavailable("the NIXL write to the puller failed")
+
+            monkeypatch.setattr(exporter, "write", fails)
+            stats, lease = pull_lease(holder, client, "s", 8)  # over gRPC, the region ended
+            assert stats.transport == "grpc"
+            leases.append(lease)
+            monkeypatch.setattr(exporter, "write", real)
+        assert not client.nixl.has_region
+        before = region.tensor.clone()
+        source = np.asarray([exporter._base], dtype=np.uint64)  # any of the holder's KV bytes
+        late: list[BaseException] = []
+
+        def write_late() -> None:  # over TCP it lands once the puller's agent progresses: during the next pull
+            try:
+                exporter.agent.write(source, np.asarray([region.addr], dtype=np.uint64), NB, puller, b"late", 3.0)
+            except BaseException as exc:  # noqa: BLE001 - what the test looks at
+                late.append(exc)
+
+        attacker = threading.Thread(target=write_late)
+        attacker.start()
+        third = pull_lease(holder, client, "t", 8)
+        attacker.join()
+        assert len(late) == 1 and isinstance(late[0], NixlUnavailable), late
+        assert torch.equal(region.tensor, before)
+        assert third[0].transport == "nixl" and client.nixl._region is not region
+        assert all_released(holder, [*leases, third[1]])
+
+
+@requires_nixl
 def test_a_holder_keeps_at_most_its_limit_of_pullers_and_each_still_pulls() -> None:
     with Holder(nixl=True, nixl_max_peers=1) as holder, nixl_client(holder.address) as a, \
             nixl_client(holder.address) as b:  # fmt: skip
