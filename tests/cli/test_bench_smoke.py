@@ -270,6 +270,7 @@ def test_nixl_designs_bench_times_every_design_on_checked_bytes() -> None:
     out = bench("nixl-designs", "--total-mb", "4", "--block-kb", "256", "--window-mb", "1", "--repeats", "1")
     (r,) = out["results"]  # every pull's bytes were compared with the holder's inside the benchmark
     assert r["total_bytes"] == 4 << 20 and r["block_nbytes"] == 256 << 10 and r["window_bytes"] == 1 << 20
+    assert isinstance(r["streaming_zero"], bool)
     designs = {f"{d}/{s}" for d in ("read", "write") for s in ("none", "sealed", "both")}
     assert set(r["designs"]) == {"bare", "bare_write"} | designs
     assert r["designs"]["bare"]["over_bare"] == 1.0
