@@ -11,8 +11,10 @@ the transfer; the target (the puller) calls ``poll_notifs`` while it waits for t
 which also progresses the connection's wire-up.
 
 Trust (docs/kv-wire.md, README threat model): an agent's metadata lets whoever loads it read and
-write the memory it describes. A puller therefore sends only partial metadata naming one staging
-region it made for that holder; a holder never sends metadata at all (it only writes).
+write the memory it describes, and over UCX's TCP transport still after that memory is deregistered,
+until the agent that registered it ends (``NixlAgent.end``). A puller therefore sends only partial
+metadata naming one staging region it made for that holder, and ends the region with its agent; a
+holder never sends metadata at all (it only writes).
 """
 
 from __future__ import annotations
