@@ -455,7 +455,9 @@ def test_a_holder_reaches_nothing_of_an_ended_region_over_tcp(ending: str, monke
             monkeypatch.setattr(exporter, "write", real)
         assert not client.nixl.has_region
         before = region.tensor.clone()
-        source = np.asarray([exporter._base], dtype=np.uint64)  # any of the holder's KV bytes
+        marker = LOCAL_BLOCKS - 1  # a block no lease of this test takes, its bytes unlike anything pulled
+        holder.handover.kv_tensor.block_bytes(marker).fill_(0x5A)
+        source = np.asarray([exporter._base + marker * NB], dtype=np.uint64)
         late: list[BaseException] = []
 
         def write_late() -> None:  # over TCP it lands once the puller's agent progresses: during the next pull
@@ -472,8 +474,8 @@ def test_a_holder_reaches_nothing_of_an_ended_region_over_tcp(ending: str, monke
             if agent is not None:
                 agent.poll_notifs()
             attacker.join(0.001)
+        assert torch.equal(region.tensor, before)  # nothing landed
         assert len(late) == 1 and isinstance(late[0], NixlUnavailable), late
-        assert torch.equal(region.tensor, before)
         assert third[0].transport == "nixl" and client.nixl._region is not region
         assert all_released(holder, [*leases, third[1]])
 
