@@ -19,7 +19,6 @@ same class, each one's outputs within float32 rounding of the other's.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ logger = logging.getLogger(__name__)
 ROW_CLASSES: tuple[tuple[int, int | None], ...] = ((1, 1), (2, 7), (8, 31), (32, 127), (128, None))
 CLASS_ROWS = (1, 4, 16, 64, 256)
 MARGIN = 0.05  # torch's path is taken only where it is at least this much faster
-SAMPLES = 3  # timed samples per path and class (medians)
+SAMPLES = 3  # timed samples per path and class (the fastest counts: a busy machine only adds time)
 SAMPLE_S = 0.001  # a sample repeats the call until it lasts about this long
 
 
@@ -95,8 +94,10 @@ def _per_call(fn: Callable[[], object], repeats: int) -> float:
 
 def time_paths(packed: Callable[[torch.Tensor], torch.Tensor], unpacked: Callable[[torch.Tensor], torch.Tensor],
                in_features: int, rows: int, samples: int = SAMPLES) -> tuple[float, float]:  # fmt: skip
-    """Median seconds per call of ``packed`` and of ``unpacked`` on a random float32 ``[rows, in]``
-    input, samples alternating (each repeats the call to last about ``SAMPLE_S``)."""
+    """Seconds per call of ``packed`` and of ``unpacked`` on a random float32 ``[rows, in]`` input: the
+    fastest of samples taken alternately (each repeats the call to last about ``SAMPLE_S``). The
+    minimum, not the median: a sample that another process preempted is only slower, and on a loaded
+    machine two of three can be."""
     x = torch.randn(rows, in_features, dtype=torch.float32)
     warm = min(_per_call(lambda: packed(x), 1), _per_call(lambda: unpacked(x), 1))
     repeats = max(1, min(1000, round(SAMPLE_S / max(warm, 1e-7))))
@@ -105,7 +106,7 @@ def time_paths(packed: Callable[[torch.Tensor], torch.Tensor], unpacked: Callabl
     for _ in range(samples):
         a.append(_per_call(lambda: packed(x), repeats))
         b.append(_per_call(lambda: unpacked(x), repeats))
-    return statistics.median(a), statistics.median(b)
+    return min(a), min(b)
 
 
 def measure(packed: Callable[[torch.Tensor], torch.Tensor], unpacked: Callable[[torch.Tensor], torch.Tensor],
