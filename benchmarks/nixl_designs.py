@@ -31,6 +31,7 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
@@ -40,7 +41,8 @@ import torch
 
 from pdserve.benchmarks.common import emit
 from pdserve.engine.kernels.stream_copy import available as stream_copy_built, stream_copy
-from pdserve.kvtransfer.nixl import NixlUnavailable, load_nixl
+from pdserve.benchmarks.transfer import nixl_agent
+from pdserve.kvtransfer.nixl import NixlUnavailable, descriptors, load_nixl
 from pdserve.kvtransfer.wire import checksum
 
 MiB = 1 << 20
@@ -49,27 +51,14 @@ _POLL_S = 0.0002
 TIMEOUT_S = 60.0  # a transfer still going after this fails the benchmark
 
 
-def _agent(name: str) -> Any:
-    nixl_agent, nixl_agent_config = load_nixl()
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-
-
-def _descs(addrs: np.ndarray, nbytes: int) -> np.ndarray:
-    """NIXL's Nx3 descriptors: address, length, device 0 (host memory)."""
-    out = np.zeros((len(addrs), 3), dtype=np.uint64)
-    out[:, 0], out[:, 1] = addrs, nbytes
-    return out
-
-
 def _blocks(seed: int, nbytes: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
 def _move(agent: Any, op: str, local: list[int], remote: list[int], nb: int, peer: str, notif: bytes = b"") -> None:
     """One NIXL ``op`` ("READ" or "WRITE") of ``nb`` bytes between each local and remote address; waits for it."""
-    handle = agent.initialize_xfer(op, agent.get_xfer_descs(_descs(np.asarray(local, dtype=np.uint64), nb), "DRAM"),
-                                   agent.get_xfer_descs(_descs(np.asarray(remote, dtype=np.uint64), nb), "DRAM"),
-                                   peer, notif)  # fmt: skip
+    ends = [agent.get_xfer_descs(descriptors(np.asarray(a, dtype=np.uint64), nb), "DRAM") for a in (local, remote)]
+    handle = agent.initialize_xfer(op, *ends, peer, notif)
     state, deadline = agent.transfer(handle), time.monotonic() + TIMEOUT_S
     while state == "PROC" and time.monotonic() < deadline:
         state = agent.check_xfer_state(handle)
@@ -88,7 +77,7 @@ class _Holder:
     def __init__(self, conn: Connection, seed: int, nbytes: int, nb: int) -> None:
         torch.set_num_threads(1)
         self.conn, self.nb = conn, nb
-        self.agent = _agent("bench-design-holder")
+        self.agent = nixl_agent("holder")
         self.kv = _blocks(seed, nbytes)
         self.base, self.view = self.kv.data_ptr(), memoryview(self.kv.numpy())
         self.whole = self.agent.register_memory(self.kv)
@@ -105,10 +94,11 @@ class _Holder:
         while (msg := self.recv()) is not None:
             getattr(self, msg[0])(*msg[1:])
 
-    def window_sums(self, ids: list[int], mode: str) -> Any:
+    def window_sums(self, ids: list[int], mode: str) -> Callable[[], list[int]]:
+        """The window's checksums, as a call: computed beside the transfer (``both``) or sealed before."""
         if mode == "both":
-            return self.side.submit(_sums, self.view, [self.base + i * self.nb for i in ids], self.base, self.nb)
-        return None
+            return self.side.submit(_sums, self.view, [self.base + i * self.nb for i in ids], self.base, self.nb).result
+        return lambda: [self.sealed[i] for i in ids]
 
     def read(self, ids: list[int], per: int, mode: str) -> None:
         """Register exactly ``ids``, send their metadata, then each window's checksums; deregister at "done"."""
@@ -116,8 +106,7 @@ class _Holder:
         self.conn.send(self.agent.get_partial_agent_metadata(reg, True))
         for k in range(0, len(ids), per):
             window = ids[k : k + per]
-            pending = self.window_sums(window, mode)
-            self.conn.send(pending.result() if pending else [self.sealed[i] for i in window])
+            self.conn.send(self.window_sums(window, mode)())
         if self.recv() != "done":
             raise RuntimeError("the puller did not end its read")
         self.agent.deregister_memory(reg)
@@ -134,9 +123,9 @@ class _Holder:
             k, metadata, dest = self.recv()
             peer = self.agent.add_remote_agent(metadata)
             window = ids[k : k + per]
-            pending = self.window_sums(window, mode)
+            sums = self.window_sums(window, mode)
             _move(self.agent, "WRITE", [self.base + i * self.nb for i in window], dest, self.nb, peer, str(k).encode())
-            self.conn.send((k, pending.result() if pending else [self.sealed[i] for i in window]))
+            self.conn.send((k, sums()))
 
 
 def _holder_main(conn: Connection, seed: int, nbytes: int, nb: int) -> None:
@@ -149,7 +138,7 @@ class _Puller:
 
     def __init__(self, conn: Connection, nbytes: int, nb: int, per: int, seed: int) -> None:
         self.conn, self.nb, self.per = conn, nb, per
-        self.agent = _agent("bench-design-puller")
+        self.agent = nixl_agent("puller")
         self.kv = torch.ones(nbytes, dtype=torch.uint8)
         self.base, self.view = self.kv.data_ptr(), memoryview(self.kv.numpy())
         self.whole = self.agent.register_memory(self.kv)

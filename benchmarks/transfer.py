@@ -200,7 +200,7 @@ NIXL_WAKE_S = 120.0  # a woken holder polls fast until the read's notification, 
 NIXL_WAKE, NIXL_DONE = b"bench-wake", b"bench-done"
 
 
-def _nixl_agent(role: str) -> Any:
+def nixl_agent(role: str) -> Any:
     """A NIXL agent as the transport makes them (UCX, no progress thread: with it the library holds a core)."""
     nixl_agent, nixl_agent_config = load_nixl()
     return nixl_agent(f"bench-{role}-{uuid.uuid4().hex}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
@@ -226,7 +226,7 @@ class BareNixlHolder:
 
     def __init__(self, kv: KVTensor) -> None:
         try:
-            self._agent: Any = _nixl_agent("holder")
+            self._agent: Any = nixl_agent("holder")
         except Exception as exc:  # noqa: BLE001 - the library raises its own types
             raise NixlUnavailable(f"cannot start a NIXL agent: {exc}") from None
         self._flat = kv.tensor.reshape(-1).view(torch.uint8)
@@ -270,7 +270,7 @@ class BareNixlReader:
     before each read, has the holder progress its agent often until the read is done."""
 
     def __init__(self, info: dict, dest: KVTensor, n: int) -> None:
-        self._agent: Any = _nixl_agent("reader")
+        self._agent: Any = nixl_agent("reader")
         flat = dest.tensor.reshape(-1).view(torch.uint8)
         self._registration = self._agent.register_memory(flat)
         name = self._agent.add_remote_agent(base64.b64decode(info["metadata"]))

@@ -116,7 +116,7 @@ def split_ranges(local: np.ndarray, remote: np.ndarray, nbytes: int,
             np.tile(lengths, n))  # fmt: skip
 
 
-def _descs(addrs: np.ndarray, nbytes: int | np.ndarray, device: int = 0) -> np.ndarray:
+def descriptors(addrs: np.ndarray, nbytes: int | np.ndarray, device: int = 0) -> np.ndarray:
     """NIXL's Nx3 descriptor array: address, length (one for all, or one each), device id (a GPU's
     index; 0 for host memory)."""
     out = np.zeros((len(addrs), 3), dtype=np.uint64)
@@ -204,16 +204,16 @@ class NixlAgent:
     # -- transfers ------------------------------------------------------------------------
     def write(self, local: np.ndarray, remote: np.ndarray, nbytes: int | np.ndarray, peer: str, notif: bytes,
               timeout_s: float, local_memory: tuple[str, int] = ("DRAM", 0)) -> None:  # fmt: skip
-        """Write ``nbytes`` (one length for all, or one each) from each local address (in ``local_memory``, as ``memory_of`` names it) to
-        the remote address at the same position, in ``peer``'s host memory, then notify ``peer`` with
-        ``notif``; returns once the transfer is done.
+        """Write ``nbytes`` (one length for all, or one each) from each local address (in ``local_memory``,
+        as ``memory_of`` names it) to the remote address at the same position, in ``peer``'s host memory,
+        then notify ``peer`` with ``notif``; returns once the transfer is done.
         Raises ``NixlUnavailable`` on any failure of the library (a peer gone, an address outside
         what ``peer``'s metadata registers) or after ``timeout_s``."""
         kind, device = local_memory
         try:
             with self._lock:
-                sources = self._agent.get_xfer_descs(_descs(local, nbytes, device), kind)
-                targets = self._agent.get_xfer_descs(_descs(remote, nbytes), "DRAM")
+                sources = self._agent.get_xfer_descs(descriptors(local, nbytes, device), kind)
+                targets = self._agent.get_xfer_descs(descriptors(remote, nbytes), "DRAM")
                 handle = self._agent.initialize_xfer("WRITE", sources, targets, peer, notif)
                 state = self._agent.transfer(handle)
             try:
