@@ -31,6 +31,10 @@ class DecodeWorker:
         async for event in self.service.generate(spec, prefill):
             yield event
 
+    async def drop(self, request_id: str) -> bool:
+        """End ``request_id``'s stream, running or not yet begun (``DecodeService.drop``)."""
+        return self.service.drop(request_id)
+
     async def prefetch(self, spec: RequestSpec, address: str) -> bool:
         """Pull ``spec``'s prompt blocks from the prefill worker at ``address`` while it prefills them."""
         return self.service.prefetch(spec, address)

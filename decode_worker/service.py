@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.decode_worker.call import DecodeCall
 from pdserve.decode_worker.prefetch import Prefetches
+from pdserve.decode_worker.streams import Dropped, Streams
 from pdserve.engine.cpu_threads import single_threaded_torch
 from pdserve.engine.engine import RequestOutput
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
+
+Outcome = RequestOutput | BaseException  # what the engine hands a stream: an output, or why it failed
 
 MAX_CONCURRENT_PULLS = 8
 MAX_CONCURRENT_PREFETCHES = 4  # on threads of their own: a prefetch waiting on its holder must not hold up a pull
@@ -25,7 +29,8 @@ class DecodeService:
     back in the pool when the generator closes, and the prefill worker's lease is
     released once this worker will not pull it: a ``DecodeCall`` owns both
     (``decode_worker/call.py``). A failed pull is not an error for the client: the prompt
-    is recomputed here and counted in ``recomputed_tokens``.
+    is recomputed here and counted in ``recomputed_tokens``. ``drop`` ends a stream by its request
+    id, whether it runs or has not begun (``decode_worker/streams.py``).
     """
 
     def __init__(self, runtime: WorkerRuntime) -> None:
@@ -37,6 +42,7 @@ class DecodeService:
         self._prefetching = ThreadPoolExecutor(MAX_CONCURRENT_PREFETCHES, thread_name_prefix="kv-prefetch",
                                                initializer=single_threaded_torch)  # fmt: skip
         self.prefetches = Prefetches(runtime, self._prefetching, MAX_CONCURRENT_PREFETCHES)
+        self.streams = Streams()
 
     def close(self) -> None:
         """Wait for pulls, prefetches, aborts and releases handed to this service's threads."""
@@ -51,12 +57,29 @@ class DecodeService:
         same request ends it."""
         return self.prefetches.start(spec, address)
 
+    def drop(self, request_id: str) -> bool:
+        """End ``request_id``'s stream (the router stopped reading it): at its next read if it
+        runs (True), as it opens if it has not (False). Its prefetch, if any, stops."""
+        self.prefetches.stop(request_id)
+        return self.streams.drop(request_id)
+
     async def generate(self, spec: RequestSpec, prefill: PrefillResult | None = None) -> AsyncIterator[DecodeEvent]:
+        queue = self.streams.open(spec.request_id)
+        try:
+            async with contextlib.aclosing(self._generate(spec, prefill, queue)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self.streams.close(spec.request_id, queue)
+
+    async def _generate(self, spec: RequestSpec, prefill: PrefillResult | None,
+                        queue: asyncio.Queue[Outcome] | None) -> AsyncIterator[DecodeEvent]:  # fmt: skip
+        """``generate`` on the queue ``streams.open`` gave (None: dropped before it began)."""
         rt = self.rt
         aloop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
-        def on_output(out: RequestOutput | BaseException) -> None:
+        def on_output(out: Outcome) -> None:
+            assert queue is not None
             aloop.call_soon_threadsafe(queue.put_nowait, out)
 
         local_hit = transferred = recomputed = 0
@@ -65,6 +88,8 @@ class DecodeService:
         self.prefetches.stop(spec.request_id)  # the request is here: its own pull takes what is left
         # The call owns the request and the lease from here on, and ends both.
         async with DecodeCall(rt, spec, prefill, self._pulls, self._ender) as call:
+            if queue is None:
+                return  # dropped before it began: the call's exit releases the lease
             if prefill is not None:
                 await call.stage()
             load = call.register(on_output)
@@ -76,10 +101,12 @@ class DecodeService:
                 else:
                     call.settle_lease(pulled=None)  # recomputed here: the prefill worker's blocks are of no use
                     computes_prompt = True
-            pending: RequestOutput | BaseException | None = None
+            pending: Outcome | None = None
             while True:
                 out = pending if pending is not None else await queue.get()
                 pending = None
+                if isinstance(out, Dropped):
+                    return  # nobody reads this stream: the call's exit aborts the request
                 if isinstance(out, BaseException):
                     raise out
                 if computes_prompt:

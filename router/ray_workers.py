@@ -23,7 +23,8 @@ async def _settled(ref: ray.ObjectRef) -> None:
 
 class RayWorkers:
     """Calls prefill/decode actors; a dead actor surfaces as WorkerUnavailableError, and a
-    cancelled caller cancels the remote task (the worker then frees the request's blocks)."""
+    cancelled caller cancels the remote task (the worker then frees the request's blocks); a
+    decode stream left unfinished is also dropped by request id (``DecodeService.drop``)."""
 
     def __init__(self, prefill: dict[str, ray.actor.ActorHandle], decode: dict[str, ray.actor.ActorHandle]) -> None:
         self.prefill_handles = prefill
@@ -78,18 +79,24 @@ class RayWorkers:
     async def decode(
         self, worker_id: str, spec: RequestSpec, prefill: PrefillResult | None
     ) -> AsyncIterator[DecodeEvent]:
-        gen = self.decode_handles[worker_id].generate.options(num_returns="streaming").remote(spec, prefill)
-        finished = False
+        handle = self.decode_handles[worker_id]
+        gen = handle.generate.options(num_returns="streaming").remote(spec, prefill)
+        finished = dead = False
         try:
             async for ref in gen:
                 event: DecodeEvent = await ref
                 finished = event.finished
                 yield event
         except RayActorError as exc:
+            dead = True
             raise WorkerUnavailableError(f"decode worker {worker_id} is unavailable: {exc}") from exc
         finally:
             if not finished:
                 ray.cancel(gen)
+                # Ray loses a cancel that comes while the actor is starting the task, and the stream
+                # would run to max_tokens unread: the drop ends it by id, begun or not.
+                if not dead:
+                    handle.drop.remote(spec.request_id)  # not awaited: idempotent
 
     async def scrape(self, timeout_s: float) -> dict[str, list[Metric] | None]:
         """Every worker's metric families (``metrics`` of its actor), asked of all at once; None

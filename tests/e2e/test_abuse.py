@@ -15,11 +15,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import ray
 
 from pdserve import SamplingParams
 from pdserve.cli.client import build_request, generate
 from pdserve.cluster.config import ServiceConfig
 from pdserve.cluster.launcher import Service
+from pdserve.worker.messages import RequestSpec
 from tests.support.polling import wait_until
 from tests.support.service import all_idle, pool_states, raw_post, shared_ray, stub_for
 
@@ -101,6 +103,22 @@ def test_a_disconnect_storm_leaves_no_block_lease_or_request_behind(service: Ser
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     assert wait_until(lambda: all_idle(service), timeout=10)
 
+
+
+def test_a_decode_stream_whose_cancel_was_lost_ends_when_dropped(service: Service) -> None:
+    """The Ray hop of the backstop (``DecodeWorker.drop``, as ``RayWorkers`` sends it after its cancel):
+    a stream read once and then left, its cancel never sent (as when Ray loses one), stops well short
+    of its 2000 tokens once dropped, and the decode worker holds nothing."""
+    assert wait_until(lambda: all_idle(service), timeout=60)
+    handle = next(iter(service.decode.values()))
+    spec = RequestSpec("lost-cancel", tuple(_prompt(800, 40)), SamplingParams(max_tokens=2000, ignore_eos=True))
+    gen = handle.generate.options(num_returns="streaming").remote(spec, None)
+    events = [ray.get(next(gen), timeout=60)]
+    ray.get(handle.drop.remote(spec.request_id), timeout=60)
+    events += [ray.get(ref, timeout=60) for ref in gen]
+    assert not any(ev.finished for ev in events)
+    assert sum(len(ev.token_ids) for ev in events) < 2000
+    assert wait_until(lambda: all_idle(service), timeout=30), pool_states(service)
 
 def _prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
