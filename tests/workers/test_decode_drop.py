@@ -5,6 +5,8 @@ WorkerRuntimes (real gRPC KV transfer, real Redis)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -13,6 +15,7 @@ from pdserve.decode_worker.service import DecodeService
 from pdserve.decode_worker.streams import Dropped, Streams
 from pdserve.prefill_worker.service import PrefillService
 from pdserve.worker.messages import RequestSpec
+from pdserve.worker.runtime import WorkerRuntime
 from tests.support.polling import wait_until, wait_until_async
 from tests.support.redis import unique_namespace
 from tests.workers.test_worker_services import runtime
@@ -74,15 +77,27 @@ def test_bad_settings_are_refused() -> None:
         Streams(keep_s=0)
 
 
+@contextmanager
+def prefill_and_decode(model: str, url: str, num_blocks: int = 64) -> Iterator[tuple[WorkerRuntime, DecodeService]]:
+    """A prefill runtime and a decode service over one namespace, closed on the way out."""
+    ns = unique_namespace()
+    prt = runtime(model, url, ns, "prefill-0", "prefill", num_blocks=num_blocks)
+    drt = runtime(model, url, ns, "decode-0", "decode", num_blocks=num_blocks)
+    service = DecodeService(drt)
+    try:
+        yield prt, service
+    finally:
+        service.close()
+        drt.close()
+        prt.close()
+
+
 def test_a_stream_nobody_reads_ends_when_dropped_and_gives_every_block_back(tiny_model: str, redis_server) -> None:
     """A handed-over request decoding 2000 tokens, its stream left unread and never cancelled (a lost
     cancel): the drop ends it before it runs out. Its blocks return, nothing stays registered, and
     the prefill worker's lease was released."""
-    ns = unique_namespace()
-    prt = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill", num_blocks=256)
-    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode", num_blocks=256)
-    service = DecodeService(drt)
-    try:
+    with prefill_and_decode(tiny_model, redis_server.url, num_blocks=256) as (prt, service):
+        drt = service.rt
         spec = RequestSpec("unread", tuple(range(1, 41)), SamplingParams(max_tokens=2000, ignore_eos=True))
 
         async def run() -> int:
@@ -102,10 +117,6 @@ def test_a_stream_nobody_reads_ends_when_dropped_and_gives_every_block_back(tiny
         state = drt.pool_state()
         assert state["requests"] == state["registered"] == 0 and state["free_blocks"] == state["num_blocks"], state
         assert service.streams.num_open == 0
-    finally:
-        service.close()
-        drt.close()
-        prt.close()
 
 
 async def _drain(gen) -> int:  # noqa: ANN001 - an async iterator of DecodeEvents
@@ -120,11 +131,8 @@ def test_a_stream_dropped_before_it_began_registers_nothing_and_releases_the_lea
                                                                                    redis_server) -> None:  # fmt: skip
     """The drop comes first (the router gave up while the stream was on its way): the stream yields
     nothing, registers nothing, and the prefill worker's lease is released at once."""
-    ns = unique_namespace()
-    prt = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill")
-    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode")
-    service = DecodeService(drt)
-    try:
+    with prefill_and_decode(tiny_model, redis_server.url) as (prt, service):
+        drt = service.rt
         spec = RequestSpec("early", tuple(range(1, 41)), SamplingParams(max_tokens=50, ignore_eos=True))
 
         async def run() -> list:
@@ -139,8 +147,4 @@ def test_a_stream_dropped_before_it_began_registers_nothing_and_releases_the_lea
         state = drt.pool_state()
         assert state["requests"] == state["registered"] == 0 and state["free_blocks"] == state["num_blocks"], state
         assert prt.pool_state()["free_blocks"] == prt.pool_state()["num_blocks"]
-    finally:
-        service.close()
-        drt.close()
-        prt.close()
 
