@@ -6,8 +6,9 @@ chunks compute, the decode worker can already take the earlier ones: each round 
 the prefill worker has cached of the prompt's full blocks that this pool lacks (the holder waits up to
 ``prefix_wait_s`` for the next one), into blocks of its own (``KVHandover.begin_prefetch``), and caches
 what landed (``end_prefetch``, which returns every block, on every path). It goes on until every full
-block is here, the request itself arrives (``stop``: its own lease pull takes over), nothing new came
-for ``idle_s``, a pull fails, or the worker closes. The request's ``add_remote`` then finds those blocks
+block is here, the request itself arrives (``stop``: its own lease pull takes over), the router gives
+the request up (``stop`` through ``DecodeService.drop``), nothing new came for ``idle_s``, a pull fails,
+or the worker closes. The request's ``add_remote`` then finds those blocks
 as its own cached prefix and its lease pull skips them (``first_block``): once the prefill ends, only
 the blocks of its last chunk still cross.
 

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.decode_worker.call import DecodeCall
 from pdserve.decode_worker.prefetch import Prefetches
-from pdserve.decode_worker.streams import Dropped, Streams
 from pdserve.engine.cpu_threads import single_threaded_torch
 from pdserve.engine.engine import RequestOutput
+from pdserve.worker.drops import Dropped, Drops
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
 
@@ -30,7 +30,7 @@ class DecodeService:
     released once this worker will not pull it: a ``DecodeCall`` owns both
     (``decode_worker/call.py``). A failed pull is not an error for the client: the prompt
     is recomputed here and counted in ``recomputed_tokens``. ``drop`` ends a stream by its request
-    id, whether it runs or has not begun (``decode_worker/streams.py``).
+    id, whether it runs or has not begun (``worker/drops.py``).
     """
 
     def __init__(self, runtime: WorkerRuntime) -> None:
@@ -42,7 +42,7 @@ class DecodeService:
         self._prefetching = ThreadPoolExecutor(MAX_CONCURRENT_PREFETCHES, thread_name_prefix="kv-prefetch",
                                                initializer=single_threaded_torch)  # fmt: skip
         self.prefetches = Prefetches(runtime, self._prefetching, MAX_CONCURRENT_PREFETCHES)
-        self.streams = Streams()
+        self.drops = Drops()
 
     def close(self) -> None:
         """Wait for pulls, prefetches, aborts and releases handed to this service's threads."""
@@ -54,27 +54,34 @@ class DecodeService:
     def prefetch(self, spec: RequestSpec, address: str) -> bool:
         """Start pulling ``spec``'s prompt blocks from the prefill worker at ``address`` while it
         prefills them (``decode_worker/prefetch.py``); False when declined. ``generate`` for the
-        same request ends it."""
+        same request ends it, and so does ``drop``, also when it came first."""
+        if self.drops.kept(spec.request_id):
+            return False
         return self.prefetches.start(spec, address)
 
     def drop(self, request_id: str) -> bool:
         """End ``request_id``'s stream (the router stopped reading it): at its next read if it
-        runs (True), as it opens if it has not (False). Its prefetch, if any, stops."""
+        runs (True), as it begins if it has not (False). Its prefetch, if any, stops."""
         self.prefetches.stop(request_id)
-        return self.streams.drop(request_id)
+        return self.drops.drop(request_id)
 
     async def generate(self, spec: RequestSpec, prefill: PrefillResult | None = None) -> AsyncIterator[DecodeEvent]:
-        queue = self.streams.open(spec.request_id)
+        queue: asyncio.Queue[Outcome] = asyncio.Queue()
+
+        def on_drop() -> None:
+            queue.put_nowait(Dropped(spec.request_id))
+
+        begun = self.drops.begin(spec.request_id, on_drop)
         try:
-            async with contextlib.aclosing(self._generate(spec, prefill, queue)) as events:
+            async with contextlib.aclosing(self._generate(spec, prefill, queue if begun else None)) as events:
                 async for event in events:
                     yield event
         finally:
-            self.streams.close(spec.request_id, queue)
+            self.drops.end(spec.request_id, on_drop)
 
     async def _generate(self, spec: RequestSpec, prefill: PrefillResult | None,
                         queue: asyncio.Queue[Outcome] | None) -> AsyncIterator[DecodeEvent]:  # fmt: skip
-        """``generate`` on the queue ``streams.open`` gave (None: dropped before it began)."""
+        """``generate``, its outputs delivered to ``queue`` (None: dropped before it began)."""
         rt = self.rt
         aloop = asyncio.get_running_loop()
 

@@ -28,6 +28,10 @@ class PrefillWorker:
     async def prefill(self, spec: RequestSpec) -> PrefillResult:
         return await self.service.prefill(spec)
 
+    async def drop(self, request_id: str) -> bool:
+        """End ``request_id``'s prefill, running or not yet begun (``PrefillService.drop``)."""
+        return self.service.drop(request_id)
+
     async def release(self, lease_id: str) -> bool:
         # Freeing takes the engine lock: not on the event loop that serves the prefills.
         return await asyncio.to_thread(self.rt.source.release, lease_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.engine.engine import RequestOutput
+from pdserve.worker.drops import Dropped, Drops
 from pdserve.worker.messages import PrefillResult, RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
 
@@ -15,11 +16,18 @@ class PrefillService:
     Guarantees: when ``prefill`` returns a result with a ``lease_id``, the request's
     blocks are held by that lease (released by the puller or expired after the TTL);
     in every other outcome (finished on the first token, error, cancellation) the
-    request holds no blocks when ``prefill`` returns or raises.
+    request holds no blocks when ``prefill`` returns or raises. ``drop`` ends a prefill by its
+    request id, whether it runs or has not begun (``worker/drops.py``): it raises ``Dropped``.
     """
 
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
+        self.drops = Drops()
+
+    def drop(self, request_id: str) -> bool:
+        """End ``request_id``'s prefill (the router gave up on it): True when it runs, False when
+        it has not begun (it ends as it begins)."""
+        return self.drops.drop(request_id)
 
     async def prefill(self, spec: RequestSpec) -> PrefillResult:
         rt = self.rt
@@ -36,7 +44,22 @@ class PrefillService:
             elif out.finished:
                 aloop.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
 
-        rt.loop.submit(req, on_output)
+        def on_drop() -> None:
+            if not done.done():
+                done.set_exception(Dropped(spec.request_id))
+
+        if not self.drops.begin(spec.request_id, on_drop):
+            raise Dropped(spec.request_id)  # nothing submitted: nothing held
+        try:
+            rt.loop.submit(req, on_output)  # an id in use raises here: the other request is not ours to abort
+            return await self._lease(spec, done)
+        finally:
+            self.drops.end(spec.request_id, on_drop)
+
+    async def _lease(self, spec: RequestSpec, done: asyncio.Future[RequestOutput]) -> PrefillResult:
+        """Wait for the submitted request's first token and hold its KV under a lease; on any
+        other outcome (finished, failed, cancelled, dropped) it holds nothing on return."""
+        rt = self.rt
         leased = False
         try:
             out = await done

@@ -23,8 +23,8 @@ async def _settled(ref: ray.ObjectRef) -> None:
 
 class RayWorkers:
     """Calls prefill/decode actors; a dead actor surfaces as WorkerUnavailableError, and a
-    cancelled caller cancels the remote task (the worker then frees the request's blocks); a
-    decode stream left unfinished is also dropped by request id (``DecodeService.drop``)."""
+    cancelled caller cancels the remote task (the worker then frees the request's blocks) and
+    also drops it by request id (``worker/drops.py``), which ends it where Ray lost the cancel."""
 
     def __init__(self, prefill: dict[str, ray.actor.ActorHandle], decode: dict[str, ray.actor.ActorHandle]) -> None:
         self.prefill_handles = prefill
@@ -33,6 +33,7 @@ class RayWorkers:
         self.decode_ids = list(decode)
         self._cleanups: set[asyncio.Task[None]] = set()
         self._addresses: dict[str, str] = {}  # prefill worker -> its KV-transfer address, as its last result said
+        self._prefetching: dict[str, str] = {}  # request id -> the decode worker prefetching it during its prefill
 
     async def prefill(self, worker_id: str, spec: RequestSpec) -> PrefillResult:
         ref = self.prefill_handles[worker_id].prefill.remote(spec)
@@ -43,14 +44,26 @@ class RayWorkers:
         except RayActorError as exc:
             raise WorkerUnavailableError(f"prefill worker {worker_id} is unavailable: {exc}") from exc
         except asyncio.CancelledError:
-            # A prefill still running is cancelled (the worker frees its blocks); one that already
-            # finished holds its KV under a lease nobody will pull (Ray may drop its result, so the
-            # lease id may never reach us): once the task is over, free it by request id.
-            ray.cancel(ref)
-            task = asyncio.ensure_future(self._release_orphan(worker_id, spec.request_id, ref))
-            self._cleanups.add(task)
-            task.add_done_callback(self._cleanups.discard)
+            self._give_up(worker_id, spec.request_id, ref)
             raise
+        finally:
+            self._prefetching.pop(spec.request_id, None)
+
+    def _give_up(self, worker_id: str, request_id: str, ref: ray.ObjectRef) -> None:
+        """The request ended while its prefill ran on ``worker_id``. A prefill still running is
+        cancelled (the worker frees its blocks), and dropped by id where Ray lost the cancel; one
+        that already finished holds its KV under a lease nobody will pull (Ray may drop its result,
+        so the lease id may never reach us): once the task is over, it is freed by request id. A
+        prefetch of the prompt is dropped too: it would poll for blocks that never come, holding a
+        prefetch slot and blocks until it idles out."""
+        ray.cancel(ref)
+        self.prefill_handles[worker_id].drop.remote(request_id)  # not awaited: idempotent
+        decode = self.decode_handles.get(self._prefetching.get(request_id, ""))
+        if decode is not None:
+            decode.drop.remote(request_id)
+        task = asyncio.ensure_future(self._release_orphan(worker_id, request_id, ref))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     async def _release_orphan(self, worker_id: str, request_id: str, ref: ray.ObjectRef) -> None:
         await _settled(ref)
@@ -65,6 +78,7 @@ class RayWorkers:
         handle = self.decode_handles.get(decode_id)
         if address is not None and handle is not None:
             handle.prefetch.remote(spec, address)  # not awaited: a prefetch only saves time
+            self._prefetching[spec.request_id] = decode_id
 
     async def ping(self, worker_id: str) -> object:
         """The worker's ``ready`` answer (its registry info); raises while its actor cannot answer."""

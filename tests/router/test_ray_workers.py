@@ -1,25 +1,35 @@
-"""RayWorkers over real Ray actors: a decode stream the router leaves unfinished is cancelled and
-also dropped by its request id (``DecodeWorker.drop``), which ends it where Ray lost the cancel."""
+"""RayWorkers over real Ray actors: a prefill or decode stream the router gives up on is cancelled
+and also dropped by its request id (``worker/drops.py``), which ends it where Ray lost the cancel."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 import ray
 
 from pdserve import SamplingParams
 from pdserve.router.ray_workers import RayWorkers
-from pdserve.worker.messages import DecodeEvent, RequestSpec
-from tests.support.polling import wait_until
+from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
+from tests.support.polling import wait_until, wait_until_async
 from tests.support.service import shared_ray
 
 
 @ray.remote
 class CountingDecode:
-    """A decode actor whose streams run to ``max_tokens`` unless cancelled; it records the drops it gets."""
+    """A decode actor whose streams run to ``max_tokens`` unless cancelled; it records the drops and
+    prefetches it gets."""
 
     def __init__(self) -> None:
         self.dropped: list[str] = []
+        self.prefetched: list[str] = []
+
+    async def prefetch(self, spec: RequestSpec, address: str) -> bool:
+        self.prefetched.append(spec.request_id)
+        return True
+
+    async def prefetches(self) -> list[str]:
+        return list(self.prefetched)
 
     async def generate(self, spec: RequestSpec, prefill: object = None):  # noqa: ANN201 - a Ray stream
         for n in range(1, spec.params.max_tokens + 1):
@@ -61,3 +71,60 @@ def test_an_unfinished_decode_stream_is_dropped_by_id_beside_its_cancel() -> Non
         assert wait_until(lambda: ray.get(actor.drops.remote(), timeout=30) == ["left"], timeout=30)
     finally:
         ray.kill(actor)
+
+
+@ray.remote
+class SlowPrefill:
+    """A prefill actor whose prefills take an hour, but for one of one token; it records the calls it gets."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    async def prefill(self, spec: RequestSpec) -> PrefillResult:
+        self.calls.append(("prefill", spec.request_id))
+        if spec.params.max_tokens != 1:
+            await asyncio.sleep(3600)
+        return PrefillResult(spec.request_id, 7, True, "length", None, "127.0.0.1:1", "prefill-0", 2, 0)
+
+    async def drop(self, request_id: str) -> bool:
+        self.calls.append(("drop", request_id))
+        return False
+
+    async def release_request(self, request_id: str) -> bool:
+        self.calls.append(("release_request", request_id))
+        return False
+
+    async def recorded(self) -> list[tuple[str, str]]:
+        return list(self.calls)
+
+
+def test_a_cancelled_prefill_is_dropped_by_id_with_its_prefetch_and_released_once_over() -> None:
+    """The client leaves while its prefill runs and the decode worker prefetches its prompt: the
+    prefill is dropped beside its cancel, the prefetch is dropped, and once the prefill's task is
+    over the prefill worker frees whatever the request still holds."""
+    shared_ray()
+    prefill, decode = SlowPrefill.remote(), CountingDecode.remote()
+    try:
+        workers = RayWorkers({"prefill-0": prefill}, {"decode-0": decode})
+        gone = RequestSpec("gone", (1, 2), SamplingParams())
+
+        async def give_up() -> None:
+            # A first prefill tells the prefill worker's address; prefetches need it.
+            await workers.prefill("prefill-0", RequestSpec("warm", (1,), SamplingParams(max_tokens=1)))
+            workers.prefetch("decode-0", gone, "prefill-0")
+            task = asyncio.ensure_future(workers.prefill("prefill-0", gone))
+            assert await wait_until_async(lambda: ("prefill", "gone") in ray.get(prefill.recorded.remote(), timeout=30))
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # The release comes once the task is over, from this loop: kept running meanwhile.
+            assert await wait_until_async(lambda: len(ray.get(prefill.recorded.remote(), timeout=30)) == 4, timeout=30)
+
+        asyncio.run(give_up())
+        assert sorted(ray.get(prefill.recorded.remote(), timeout=30)) == [
+            ("drop", "gone"), ("prefill", "gone"), ("prefill", "warm"), ("release_request", "gone")]  # fmt: skip
+        assert wait_until(lambda: ray.get(decode.drops.remote(), timeout=30) == ["gone"], timeout=30)
+        assert ray.get(decode.prefetches.remote(), timeout=30) == ["gone"]
+    finally:
+        ray.kill(prefill)
+        ray.kill(decode)

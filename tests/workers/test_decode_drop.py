@@ -1,6 +1,6 @@
-"""Dropping a decode stream by its request id (``decode_worker/streams.py``): the router's backstop
-for a Ray cancel that never reached the stream. ``Streams`` alone, then ``DecodeService`` over real
-WorkerRuntimes (real gRPC KV transfer, real Redis)."""
+"""Dropping a call by its request id (``worker/drops.py``), the router's backstop for a Ray cancel
+that never reached the call: ``DecodeService`` and ``PrefillService`` over real WorkerRuntimes (real
+gRPC KV transfer, real Redis)."""
 
 from __future__ import annotations
 
@@ -12,69 +12,13 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.decode_worker.service import DecodeService
-from pdserve.decode_worker.streams import Dropped, Streams
 from pdserve.prefill_worker.service import PrefillService
+from pdserve.worker.drops import Dropped
 from pdserve.worker.messages import RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
 from tests.support.polling import wait_until, wait_until_async
 from tests.support.redis import unique_namespace
-from tests.workers.test_worker_services import runtime
-
-
-def test_a_drop_reaches_the_open_stream_of_its_id_only() -> None:
-    async def run() -> None:
-        streams = Streams()
-        a, b = streams.open("a"), streams.open("b")
-        assert a is not None and b is not None and streams.num_open == 2
-        assert streams.drop("a") is True
-        assert isinstance(a.get_nowait(), Dropped) and b.empty()
-        streams.close("a", a)
-        streams.close("b", b)
-        assert streams.num_open == 0 and streams.num_kept == 0
-
-    asyncio.run(run())
-
-
-def test_a_drop_before_its_stream_opened_ends_that_stream_once_within_keep_s() -> None:
-    now = [0.0]
-
-    async def run() -> None:
-        streams = Streams(keep_s=60.0, clock=lambda: now[0])
-        assert streams.drop("early") is False and streams.num_kept == 1
-        assert streams.open("early") is None  # ended as it opens
-        assert streams.open("early") is not None  # once: the drop is used up
-        streams.drop("late")
-        now[0] = 61.0
-        assert streams.open("late") is not None and streams.num_kept == 0  # kept keep_s, no longer
-
-    asyncio.run(run())
-
-
-def test_drops_kept_are_bounded_the_oldest_forgotten_first() -> None:
-    async def run() -> None:
-        streams = Streams(max_kept=3)
-        for i in range(5):
-            streams.drop(f"r{i}")
-        assert streams.num_kept == 3
-        assert streams.open("r1") is not None and streams.open("r2") is None
-
-    asyncio.run(run())
-
-
-def test_a_second_stream_of_an_open_id_does_not_take_the_first_ones_drops() -> None:
-    async def run() -> None:
-        streams = Streams()
-        first, second = streams.open("r"), streams.open("r")
-        assert first is not None and second is not None and first is not second
-        streams.close("r", second)  # the second ends (its registration failed): the first is still reachable
-        assert streams.drop("r") is True and isinstance(first.get_nowait(), Dropped)
-
-    asyncio.run(run())
-
-
-def test_bad_settings_are_refused() -> None:
-    with pytest.raises(ValueError, match="keep_s"):
-        Streams(keep_s=0)
+from tests.workers.test_worker_services import metric, runtime
 
 
 @contextmanager
@@ -116,7 +60,7 @@ def test_a_stream_nobody_reads_ends_when_dropped_and_gives_every_block_back(tiny
         assert wait_until(lambda: prt.pool_state()["leases"] == 0)
         state = drt.pool_state()
         assert state["requests"] == state["registered"] == 0 and state["free_blocks"] == state["num_blocks"], state
-        assert service.streams.num_open == 0
+        assert service.drops.num_running == 0
 
 
 async def _drain(gen) -> int:  # noqa: ANN001 - an async iterator of DecodeEvents
@@ -148,3 +92,57 @@ def test_a_stream_dropped_before_it_began_registers_nothing_and_releases_the_lea
         assert state["requests"] == state["registered"] == 0 and state["free_blocks"] == state["num_blocks"], state
         assert prt.pool_state()["free_blocks"] == prt.pool_state()["num_blocks"]
 
+
+
+def test_a_prefill_dropped_while_queued_ends_holding_nothing(tiny_model: str, redis_server) -> None:
+    """The drop comes while the prefill waits for a step (the engine is held): the prefill raises
+    ``Dropped``, its blocks and registration are gone, no lease was taken, and its id is free."""
+    with prefill_and_decode(tiny_model, redis_server.url) as (prt, _):
+        service = PrefillService(prt)
+        spec = RequestSpec("queued", tuple(range(1, 41)), SamplingParams(max_tokens=5))
+
+        async def run() -> None:
+            with prt.engine.lock:  # no step runs until the drop has landed
+                task = asyncio.ensure_future(service.prefill(spec))
+                assert await wait_until_async(lambda: service.drops.num_running == 1)
+                assert prt.pool_state()["registered"] == 1
+                assert service.drop("queued") is True
+                with pytest.raises(Dropped):
+                    await task
+
+        asyncio.run(run())
+        state = prt.pool_state()
+        assert state["requests"] == state["registered"] == state["leases"] == 0, state
+        assert state["free_blocks"] == state["num_blocks"] and service.drops.num_running == 0
+        prt.engine.make_request([1, 2, 3], SamplingParams(), "queued")  # the id is free again
+
+
+def test_a_prefill_dropped_before_it_began_submits_nothing(tiny_model: str, redis_server) -> None:
+    with prefill_and_decode(tiny_model, redis_server.url) as (prt, _):
+        service = PrefillService(prt)
+        assert service.drop("early") is False
+        with pytest.raises(Dropped):
+            asyncio.run(service.prefill(RequestSpec("early", tuple(range(1, 41)), SamplingParams(max_tokens=5))))
+        state = prt.pool_state()
+        assert state["requests"] == state["leases"] == 0 and state["free_blocks"] == state["num_blocks"], state
+        assert metric(prt, "pdserve_prefix_cache_queries_total") == 0  # never scheduled
+
+
+def test_a_dropped_request_stops_its_prefetch_and_takes_no_new_one(
+    tiny_model: str, redis_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client left while its prompt was prefilled and prefetched: the drop ends the prefetch,
+    which would otherwise poll for blocks that never come for its whole idle time (set to an hour
+    here), and a prefetch that comes after the drop is declined. Every block is back."""
+    monkeypatch.setattr("pdserve.decode_worker.prefetch.IDLE_S", 3600.0)
+    monkeypatch.setattr("pdserve.decode_worker.prefetch.PREFIX_WAIT_S", 0.1)
+    with prefill_and_decode(tiny_model, redis_server.url) as (prt, service):
+        spec = RequestSpec("left", tuple(range(300, 400)), SamplingParams(max_tokens=2))
+        assert service.prefetch(spec, prt.address)
+        assert service.prefetches.running() == 1
+        assert service.drop("left") is False  # no stream yet: kept for one
+        assert wait_until(lambda: service.prefetches.running() == 0, timeout=30)
+        assert not service.prefetch(spec, prt.address)  # came after the drop
+        state = service.rt.pool_state()
+        assert state["free_blocks"] == state["num_blocks"], state
+        service.rt.engine.handover.check_invariants()
