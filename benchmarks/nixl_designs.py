@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from pdserve.benchmarks.common import emit
-from pdserve.engine.kernels.stream_copy import available as stream_copy_built, stream_copy
 from pdserve.benchmarks.transfer import nixl_agent
+from pdserve.engine.kernels.stream_copy import available as stream_copy_built, stream_copy
 from pdserve.kvtransfer.nixl import NixlUnavailable, descriptors, load_nixl
 from pdserve.kvtransfer.wire import checksum
 
@@ -193,15 +193,18 @@ class _Puller:
             regs.append(self.agent.register_memory([(a, self.nb, 0, "") for a in dest], "DRAM"))
             self.conn.send((k, self.agent.get_partial_agent_metadata(regs[-1], True), dest))
         landed: set[bytes] = set()
+
+        def take_notifs() -> None:
+            for msgs in self.agent.get_new_notifs().values():
+                landed.update(msgs)
+
         checks = []
         for k in starts:
             while not self.conn.poll(_POLL_S):
-                for msgs in self.agent.get_new_notifs().values():
-                    landed.update(msgs)
+                take_notifs()
             k_done, sums = self.conn.recv()
             while str(k_done).encode() not in landed:  # the notification follows the bytes
-                for msgs in self.agent.get_new_notifs().values():
-                    landed.update(msgs)
+                take_notifs()
             if mode != "none":
                 checks.append(self.check.submit(self.verify, self.dest[k_done : k_done + self.per], sums))
         for c in checks:

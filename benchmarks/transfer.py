@@ -202,8 +202,8 @@ NIXL_WAKE, NIXL_DONE = b"bench-wake", b"bench-done"
 
 def nixl_agent(role: str) -> Any:
     """A NIXL agent as the transport makes them (UCX, no progress thread: with it the library holds a core)."""
-    nixl_agent, nixl_agent_config = load_nixl()
-    return nixl_agent(f"bench-{role}-{uuid.uuid4().hex}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    make_agent, agent_config = load_nixl()
+    return make_agent(f"bench-{role}-{uuid.uuid4().hex}", agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
 def _nixl_descs(addr: int, n: int, nbytes: int) -> np.ndarray:

@@ -73,20 +73,20 @@ class DecodeService:
 
         begun = self.drops.begin(spec.request_id, on_drop)
         try:
-            async with contextlib.aclosing(self._generate(spec, prefill, queue if begun else None)) as events:
+            async with contextlib.aclosing(self._generate(spec, prefill, queue, begun)) as events:
                 async for event in events:
                     yield event
         finally:
             self.drops.end(spec.request_id, on_drop)
 
-    async def _generate(self, spec: RequestSpec, prefill: PrefillResult | None,
-                        queue: asyncio.Queue[Outcome] | None) -> AsyncIterator[DecodeEvent]:  # fmt: skip
-        """``generate``, its outputs delivered to ``queue`` (None: dropped before it began)."""
+    async def _generate(self, spec: RequestSpec, prefill: PrefillResult | None, queue: asyncio.Queue[Outcome],
+                        begun: bool) -> AsyncIterator[DecodeEvent]:  # fmt: skip
+        """``generate``, its outputs delivered to ``queue``; nothing but the lease's release when it
+        was dropped before it began (``begun`` False)."""
         rt = self.rt
         aloop = asyncio.get_running_loop()
 
         def on_output(out: Outcome) -> None:
-            assert queue is not None
             aloop.call_soon_threadsafe(queue.put_nowait, out)
 
         local_hit = transferred = recomputed = 0
@@ -95,7 +95,7 @@ class DecodeService:
         self.prefetches.stop(spec.request_id)  # the request is here: its own pull takes what is left
         # The call owns the request and the lease from here on, and ends both.
         async with DecodeCall(rt, spec, prefill, self._pulls, self._ender) as call:
-            if queue is None:
+            if not begun:
                 return  # dropped before it began: the call's exit releases the lease
             if prefill is not None:
                 await call.stage()
