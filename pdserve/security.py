@@ -6,21 +6,20 @@ mutual TLS when a CA is given to check clients against.
 ``ClusterAuth`` authenticates the calls between the processes of one cluster with a shared
 secret, without ever sending it. Each call carries one token bound to that call::
 
-    pdserve-auth: v2.<unix ms>.<nonce>.<mac>.<caller>
+    pdserve-auth: v3.<unix ms>.<nonce>.<call mac>.<body mac>.<caller>
 
 ``nonce`` is 32 random hex digits, ``caller`` the signer's name (``CALLER_RE``; it may contain
-dots, it is the last field), ``mac`` the hex HMAC-SHA256 under the secret of
-``"v2\n<method>\n<caller>\n<unix ms>\n<nonce>\n<sha256 hex of the request bytes>"``: the full
-method name, and the serialized request message exactly as it travels. A holder accepts a call
-only if the MAC matches the method it serves and the bytes it received, the time is within
-``max_skew_s`` of its own clock, and the nonce is new: it remembers each accepted nonce until
-its timestamp leaves the window, in a table of at most ``max_nonces`` entries, and refuses
-(rather than grows) when the table is full. A captured token is therefore good for nothing: not
-again (nonce), not for another request or method (MAC), not later (time).
-
-``AuthInterceptor`` enforces this on a gRPC server: it wraps every method handler so that the
-raw request bytes are checked before they are even deserialized, and a refused call ends with
-``UNAUTHENTICATED`` before any servicer code runs. Handlers cannot opt out or forget.
+dots, it is the last field). Both MACs are hex HMAC-SHA256 under the secret: ``call mac`` of
+``"v3\ncall\n<method>\n<caller>\n<unix ms>\n<nonce>"`` (the full method name), ``body mac`` of
+``"v3\nbody\n<call mac>\n<sha256 hex of the request bytes>"`` (the serialized request message
+exactly as it travels). A holder admits a call from its headers alone, before it waits for the
+request: the call MAC matches the method it serves, the time is within ``max_skew_s`` of its own
+clock, and the nonce is new, which spends it (it remembers each nonce until its timestamp leaves
+the window, in a table of at most ``max_nonces`` entries, and refuses rather than grows when full).
+Then the body MAC must match the bytes it received. A captured token is therefore good for nothing:
+not again (nonce), not for another request or method (MACs), not later (time); and a caller
+without the secret is refused before its request is read, so calls that never send one cannot hold
+the holder's threads.
 
 The caller name is asserted by a holder of the secret, not proven to a third party: it names
 the member in logs. The MAC does not hide anything: someone reading the traffic sees requests
@@ -50,7 +49,7 @@ from google.protobuf.message import DecodeError
 logger = logging.getLogger(__name__)
 
 AUTH_METADATA_KEY = "pdserve-auth"
-_VERSION = "v2"
+_VERSION = "v3"
 MIN_SECRET_CHARS = 16
 CALLER_RE = re.compile(r"[A-Za-z0-9_.:@/+-]{1,128}")
 _NONCE_RE = re.compile(r"[0-9a-f]{32}")
@@ -167,8 +166,18 @@ class NonceTable:
 class _Token:
     ts_ms: int
     nonce: str
-    mac: str
+    call_mac: str
+    body_mac: str
     caller: str
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A call ``ClusterAuth.admit`` let in: its claimed caller and what its body must match."""
+
+    caller: str
+    call_mac: str
+    body_mac: str
 
 
 def _parse(metadata: Sequence[tuple[str, Any]] | None) -> _Token:
@@ -178,16 +187,16 @@ def _parse(metadata: Sequence[tuple[str, Any]] | None) -> _Token:
         raise AuthRefused("no credentials")
     if len(values) > 1 or not isinstance(values[0], str):
         raise AuthRefused("malformed credentials")
-    parts = values[0].split(".", 4)
-    if len(parts) != 5 or parts[0] != _VERSION:
-        raise AuthRefused("malformed credentials (not v2)")
-    _, ts, nonce, mac, caller = parts
+    parts = values[0].split(".", 5)
+    if len(parts) != 6 or parts[0] != _VERSION:
+        raise AuthRefused(f"malformed credentials (not {_VERSION})")
+    _, ts, nonce, call_mac, body_mac, caller = parts
     caller_ok = CALLER_RE.fullmatch(caller) is not None
     if not caller_ok or not (ts.isascii() and ts.isdigit() and len(ts) <= _MAX_TS_DIGITS):
         raise AuthRefused("malformed credentials", caller if caller_ok else None)
-    if not _NONCE_RE.fullmatch(nonce) or not _MAC_RE.fullmatch(mac):
+    if not _NONCE_RE.fullmatch(nonce) or not (_MAC_RE.fullmatch(call_mac) and _MAC_RE.fullmatch(body_mac)):
         raise AuthRefused("malformed credentials", caller)
-    return _Token(int(ts), nonce, mac, caller)
+    return _Token(int(ts), nonce, call_mac, body_mac, caller)
 
 
 class ClusterAuth:
@@ -220,37 +229,56 @@ class ClusterAuth:
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
 
-    def _mac(self, method: str, caller: str, ts_ms: int, nonce: str, body: bytes) -> str:
-        digest = hashlib.sha256(body).hexdigest()
-        text = f"{_VERSION}\n{method}\n{caller}\n{ts_ms}\n{nonce}\n{digest}"
+    def _mac(self, *fields: str) -> str:
+        text = "\n".join((_VERSION, *fields))
         return hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()
+
+    def _call_mac(self, method: str, caller: str, ts_ms: int, nonce: str) -> str:
+        return self._mac("call", method, caller, str(ts_ms), nonce)
+
+    def _body_mac(self, call_mac: str, body: bytes) -> str:
+        return self._mac("body", call_mac, hashlib.sha256(body).hexdigest())
 
     def metadata(self, method: str, body: bytes) -> tuple[tuple[str, str], ...]:
         """Call metadata for one call of ``method`` (the full name, ``/pdserve.v1.KVTransfer/Pull``)
         whose serialized request is ``body``, exactly the bytes sent. Fresh nonce each time:
         use it for that one call only."""
         ts_ms, nonce = self._now_ms(), secrets.token_hex(16)
-        mac = self._mac(method, self.caller, ts_ms, nonce, bytes(body))
-        return ((AUTH_METADATA_KEY, f"{_VERSION}.{ts_ms}.{nonce}.{mac}.{self.caller}"),)
+        call_mac = self._call_mac(method, self.caller, ts_ms, nonce)
+        body_mac = self._body_mac(call_mac, bytes(body))
+        return ((AUTH_METADATA_KEY, f"{_VERSION}.{ts_ms}.{nonce}.{call_mac}.{body_mac}.{self.caller}"),)
 
-    def authenticate(self, method: str, metadata: Sequence[tuple[str, Any]] | None, body: bytes) -> str:
-        """The verified caller of a call of ``method`` with request bytes ``body``; raises
-        ``AuthRefused`` unless the token is well formed, in time, signed for exactly this method
-        and body (constant-time comparison), and its nonce unseen. Only then is the nonce spent."""
+    def admit(self, method: str, metadata: Sequence[tuple[str, Any]] | None) -> Admission:
+        """A call of ``method`` admitted from its headers alone, before its request is read; raises
+        ``AuthRefused`` unless the token is well formed, in time, its call MAC made for exactly this
+        method (constant-time comparison), and its nonce unseen. Admitting spends the nonce: the
+        token cannot admit another call, whatever becomes of this one. ``check_body`` must follow."""
         token = _parse(metadata)
         now = self._now_ms()
         skew_ms = int(self.max_skew_s * 1000)
         if abs(now - token.ts_ms) > skew_ms:
             raise AuthRefused("timestamp outside the window", token.caller)
-        expected = self._mac(method, token.caller, token.ts_ms, token.nonce, bytes(body))
-        if not hmac.compare_digest(token.mac, expected):
-            raise AuthRefused("bad signature (secret, method or request differ)", token.caller)
+        expected = self._call_mac(method, token.caller, token.ts_ms, token.nonce)
+        if not hmac.compare_digest(token.call_mac, expected):
+            raise AuthRefused("bad signature (secret or method differ)", token.caller)
         refused = self.nonces.add(token.nonce, token.ts_ms + skew_ms, now)
         if refused == "replayed":
             raise AuthRefused("replayed token (nonce already used)", token.caller)
         if refused == "full":
             raise AuthRefused(f"replay table full ({self.nonces.capacity} tokens in the window)", token.caller)
-        return token.caller
+        return Admission(token.caller, token.call_mac, token.body_mac)
+
+    def check_body(self, admission: Admission, body: bytes) -> str:
+        """The verified caller of an admitted call whose request bytes are ``body``; raises
+        ``AuthRefused`` unless the token's body MAC was made for exactly these bytes."""
+        if not hmac.compare_digest(admission.body_mac, self._body_mac(admission.call_mac, bytes(body))):
+            raise AuthRefused("bad signature (the request differs)", admission.caller)
+        return admission.caller
+
+    def authenticate(self, method: str, metadata: Sequence[tuple[str, Any]] | None, body: bytes) -> str:
+        """``admit`` then ``check_body``: the verified caller of a call of ``method`` with request
+        bytes ``body``, or ``AuthRefused``."""
+        return self.check_body(self.admit(method, metadata), body)
 
 
 class _RefusalLog:
@@ -281,10 +309,13 @@ class _RefusalLog:
 class AuthInterceptor(grpc.ServerInterceptor):
     """Puts ``auth`` in front of every method of the server (module docstring).
 
-    Each handler is replaced by one that receives the raw request bytes, authenticates the call
-    against them, and only then deserializes the request and calls the original behaviour; a
-    refused call is aborted with ``UNAUTHENTICATED`` (logged with its claimed caller and peer).
-    Request-streaming methods cannot be bound to one body and are refused outright.
+    A call is admitted from its headers as it arrives (``ClusterAuth.admit``, on gRPC's own
+    thread, before the call takes one of the server's). A refused call gets a handler that ends it
+    with ``UNAUTHENTICATED`` without waiting for its request, so calls that never send one hold no
+    thread. An admitted call's handler receives the raw request bytes, checks them against the
+    token, and only then deserializes the request and calls the original behaviour. Refusals are
+    logged (rate-limited) with the claimed caller and the peer. Request-streaming methods cannot be
+    bound to one body and are refused outright.
     """
 
     def __init__(self, auth: ClusterAuth) -> None:
@@ -295,36 +326,43 @@ class AuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None  # unknown method: UNIMPLEMENTED, as without the interceptor
-        return self._wrap(handler_call_details.method, tuple(handler_call_details.invocation_metadata or ()), handler)
-
-    def _admit(self, method: str, metadata: tuple, raw: bytes, deserializer: Callable[[bytes], Any] | None,
-               context: grpc.ServicerContext) -> Any:  # fmt: skip
-        """The deserialized request of an authenticated call; aborts the call otherwise."""
+        method = handler_call_details.method
+        if handler.request_streaming:
+            return self._refusal(handler, method, AuthRefused("streaming requests cannot be authenticated"))
         try:
-            self.auth.authenticate(method, metadata, raw)
+            admission = self.auth.admit(method, tuple(handler_call_details.invocation_metadata or ()))
         except AuthRefused as refusal:
+            return self._refusal(handler, method, refusal)
+        return self._wrap(method, admission, handler)
+
+    def _refusal(self, handler: grpc.RpcMethodHandler, method: str, refusal: AuthRefused) -> grpc.RpcMethodHandler:
+        """A handler that refuses the call without reading its request: a request-streaming
+        handler is called at once, where a unary one would first wait for the whole request."""
+
+        def refuse(request_iterator, context: grpc.ServicerContext):  # noqa: ANN001, ANN202
             self._log.warn(method, context.peer(), refusal)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "this call needs the cluster's credentials")
-        if deserializer is None:
-            return raw
-        try:
-            return deserializer(raw)
-        except DecodeError:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed request message")
 
-    def _wrap(self, method: str, metadata: tuple, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         streaming_out = handler.response_streaming
-        if handler.request_streaming:
-            def refuse(request_iterator, context: grpc.ServicerContext):  # noqa: ANN001, ANN202
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "streaming requests cannot be authenticated")
+        make = grpc.stream_stream_rpc_method_handler if streaming_out else grpc.stream_unary_rpc_method_handler
+        return make(refuse, request_deserializer=None, response_serializer=handler.response_serializer)
 
-            make = grpc.stream_stream_rpc_method_handler if streaming_out else grpc.stream_unary_rpc_method_handler
-            return make(refuse, response_serializer=handler.response_serializer)
+    def _wrap(self, method: str, admission: Admission, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        streaming_out = handler.response_streaming
         inner = handler.unary_stream if streaming_out else handler.unary_unary
         deserializer = handler.request_deserializer
 
         def behavior(raw: bytes, context: grpc.ServicerContext) -> Any:
-            return inner(self._admit(method, metadata, raw, deserializer, context), context)
+            try:
+                self.auth.check_body(admission, raw)
+            except AuthRefused as refusal:
+                self._log.warn(method, context.peer(), refusal)
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "this call needs the cluster's credentials")
+            try:
+                request = raw if deserializer is None else deserializer(raw)
+            except DecodeError:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed request message")
+            return inner(request, context)
 
         make = grpc.unary_stream_rpc_method_handler if streaming_out else grpc.unary_unary_rpc_method_handler
         # No request_deserializer: gRPC hands ``behavior`` the bytes exactly as received.

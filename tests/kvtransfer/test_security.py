@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -148,6 +149,37 @@ def test_streams_that_are_never_read_cannot_stall_the_holder() -> None:
             for call in stuck:
                 call.cancel()
             channel.close()
+
+
+def test_calls_that_never_send_their_request_cannot_take_the_holders_threads() -> None:
+    """Calls without credentials, or with a well-formed token of a wrong MAC, that send their
+    headers and never their request: each is refused from its headers at once, so three times as
+    many as the holder has threads leave a member's calls served."""
+    config = TransferConfig(cluster_secret=SECRET, server_threads=4)
+    forged = "v3." + ".".join([str(int(time.time() * 1000)), "0" * 32, "0" * 64, "0" * 64, "decode-0"])
+    with Holder(config) as holder, grpc.insecure_channel(holder.address) as channel:
+        never_sent = threading.Event()
+
+        def no_request() -> Iterator[bytes]:
+            never_sent.wait()
+            yield from ()
+
+        calls = []
+        for method in ("/pdserve.v1.KVTransfer/Pull", "/pdserve.v1.KVTransfer/GetMetadata"):
+            call = channel.stream_stream(method, request_serializer=bytes, response_deserializer=bytes)
+            for metadata in ((), ((AUTH_METADATA_KEY, forged),)):
+                calls += [call(no_request(), timeout=60, metadata=metadata) for _ in range(3)]
+        try:
+            assert wait_until(lambda: all(c.done() for c in calls), timeout=30)
+            assert {c.code() for c in calls} == {grpc.StatusCode.UNAUTHENTICATED}
+            with KVTransferClient(holder.address, TransferConfig(cluster_secret=SECRET)) as client:
+                assert client.metadata().worker_id == "holder"
+                assert client.pull_into(dest(), list(range(4)), block_hashes=holder.hashes).num_blocks == 4
+            assert holder.server.servicer.guard.refused == 0
+        finally:
+            never_sent.set()
+            for call in calls:
+                call.cancel()
 
 
 def test_a_puller_keeps_to_the_per_peer_limit() -> None:
