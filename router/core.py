@@ -126,7 +126,7 @@ class RouterCore:
             self.cost.observe_prefill(p, result.num_prompt_tokens - result.num_cached_tokens, time.perf_counter() - t0)
             return result
         except WorkerUnavailableError as exc:
-            self.health.mark_down(p, exc)
+            self.health.mark_down(p, exc.__cause__ or exc)  # Ray's error, for the log
             logger.warning("prefill worker %s unavailable; the decode worker prefills %s", p, spec.request_id)
             return None
         finally:
@@ -247,7 +247,7 @@ class RouterCore:
                             return
                 raise WorkerUnavailableError(f"decode worker {d} ended the stream of {spec.request_id} early")
             except WorkerUnavailableError as exc:
-                self.health.mark_down(d, exc)
+                self.health.mark_down(d, exc.__cause__ or exc)  # Ray's error, for the log
                 lease.taker_failed()
                 nxt = pick_worker(self.workers.decode_ids, route.overlaps, self.decode_load.queued, bs,
                                   cfg.load_weight, exclude=frozenset(tried) | self.health.down())  # fmt: skip

@@ -7,10 +7,26 @@ from collections.abc import AsyncIterator
 
 import ray
 from prometheus_client.metrics_core import Metric
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.router.core import WorkerUnavailableError
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker's call raised something other than a refusal of the request (a bug, a failed
+    step); its message names the worker and the exception's type, nothing of the worker's host."""
+
+
+def _worker_error(role: str, worker_id: str, exc: RayTaskError) -> Exception:
+    """What the router raises for a worker call that raised ``exc``: a request the worker refused
+    (its ValueError) as a ValueError of the worker's message alone, anything else as a
+    WorkerFailedError. Ray's own error carries the remote traceback, process id and host address,
+    which go to the router's log (as ``__cause__``), never to a client."""
+    cause = exc.cause
+    if isinstance(cause, ValueError):
+        return ValueError(str(cause))
+    return WorkerFailedError(f"{role} worker {worker_id} failed ({type(cause).__name__})")
 
 
 async def _settled(ref: ray.ObjectRef) -> None:
@@ -42,7 +58,9 @@ class RayWorkers:
             self._addresses[worker_id] = result.address
             return result
         except RayActorError as exc:
-            raise WorkerUnavailableError(f"prefill worker {worker_id} is unavailable: {exc}") from exc
+            raise WorkerUnavailableError(f"prefill worker {worker_id} is unavailable") from exc
+        except RayTaskError as exc:
+            raise _worker_error("prefill", worker_id, exc) from exc
         except asyncio.CancelledError:
             self._give_up(worker_id, spec.request_id, ref)
             raise
@@ -103,7 +121,9 @@ class RayWorkers:
                 yield event
         except RayActorError as exc:
             dead = True
-            raise WorkerUnavailableError(f"decode worker {worker_id} is unavailable: {exc}") from exc
+            raise WorkerUnavailableError(f"decode worker {worker_id} is unavailable") from exc
+        except RayTaskError as exc:
+            raise _worker_error("decode", worker_id, exc) from exc
         finally:
             if not finished:
                 ray.cancel(gen)

@@ -198,6 +198,8 @@ class RouterServicer(pb_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:  # a worker refused the request (e.g. it needs more KV than a pool has)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except Exception as e:  # noqa: BLE001 - a worker failed: say so, keep serving
+        except Exception:  # noqa: BLE001 - a worker failed: say so, keep serving
+            # Details (paths, hosts, tracebacks) go to the log, not to the client.
             logger.exception("request %s failed", spec.request_id)
-            await context.abort(grpc.StatusCode.INTERNAL, f"request {spec.request_id} failed: {e}")
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"request {spec.request_id} failed (the server log has the details)")

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from pdserve import SamplingParams
-from pdserve.router.ray_workers import RayWorkers
+from pdserve.router.ray_workers import RayWorkers, WorkerFailedError
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 from tests.support.polling import wait_until, wait_until_async
 from tests.support.service import shared_ray
@@ -128,3 +128,44 @@ def test_a_cancelled_prefill_is_dropped_by_id_with_its_prefetch_and_released_onc
     finally:
         ray.kill(prefill)
         ray.kill(decode)
+
+
+@ray.remote
+class FailingWorker:
+    """A prefill that refuses its request, and a decode stream that fails after one event."""
+
+    async def prefill(self, spec: RequestSpec) -> PrefillResult:
+        raise ValueError("max_tokens: the request needs 40 KV blocks, the pool has 8")
+
+    async def generate(self, spec: RequestSpec, prefill: object = None):  # noqa: ANN201 - a Ray stream
+        yield DecodeEvent(spec.request_id, (1,), False, None)
+        raise RuntimeError(f"step failed in {__file__}")
+
+    async def drop(self, request_id: str) -> bool:
+        return False
+
+
+def test_a_workers_error_reaches_the_router_without_its_host_or_traceback() -> None:
+    """A refusal keeps the worker's message alone (the edges answer it as a bad request); any
+    other failure names the worker and the error's type. Ray's error, with the remote traceback,
+    process id and address, stays the exception's cause, for the router's log."""
+    shared_ray()
+    actor = FailingWorker.remote()
+    try:
+        workers = RayWorkers({"prefill-0": actor}, {"decode-0": actor})
+        spec = RequestSpec("r", (1, 2), SamplingParams(max_tokens=3))
+        with pytest.raises(ValueError) as refused:
+            asyncio.run(workers.prefill("prefill-0", spec))
+        assert str(refused.value) == "max_tokens: the request needs 40 KV blocks, the pool has 8"
+        assert isinstance(refused.value.__cause__, ray.exceptions.RayTaskError)
+
+        async def read() -> list[DecodeEvent]:
+            return [ev async for ev in workers.decode("decode-0", spec, None)]
+
+        with pytest.raises(WorkerFailedError) as failed:
+            asyncio.run(read())
+        assert str(failed.value) == "decode worker decode-0 failed (RuntimeError)"
+        cause = failed.value.__cause__
+        assert isinstance(cause, ray.exceptions.RayTaskError) and "step failed in" in str(cause)
+    finally:
+        ray.kill(actor)
