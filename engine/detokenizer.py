@@ -2,11 +2,17 @@
 
 Decoding each message's tokens on their own breaks multi-byte characters split across
 tokens and drops the word-boundary spaces that SentencePiece-style tokenizers encode in
-the token itself. Instead each delta is computed over a window that starts where the
-previous emission started: the new text is what the window decodes to beyond what its
-already-emitted part decodes to. Text ending in an incomplete character (U+FFFD) is held
+the token itself. Instead each delta is computed over a window: the tokens of the previous
+emission (their context) and the tokens since; the new text is what the window decodes to
+beyond what its context decodes to. Text ending in an incomplete character (U+FFFD) is held
 back until it completes, so a window never starts inside a character (byte-fallback
 decoders turn a whole byte run into U+FFFD if it starts mid-character).
+
+The window stays a few tokens long whatever the output, so each token costs the same: tokens
+that add no text where they stand (special tokens skipped, an EOS a request ignores) leave it,
+and text that still ends in U+FFFD after ``MAX_HELD`` tokens is a literal U+FFFD or bytes that
+never complete (a character is at most 4 bytes, so at most 3 tokens can be waiting for the rest
+of one): it is emitted up to the tokens that may still be starting a character.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 _INCOMPLETE = "\ufffd"
+MAX_HELD = 8  # tokens held back while the text ends in U+FFFD, before it is taken as final
+_MAX_CHAR_TOKENS = 3  # the tokens an incomplete character can end in (UTF-8: at most 3 of 4 bytes)
 
 
 class TokenDecoder(Protocol):
@@ -23,29 +31,50 @@ class TokenDecoder(Protocol):
 
 class IncrementalDetokenizer:
     """Feed token ids as they arrive; the concatenated deltas equal the decode of all ids
-    (once the stream is final, pending text is flushed even if incomplete)."""
+    (once the stream is final, pending text is flushed even if incomplete), but for tokens that
+    decode to nothing where they stand, and a U+FFFD held ``MAX_HELD`` tokens, which is emitted
+    as such. Each ``push`` decodes a window of O(its tokens + MAX_HELD) tokens, however long
+    the stream."""
 
     def __init__(self, tokenizer: TokenDecoder, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
-        self.ids: list[int] = []
-        self.prefix_start = 0  # window start: where the previous emission began
-        self.emitted_end = 0  # tokens whose text has been emitted
+        self._window: list[int] = []  # the previous emission's tokens (the context), then the pending ones
+        self._context = 0  # how many of the window's tokens were emitted
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special)
 
     def push(self, token_ids: Sequence[int], final: bool = False) -> str:
         """Add tokens; return the newly completed text (may be empty)."""
-        self.ids.extend(token_ids)
-        prefix = self._decode(self.ids[self.prefix_start : self.emitted_end])
-        full = self._decode(self.ids[self.prefix_start :])
-        complete = not full.endswith(_INCOMPLETE) and full.startswith(prefix)
-        if not final and (not complete or len(full) <= len(prefix)):
+        self._window.extend(token_ids)
+        prefix = self._decode(self._window[: self._context])
+        full = self._decode(self._window)
+        if full == prefix:
+            del self._window[self._context :]  # they add nothing here: no reason to decode them again
             return ""
-        delta = full[len(prefix) :]
-        self.prefix_start, self.emitted_end = self.emitted_end, len(self.ids)
+        if final or (not full.endswith(_INCOMPLETE) and full.startswith(prefix)):
+            return self._emit(len(self._window), prefix, full)
+        if len(self._window) - self._context >= MAX_HELD:
+            return self._emit_held(prefix)
+        return ""
+
+    def _emit(self, end: int, prefix: str, text: str) -> str:
+        """Emit the window's tokens up to ``end``, which decode to ``text``; they become the context."""
+        delta = text[len(prefix) :]
+        del self._window[: self._context]
+        self._context = end - self._context
         return delta
+
+    def _emit_held(self, prefix: str) -> str:
+        """The pending text has ended in U+FFFD for MAX_HELD tokens: emit it but for the last
+        tokens, where a character may still be incomplete."""
+        end = len(self._window)
+        for cut in range(end - 1, end - _MAX_CHAR_TOKENS - 1, -1):
+            text = self._decode(self._window[:cut])
+            if not text.endswith(_INCOMPLETE) or cut == end - _MAX_CHAR_TOKENS:
+                return self._emit(cut, prefix, text) if len(text) > len(prefix) else ""
+        return ""
 
 
 class TextStream:

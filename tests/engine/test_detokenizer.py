@@ -80,3 +80,49 @@ def test_byte_fallback_multibyte_characters(seed: int) -> None:
     assert tok.decode(ids) == text  # the tokenizer itself round-trips
     sizes = [rng.randint(1, 3) for _ in ids]
     assert stream(tok, ids, sizes) == text
+
+
+class CountingDecoder:
+    """A tokenizer whose decodes count the ids they are given."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.decoded += len(ids)
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def one_by_one(decoder: CountingDecoder, ids: list[int]) -> tuple[str, str]:
+    """(text streamed before the last token, all text streamed), tokens pushed one at a time."""
+    d = IncrementalDetokenizer(decoder)
+    parts = [d.push([i], final=n == len(ids) - 1) for n, i in enumerate(ids)]
+    return "".join(parts[:-1]), "".join(parts)
+
+
+def test_tokens_that_add_no_text_cost_the_same_as_others_and_keep_the_spaces() -> None:
+    """An EOS a request ignores, thousands of times: each decode stays a few tokens long (the
+    window does not grow with them), and the word after them keeps its leading space."""
+    tok = metaspace_tokenizer()
+    tok.add_special_tokens(["</s>"])
+    eos = tok.token_to_id("</s>")
+    words = tok.encode("the quick brown").ids
+    ids = words[:2] + [eos] * 4000 + words[2:] + [eos] * 4000
+    decoder = CountingDecoder(tok)
+    _, streamed = one_by_one(decoder, ids)
+    assert streamed == tok.decode(ids) == "the quick brown"
+    assert decoder.decoded < 10 * len(ids)  # linear; a window growing with the EOS run: ~16 million
+
+
+def test_a_literal_replacement_character_is_streamed_not_held_to_the_end(tmp_path) -> None:
+    """Output that ends in U+FFFD at every token (the model writes "\ufffd" itself) comes out as it
+    goes, a few tokens behind, at a cost linear in its length; characters split across tokens
+    around it still come out whole."""
+    tok = load_tokenizer(make_tiny_model(tmp_path / "m"))
+    text = "\ufffd" * 500 + "é€\ufffd😀" + "\ufffd" * 500 + "naïve"
+    ids = tok.encode(text, add_special_tokens=False)
+    decoder = CountingDecoder(tok)
+    early, streamed = one_by_one(decoder, ids)
+    assert streamed == tok.decode(ids) == text
+    assert len(early) >= len(text) - 16  # not held back until the stream ends
+    assert decoder.decoded < 50 * len(ids)
