@@ -49,7 +49,8 @@ class RequestOutput:
 
     ``finish_reason`` is "stop" or "length", or "handoff" for a request handed off with its KV
     (``kv_handoff`` then says which blocks are held). An aborted request gets no further output.
-    ``num_cached_tokens``: prompt tokens found in this engine's prefix cache.
+    ``num_cached_tokens``: prompt tokens found in this engine's prefix cache. ``error``: the
+    request failed after its step's forward and was aborted (its output is then finished, empty).
     """
 
     request_id: str
@@ -60,6 +61,7 @@ class RequestOutput:
     num_cached_tokens: int
     kv_handoff: HeldKV | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the params ask for them
+    error: Exception | None = None  # the request failed in this step (it is aborted): why
 
 
 @dataclass(frozen=True)
@@ -491,7 +493,39 @@ class LLMEngine:
             )  # fmt: skip
 
     # -- stepping ---------------------------------------------------------------------------
+    def _step_output(self, req: Request, num_new_tokens: int,
+                     sample: tuple[int, TokenLogprobs | None] | None) -> RequestOutput:  # fmt: skip
+        """``req``'s output of the step that computed ``num_new_tokens`` of it and sampled
+        ``sample`` (None mid-prefill); a request this finishes leaves the scheduler."""
+        req.num_computed_tokens += num_new_tokens
+        new: list[int] = []
+        status = None
+        held = None
+        new_logprobs = None
+        if sample is not None:
+            tok, lp = sample
+            new_logprobs = None if lp is None else [lp]
+            req.append_output_token(tok)
+            new.append(tok)
+            status = req.check_stop()
+            if status is None and req.handoff:
+                status = RequestStatus.FINISHED_HANDED_OFF
+        if status is not None:
+            if status is RequestStatus.FINISHED_HANDED_OFF:  # held before it leaves the scheduler
+                held = self.handover.hold(req, req.num_prompt_tokens)
+            self.scheduler.finish(req, status)
+            self.requests.pop(req.request_id, None)
+            self.runner.sampler.forget(req.request_id)
+        assert req.num_cached_tokens is not None  # set when it was first scheduled
+        return RequestOutput(
+            req.request_id, new, status is not None, status.value if status else None,
+            req.num_prompt_tokens, req.num_cached_tokens, held, new_logprobs,
+        )  # fmt: skip
+
     def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; one output per request it scheduled. A failed forward aborts
+        the batch and raises; a request that fails after it (its output, its stop check) is
+        aborted alone and gets an output whose ``error`` says why."""
         with self.lock:
             out = self.scheduler.schedule()
             if not out.scheduled:
@@ -509,30 +543,15 @@ class LLMEngine:
             outputs: list[RequestOutput] = []
             sampled = iter(zip(tokens, logprobs))
             for s in out.scheduled:
-                req = s.request
-                req.num_computed_tokens += s.num_new_tokens
-                new: list[int] = []
-                status = None
-                held = None
-                new_logprobs = None
-                if s.samples:
-                    tok, lp = next(sampled)
-                    new_logprobs = None if lp is None else [lp]
-                    req.append_output_token(tok)
-                    new.append(tok)
-                    status = req.check_stop()
-                    if status is None and req.handoff:
-                        status = RequestStatus.FINISHED_HANDED_OFF
-                if status is not None:
-                    if status is RequestStatus.FINISHED_HANDED_OFF:  # held before it leaves the scheduler
-                        held = self.handover.hold(req, req.num_prompt_tokens)
-                    self.scheduler.finish(req, status)
-                    self.requests.pop(req.request_id, None)
-                    self.runner.sampler.forget(req.request_id)
-                assert req.num_cached_tokens is not None  # set when it was first scheduled
-                outputs.append(RequestOutput(
-                    req.request_id, new, status is not None, status.value if status else None,
-                    req.num_prompt_tokens, req.num_cached_tokens, held, new_logprobs,
-                ))  # fmt: skip
+                sample = next(sampled) if s.samples else None
+                try:
+                    outputs.append(self._step_output(s.request, s.num_new_tokens, sample))
+                except Exception as exc:  # noqa: BLE001 - this request's alone: the batch goes on
+                    # (e.g. a token its grammar refuses): it ends with the error, its blocks go back.
+                    logger.exception("request %s failed after its step", s.request.request_id)
+                    self.abort(s.request.request_id)
+                    req = s.request
+                    outputs.append(RequestOutput(req.request_id, [], True, None, req.num_prompt_tokens,
+                                                 req.num_cached_tokens or 0, error=exc))  # fmt: skip
             self.handover.blocks_cached()  # this step's full blocks are written: readers waiting may take them
             return outputs

@@ -164,9 +164,9 @@ class EngineLoop:
                 continue
             idle_since = time.monotonic()  # from now on until the next step
             self._busy = True
-            if self._cpu_share is not None:
-                self._cpu_share.before_step()
             try:
+                if self._cpu_share is not None:
+                    self._cpu_share.before_step()
                 # Outputs are matched with callbacks under the lock that produced them, so an
                 # abort (and a reuse of the id) right after the step cannot misroute them.
                 with self.engine.lock:
@@ -209,11 +209,15 @@ class EngineLoop:
                 continue
             for cb, out in targets:
                 if cb is not None:
-                    self._deliver(cb, out)
+                    self._deliver(cb, out if out.error is None else out.error)
 
     def _share_idle(self) -> None:
-        if self._cpu_share is not None:
+        if self._cpu_share is None:
+            return
+        try:
             self._cpu_share.idle()
+        except Exception:  # noqa: BLE001 - lending cores is an optimisation: it must not end the loop
+            logger.exception("lending the engine's cores failed")
 
     def _idle_hook(self) -> None:
         if self._on_idle is None:

@@ -117,6 +117,8 @@ class LLM:
                     o = outputs.get(step_out.request_id)
                     if o is None or o.finish_reason is not None:
                         continue
+                    if step_out.error is not None:
+                        raise step_out.error
                     o.token_ids.extend(step_out.new_token_ids)
                     if step_out.logprobs is not None:
                         o.logprobs = (o.logprobs or []) + step_out.logprobs

@@ -68,6 +68,34 @@ def test_persistent_engine_failure_fails_requests_instead_of_hanging(loop, monke
     assert llm.engine.kv_manager.num_free_blocks() == llm.engine.kv_manager.num_blocks
 
 
+def test_a_request_that_fails_after_its_forward_ends_alone(loop, tiny_model: str) -> None:
+    """One request's output raises in a step (as a token its grammar refuses would): that request
+    gets the error and gives its blocks back; the other, in the same batch, loses no token."""
+    llm, lp = loop
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    expected = LLM(tiny_model, num_blocks=32, block_size=8).generate([[50, 60, 70, 80, 90]], params)[0].token_ids
+    doomed = llm.engine.make_request([1, 2, 3], params)
+    good = llm.engine.make_request([50, 60, 70, 80, 90], params)
+    append = type(doomed).append_output_token
+
+    def refuse_the_third(req, token: int) -> None:  # noqa: ANN001
+        if req is doomed and len(req.output_token_ids) == 2:
+            raise ValueError("the grammar refuses this token")
+        append(req, token)
+
+    queues: list[queue.Queue] = [queue.Queue(), queue.Queue()]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(doomed), "append_output_token", refuse_the_third)
+        for req, q in zip((doomed, good), queues):
+            lp.submit(req, q.put)
+        failed, done = drain(queues[0]), drain(queues[1])
+    assert isinstance(failed[-1], ValueError) and "grammar refuses" in str(failed[-1])
+    assert [t for out in failed[:-1] for t in out.new_token_ids] == doomed.output_token_ids[:2]
+    assert [t for out in done for t in out.new_token_ids] == expected
+    assert wait_until(lambda: not llm.engine.has_unfinished())
+    assert llm.engine.kv_manager.num_free_blocks() == llm.engine.kv_manager.num_blocks
+
+
 def test_duplicate_live_id_is_refused(loop) -> None:
     llm, lp = loop
     params = SamplingParams(max_tokens=50, ignore_eos=True)
