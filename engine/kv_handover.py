@@ -186,6 +186,17 @@ class KVHandover:
             self.on_blocks_freed()
         return True
 
+    def try_release(self, request_id: str) -> bool:
+        """``release`` only if the lock is free now (a step holds it for as long as it runs): True
+        when done (held or not), False when the lock was taken and nothing changed."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self.release(request_id)
+        finally:
+            self.lock.release()
+        return True
+
     @property
     def num_held(self) -> int:
         with self.lock:

@@ -141,10 +141,17 @@ class LeaseTable:
         return True
 
     def release_request(self, request_id: str) -> bool:
-        """``release`` the live lease of ``request_id``, if it has one."""
+        """``release`` the lease of ``request_id``. True when the table holds its KV: a live lease
+        (released now) or one released while pulls of it stream (freed when they end); the caller
+        must not free that KV itself."""
         with self._lock:
             lease_id = self._by_request.get(request_id)
-        return lease_id is not None and self.release(lease_id)
+            if lease_id is None:
+                return False
+            entry = self._entries[lease_id]
+            to_release = [] if entry.dead else self._kill(entry)
+        self._run_callbacks(to_release)
+        return True
 
     def reap(self, now: float | None = None) -> int:
         """Expire every lease past its deadline; return how many were released now."""

@@ -90,7 +90,15 @@ class BlockSource:
         return self.leases.release_request(request_id) or self.handover.release(request_id)
 
     def _free_lease(self, lease: Lease) -> None:
-        self.handover.release(lease.request_id)
+        """Free a lease's blocks now if the engine's lock is free, else on the unpinning thread once
+        the step holding it ends: the pull whose end frees them (on gRPC's own thread) or a Release
+        call never waits for a step."""
+        if self.handover.try_release(lease.request_id):
+            return
+        try:
+            self._unpinner.submit(self.handover.release, lease.request_id)
+        except RuntimeError:  # the source is closing: free here, waiting for the lock
+            self.handover.release(lease.request_id)
 
     def close(self) -> None:
         """End every lease (blocks being pulled are freed when those pulls end) and wait for the

@@ -420,6 +420,9 @@ def test_lease_not_freed_while_pull_streams() -> None:
             assert wait_until(lambda: lease_id not in holder.source.leases)  # past the TTL: the reaper expired it
             assert client.release(lease_id) is False  # already expired ...
             assert holder.free_blocks() == LOCAL_BLOCKS - 3  # ... but still held
+            # Ending the request's KV by id (the router's orphan release) leaves it to the pull too.
+            assert holder.source.release_request("r") is True
+            assert holder.free_blocks() == LOCAL_BLOCKS - 3
             gated.gate.set()
             t.join(10)
         assert result and result[0].num_blocks == 3  # type: ignore[union-attr]
@@ -428,6 +431,37 @@ def test_lease_not_freed_while_pull_streams() -> None:
         assert wait_until(lambda: holder.free_blocks() == LOCAL_BLOCKS)
         holder.handover.check_invariants()
     finally:
+        holder.server.stop()
+
+
+def test_a_release_during_a_step_does_not_wait_for_it() -> None:
+    """The engine's lock is held (a step runs): releasing a lease returns at once, and its blocks
+    are freed once the step ends."""
+    holder = Holder()
+    try:
+        lease_id = holder.lease("r", 10)
+        stepping, step_done = threading.Event(), threading.Event()
+
+        def step() -> None:
+            with holder.handover.lock:
+                stepping.set()
+                step_done.wait(30)
+
+        stepper = threading.Thread(target=step)
+        stepper.start()
+        assert stepping.wait(10)
+        releaser = threading.Thread(target=lambda: holder.source.release(lease_id))
+        releaser.start()
+        releaser.join(10)
+        done_during_step = not releaser.is_alive()
+        held_during_step = holder.free_blocks() == LOCAL_BLOCKS - 3
+        step_done.set()
+        stepper.join(10)
+        assert done_during_step and held_during_step
+        assert wait_until(lambda: holder.free_blocks() == LOCAL_BLOCKS)
+        holder.handover.check_invariants()
+    finally:
+        step_done.set()
         holder.server.stop()
 
 
