@@ -11,8 +11,10 @@ while queued or while pulling, consumer gone, worker stopping):
   lock, not two); ``pull`` hands the claim to its own thread, which ends it with
   ``finish_load`` in its ``finally`` (without writing when the request was aborted first); a
   claim no pull took is ended on exit, after the abort, so the blocks go back at once;
-* the lease: ``settle_lease`` releases it once (after the pull, or unpulled), and the exit
-  settles it if nothing did.
+  a pull the service can no longer run (it is closing) leaves the claim to the exit;
+* the lease: ``settle_lease`` releases it once (after the pull, or unpulled), on threads of its
+  own (a hung prefill worker delays no abort), and the exit settles it if nothing did, also when
+  cancelled again while its abort runs.
 
 Before registering, ``stage`` may pull the KV into a buffer of the call's own
 (``decode_worker/staging.py``); the registration then fills the load from it and no pull follows.
@@ -24,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar
 
@@ -43,29 +46,44 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class CallThreads:
+    """The service's executors a call hands work to; their queued work is never cancelled.
+
+    ``pulls`` runs pulls, ``ender`` aborts (one thread: each waits for the engine's lock), and
+    ``releases`` lease releases, apart from the aborts: a release to a hung prefill worker waits
+    for its deadline, and must not hold up the end of other requests.
+    """
+
+    pulls: Executor
+    ender: Executor
+    releases: Executor
+
+
 async def run_to_end(executor: Executor, fn: Callable[[], T]) -> T:
     """Run ``fn`` on ``executor`` and wait for it. Unlike ``asyncio.to_thread``, cancelling the
     waiter never drops ``fn`` while it is still queued: it runs to its end regardless."""
-    inner = asyncio.wrap_future(executor.submit(fn))
+    return await wait_to_end(executor.submit(fn))
+
+
+async def wait_to_end(future: Future[T]) -> T:
+    """Wait for ``future``; cancelling the waiter leaves it running to its end."""
+    inner = asyncio.wrap_future(future)
     # A waiter cancelled meanwhile never reads the result: retrieve it so no error is logged twice.
     inner.add_done_callback(lambda f: f.cancelled() or f.exception())
     return await asyncio.shield(inner)
 
 
 class DecodeCall:
-    """``async with DecodeCall(...) as call:`` after the engine registered ``spec``'s request.
-
-    ``pulls`` runs pulls, ``ender`` aborts and lease releases: executors owned by the service,
-    whose queued work is never cancelled.
-    """
+    """``async with DecodeCall(...) as call:`` after the engine registered ``spec``'s request;
+    ``threads`` are the service's (``CallThreads``)."""
 
     def __init__(self, rt: WorkerRuntime, spec: RequestSpec, prefill: PrefillResult | None,
-                 pulls: Executor, ender: Executor) -> None:  # fmt: skip
+                 threads: CallThreads) -> None:  # fmt: skip
         self.rt = rt
         self.spec = spec
         self.prefill = prefill
-        self._pulls = pulls
-        self._ender = ender
+        self._threads = threads
         self._lease_settled = prefill is None or not prefill.lease_id
         self._registered = False
         self._claimed_load = False  # a claimed load no pull has taken: ended on exit
@@ -122,7 +140,7 @@ class DecodeCall:
             return pull_staged(rt.engine, rt.client(prefill.address), req, len(self.spec.prompt_token_ids), lease_id)
 
         try:
-            self._staged = await run_to_end(self._pulls, work)
+            self._staged = await run_to_end(self._threads.pulls, work)
         except TransferError as exc:  # the holder cannot be reached or refuses: the pull will say so
             logger.debug("staged pull of %s from %s failed: %s", req.request_id, prefill.address, exc)
             return
@@ -149,10 +167,12 @@ class DecodeCall:
             if claimed:  # after the abort: the load's blocks go back to the pool
                 loop.finish_load(rid, False)
 
-        if self._registered:  # an id in use elsewhere is not this call's to abort
-            await run_to_end(self._ender, end)
-        if not self._lease_settled:
-            self.settle_lease(pulled=None)
+        try:
+            if self._registered:  # an id in use elsewhere is not this call's to abort
+                await run_to_end(self._threads.ender, end)
+        finally:  # also when cancelled again while the abort runs
+            if not self._lease_settled:
+                self.settle_lease(pulled=None)
 
     def settle_lease(self, pulled: KVTransferClient | None) -> None:
         """Release the prefill worker's lease once, without waiting: with the client that pulled
@@ -173,7 +193,10 @@ class DecodeCall:
             except Exception as exc:  # noqa: BLE001 - the lease expires by itself
                 logger.debug("release of lease %s on %s failed: %s", lease_id, prefill.address, exc)
 
-        self._ender.submit(release)
+        try:
+            self._threads.releases.submit(release)
+        except RuntimeError:  # the service is closing: the lease expires by itself
+            logger.debug("lease %s on %s left to expire: the service is closing", lease_id, prefill.address)
 
     async def pull(self, load: KVLoad) -> bool:
         """Fill ``load`` from the prefill worker's lease: True when the KV landed, False when the
@@ -198,11 +221,16 @@ class DecodeCall:
             finally:
                 rt.loop.finish_load(rid, ok)
 
-        # The claim is the pull's from here: run_to_end runs ``work`` (and its finish_load) to its end.
         assert self._claimed_load, "pull() takes the load its register() claimed, once"
+        try:
+            future = self._threads.pulls.submit(work)
+        except RuntimeError:  # the service is closing: the claim stays this call's, its exit ends it
+            self.settle_lease(pulled=None)
+            return False
+        # The claim is the pull's from here: ``work`` (and its finish_load) runs to its end.
         self._claimed_load = False
         try:
-            client = await run_to_end(self._pulls, work)
+            client = await wait_to_end(future)
         except TransferError as exc:
             logger.warning("pull of %s from %s failed (%s); recomputing", rid, prefill.address, exc)
             if isinstance(exc, (PeerUnavailableError, LayoutMismatchError)):

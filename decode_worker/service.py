@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve.decode_worker.call import DecodeCall
+from pdserve.decode_worker.call import CallThreads, DecodeCall
 from pdserve.decode_worker.prefetch import Prefetches
 from pdserve.engine.cpu_threads import single_threaded_torch
 from pdserve.engine.engine import RequestOutput
@@ -39,6 +39,8 @@ class DecodeService:
         self._pulls = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="kv-pull",
                                          initializer=single_threaded_torch)
         self._ender = ThreadPoolExecutor(1, thread_name_prefix="request-end", initializer=single_threaded_torch)
+        self._releases = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="lease-release")
+        self.threads = CallThreads(self._pulls, self._ender, self._releases)
         self._prefetching = ThreadPoolExecutor(MAX_CONCURRENT_PREFETCHES, thread_name_prefix="kv-prefetch",
                                                initializer=single_threaded_torch)  # fmt: skip
         self.prefetches = Prefetches(runtime, self._prefetching, MAX_CONCURRENT_PREFETCHES)
@@ -50,6 +52,7 @@ class DecodeService:
         self._prefetching.shutdown(wait=True)
         self._pulls.shutdown(wait=True)
         self._ender.shutdown(wait=True)
+        self._releases.shutdown(wait=True)
 
     def prefetch(self, spec: RequestSpec, address: str) -> bool:
         """Start pulling ``spec``'s prompt blocks from the prefill worker at ``address`` while it
@@ -94,7 +97,7 @@ class DecodeService:
         computes_prompt = prefill is None
         self.prefetches.stop(spec.request_id)  # the request is here: its own pull takes what is left
         # The call owns the request and the lease from here on, and ends both.
-        async with DecodeCall(rt, spec, prefill, self._pulls, self._ender) as call:
+        async with DecodeCall(rt, spec, prefill, self.threads) as call:
             if not begun:
                 return  # dropped before it began: the call's exit releases the lease
             if prefill is not None:

@@ -370,7 +370,7 @@ def test_a_load_claimed_at_registration_that_no_pull_took_is_ended_on_exit(tiny_
         async def run() -> None:
             pre = await PrefillService(prt).prefill(spec)
             with pytest.raises(RuntimeError, match="consumer gone"):
-                async with DecodeCall(drt, spec, pre, service._pulls, service._ender) as call:
+                async with DecodeCall(drt, spec, pre, service.threads) as call:
                     assert call.register(lambda out: None) is not None
                     assert drt.engine.load_aborted("r") is False
                     assert drt.pool_state()["free_blocks"] < drt.pool_state()["num_blocks"]
@@ -382,6 +382,35 @@ def test_a_load_claimed_at_registration_that_no_pull_took_is_ended_on_exit(tiny_
         state = drt.pool_state()
         assert state["requests"] == 0 and state["free_blocks"] == state["num_blocks"], state
         drt.engine.make_request([1, 2, 3], SamplingParams(), "r")  # the id is free again
+    finally:
+        service.close()
+        drt.close()
+        prt.close()
+
+
+def test_a_pull_the_closing_service_cannot_run_leaves_its_claim_to_the_exit(tiny_model: str, redis_server) -> None:
+    """The service's pull threads are shut down (it is closing) when a call's pull is due: the
+    pull reports a recompute instead of raising, the claim stays the call's, and its exit ends it:
+    every block back, the prefill worker's lease released."""
+    ns = unique_namespace()
+    prt = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill")
+    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode")
+    service = DecodeService(drt)
+    try:
+        spec = RequestSpec("r", tuple(range(1, 41)), SamplingParams(max_tokens=5, ignore_eos=True))
+
+        async def run() -> None:
+            pre = await PrefillService(prt).prefill(spec)
+            async with DecodeCall(drt, spec, pre, service.threads) as call:
+                load = call.register(lambda out: None)
+                assert load is not None
+                service.threads.pulls.shutdown(wait=True)
+                assert await call.pull(load) is False
+
+        asyncio.run(run())
+        assert wait_until(lambda: prt.pool_state()["leases"] == 0)
+        state = drt.pool_state()
+        assert state["requests"] == 0 and state["free_blocks"] == state["num_blocks"], state
     finally:
         service.close()
         drt.close()
