@@ -88,7 +88,8 @@ class Router:
         self.config = config
         self._build_apis(kv_blocks)
         http_limits = HttpLimits(config.max_request_bytes, config.http_header_timeout_s, config.http_body_timeout_s,
-                                 config.http_max_connections, config.http_max_buffered_bytes)  # fmt: skip
+                                 config.http_max_connections, config.http_max_buffered_bytes,
+                                 config.send_timeout_s)  # fmt: skip
         self.http_edge = EdgeState(http_limits, config.access_log)  # the HTTP API's connections and bodies
         self.metrics_edge = EdgeState(http_limits, config.access_log)  # those of /metrics on a port of its own
         self.server: grpc.aio.Server | None = None
@@ -101,7 +102,7 @@ class Router:
         config, engine = self.config, self._engine
         assert engine.model is not None
         limits = RequestLimits.for_engine(self._model_config, engine, kv_blocks)
-        self.servicer = RouterServicer(self.core, self.tokenizer, limits, self.tokenize_pool)
+        self.servicer = RouterServicer(self.core, self.tokenizer, limits, self.tokenize_pool, config.send_timeout_s)
         model = ServedModel(config.served_model_name or served_name(engine.model), frozenset({engine.model}),
                             limits.usable_len)  # fmt: skip
         self.openai = OpenAIServer(self.core, self.tokenizer, limits, model, lambda: not self.core.admission.draining,

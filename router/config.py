@@ -64,6 +64,10 @@ class RouterConfig:
     http_body_timeout_s: float = 30.0
     http_max_connections: int = 1024
     http_max_buffered_bytes: int = 256 * MiB
+    # A client that takes none of its response for this long while the router has more to send
+    # (HTTP: the connection's buffers full; gRPC: a message not taken) is disconnected, which ends
+    # its request: it cannot hold an admission slot, a connection or its output forever.
+    send_timeout_s: float = 30.0
     # The key every client of the HTTP API (``Authorization: Bearer KEY``) and of the gRPC API
     # (metadata ``authorization: Bearer KEY``) must present; /health and /metrics stay open, and
     # so does gRPC health checking. None: open to anyone who reaches the ports. Default
@@ -86,7 +90,7 @@ class RouterConfig:
             w = getattr(self, name)
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {w!r}")
-        for name in ("http_header_timeout_s", "http_body_timeout_s", "health_probe_interval_s",
+        for name in ("http_header_timeout_s", "http_body_timeout_s", "send_timeout_s", "health_probe_interval_s",
                      "health_probe_timeout_s"):
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:

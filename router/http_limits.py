@@ -10,7 +10,11 @@ what uvicorn does not do itself:
   as it is accepted, before it can send (or hold) anything;
 - a deadline on a request's head: a connection that opened, or started its next request, must
   complete the request line and headers within ``header_timeout_s``, or it is closed (408 when it
-  had sent part of them). uvicorn's own keep-alive timeout only covers the time between requests.
+  had sent part of them). uvicorn's own keep-alive timeout only covers the time between requests;
+- a deadline on the client's reading: a connection whose output waits (the socket's buffers
+  full) for ``send_timeout_s`` without the client taking any is closed at once, which ends its
+  request (its stream is cancelled: admission slot and KV blocks back) and frees what it held.
+  uvicorn would wait on it forever, its output piling up in the router.
 
 Refusals here and in the application write one line on the access log (``log_rejected``), with
 the fields of the router core's, where known.
@@ -56,6 +60,7 @@ class HttpLimits:
     body_timeout_s: float = 30.0
     max_connections: int = 1024
     max_buffered_bytes: int = 256 << 20
+    send_timeout_s: float = 30.0
 
 
 class EdgeState:
@@ -124,6 +129,7 @@ class GuardedH11Protocol(H11Protocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_started = False  # bytes of the next request's head have arrived
         self._counted = False
+        self._send_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -144,7 +150,30 @@ class GuardedH11Protocol(H11Protocol):
             self.edge.connections -= 1
             self._counted = False
         self._disarm_head_timer()
+        self._disarm_send_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The socket's buffers are full: the client must take some within the send deadline."""
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.edge.limits.send_timeout_s, self._send_timeout)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm_send_timer()
+
+    def _disarm_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_timeout(self) -> None:
+        self._send_timer = None
+        if not self.flow.write_paused:
+            return
+        self.edge.rejected["send_timeout"] += 1
+        self.transport.abort()  # close() would wait for the client to read what is buffered
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)

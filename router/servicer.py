@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 
 import grpc
@@ -150,19 +149,24 @@ def add_router_to_server(servicer: RouterServicer, server: grpc.aio.Server) -> N
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.Router", handlers),))
 
 
+class ClientStalled(Exception):
+    """A client took none of its stream's messages within the send deadline."""
+
+
 class RouterServicer(pb_grpc.RouterServicer):
-    """``executor`` tokenizes (None: asyncio's default executor)."""
+    """``executor`` tokenizes (None: asyncio's default executor). A client that takes none of its
+    stream's messages for ``send_timeout_s`` is cut off (``DEADLINE_EXCEEDED``): its request ends."""
 
     def __init__(self, core: RouterCore, tokenizer: ModelTokenizer, limits: RequestLimits,
-                 executor: Executor | None = None) -> None:  # fmt: skip
+                 executor: Executor | None = None, send_timeout_s: float = 30.0) -> None:  # fmt: skip
         self.core = core
         self.tokenizer = tokenizer
         self.limits = limits
         self.executor = executor
+        self.send_timeout_s = send_timeout_s
 
-    async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """Streams the request's responses with ``context.write``, each within the send deadline."""
         try:
             if isinstance(request, InvalidRequest):
                 raise request
@@ -191,7 +195,13 @@ class RouterServicer(pb_grpc.RouterServicer):
                     )
                     if c.ttft_ms is not None:
                         resp.ttft_ms = c.ttft_ms
-                    yield resp
+                    try:
+                        await asyncio.wait_for(context.write(resp), self.send_timeout_s)
+                    except asyncio.TimeoutError:
+                        stalled = f"the client took none of its stream for {self.send_timeout_s:g} s"
+                        raise ClientStalled(stalled) from None
+        except ClientStalled as e:  # its request is closed by now: slot and blocks are back
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except Overloaded as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (Draining, WorkerUnavailableError) as e:

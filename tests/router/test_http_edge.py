@@ -8,17 +8,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Coroutine
+import socket
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
+from starlette.responses import StreamingResponse
 
 from pdserve.engine.config import EngineConfig
 from pdserve.kvindex.config import IndexConfig
 from pdserve.router.actor import Router
 from pdserve.router.config import RouterConfig
+from pdserve.router.http_limits import EdgeState, HttpLimits, guarded_protocol
 from tests.support.polling import wait_until_async
 
 SECRET = "SECRET-PROMPT-TEXT"
@@ -168,6 +172,49 @@ def test_a_connection_over_the_cap_is_answered_503_and_closed(tiny_model: str) -
         assert router.http_edge.rejected["too_many_connections"] == 1
 
     run_router(tiny_model, config, test)
+
+
+def test_a_client_that_reads_nothing_is_disconnected_at_the_send_deadline() -> None:
+    """A streamed response to a client that never reads (a small receive buffer, nothing taken):
+    once the socket's buffers are full and stay so for the send deadline, the connection is cut,
+    which cancels the stream (in the router: its request ends, slot and blocks back)."""
+    edge = EdgeState(HttpLimits(1024, send_timeout_s=0.5), access_log=False)
+    sent, ended = [0], asyncio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                sent[0] += 1
+                yield b"x" * 65536
+                await asyncio.sleep(0)  # as the router's streams wait between chunks
+        finally:
+            ended.set()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await StreamingResponse(body())(scope, receive, send)
+
+    async def main() -> None:
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, http=guarded_protocol(edge),
+                                               log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        client = socket.socket()
+        try:
+            assert await wait_until_async(lambda: server.started, timeout=30)
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(sock.getsockname())
+            client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # ... and never reads
+            await asyncio.wait_for(ended.wait(), timeout=30)
+            assert await wait_until_async(lambda: edge.connections == 0, timeout=30)
+            assert edge.rejected["send_timeout"] == 1 and sent[0] > 1
+        finally:
+            client.close()
+            server.should_exit = True
+            await task
+
+    asyncio.run(main())
 
 
 def test_router_config_checks_the_http_limits() -> None:
