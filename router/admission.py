@@ -3,9 +3,12 @@
 At most ``max_in_flight`` requests run at once, at most ``max_per_tenant`` of one tenant (its
 ``cache_salt``; requests without one share a tenant). Others wait, each tenant in its own FIFO,
 and a freed slot goes to the waiting tenant with the fewest requests running (in turn among
-equals), so a client that floods the router delays its own requests, not everyone's. At most ``max_queued`` wait in all; a request beyond
-that, or one that waited ``queue_timeout_s``, is refused at once (``Overloaded``). While
-draining every new request is refused (``Draining``). Runs on one asyncio event loop.
+equals), so a client that floods the router delays its own requests, not everyone's. At most
+``max_queued`` wait in all, shared fairly too: when they are full, a request of a tenant with
+fewer waiting than the tenant with the most takes the place of that tenant's newest waiter, which
+is refused; otherwise the request is refused at once (``Overloaded``), and so is one that waited
+``queue_timeout_s``. While draining every new request is refused (``Draining``). Runs on one
+asyncio event loop.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class Admission:
         if self._can_run(tenant) and not self._waiting.get(tenant):
             self._start(tenant)
             return
-        if self.queued >= self.max_queued:
+        if self.queued >= self.max_queued and not self._make_room(tenant):
             self.refused += 1
             raise Overloaded(f"too many requests waiting ({self.queued}); retry later")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -75,7 +78,7 @@ class Admission:
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.queue_timeout_s)
         except BaseException as exc:
-            if fut.done() and not fut.cancelled():
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self._release(tenant)  # the slot was granted as we gave up: hand it on
             else:
                 fut.cancel()
@@ -84,6 +87,20 @@ class Admission:
                 self.refused += 1
                 raise Overloaded(f"waited {self.queue_timeout_s:.0f}s for a slot; retry later") from None
             raise
+
+    def _make_room(self, tenant: str) -> bool:
+        """The queue is full: refuse the newest waiter of the tenant with the most waiting if it
+        has more than one more than ``tenant`` would (so shares even out, and a tenant never
+        pushes out its own); True when a place was freed."""
+        longest = max(self._waiting, key=lambda t: len(self._waiting[t]))
+        if len(self._waiting[longest]) <= len(self._waiting.get(tenant, ())) + 1:
+            return False
+        fut = self._waiting[longest][-1]
+        self._forget(longest, fut)
+        self.refused += 1
+        fut.set_exception(Overloaded(f"too many requests waiting ({self.max_queued}), most of them this "
+                                     "tenant's: retry later"))  # fmt: skip
+        return True
 
     def _start(self, tenant: str) -> None:
         self.running[tenant] += 1

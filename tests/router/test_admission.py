@@ -110,3 +110,41 @@ def test_a_cancelled_waiter_leaves_no_trace_and_drain_refuses_new_requests() -> 
         await holder
 
     run(main())
+
+
+def test_a_full_queue_is_shared_fairly_between_tenants() -> None:
+    """A flooding tenant fills every waiting place; another tenant's requests then take places of
+    the flooder's newest waiters (refused), until both wait as many; then new requests are refused."""
+    async def main() -> None:
+        adm = Admission(max_in_flight=1, max_per_tenant=1, max_queued=6, queue_timeout_s=30)
+        gate = asyncio.Event()
+        order: list[str] = []
+
+        async def request(tenant: str, name: str) -> None:
+            async with adm.slot(tenant):
+                order.append(name)
+                await gate.wait()
+
+        holder = asyncio.ensure_future(request("a", "a-run"))
+        await asyncio.sleep(0)
+        flood = [asyncio.ensure_future(request("a", f"a{i}")) for i in range(6)]
+        await asyncio.sleep(0)
+        assert adm.queued == 6
+        others = [asyncio.ensure_future(request("b", f"b{i}")) for i in range(4)]
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        # b took three places (a's newest three were refused); its fourth found the shares even.
+        assert dict((t, len(q)) for t, q in adm._waiting.items()) == {"a": 3, "b": 3}
+        refused = [*flood[3:], others[3]]
+        await asyncio.wait(refused, timeout=30)
+        assert [t for t in flood + others if t.done()] == refused
+        for t in refused:
+            with pytest.raises(Overloaded, match="too many requests waiting"):
+                t.result()
+        assert adm.refused == 4
+        gate.set()
+        await asyncio.gather(holder, *flood[:3], *others[:3])
+        assert adm.in_flight == 0 and adm.queued == 0
+        assert sorted(order) == sorted(["a-run", "a0", "a1", "a2", "b0", "b1", "b2"])
+
+    run(main())
