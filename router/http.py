@@ -76,7 +76,7 @@ def _error(status: int, message: str, type_: str, code: int | str | None = None,
     return JSONResponse(error_body(message, type_, code if code is not None else status, param), status_code=status)
 
 
-_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*)(?::| must | has )")
+_FIELD = re.compile(r"^([A-Za-z_\\][\w.\[\]\\]*)(?::| must | has )")  # \ of a key named escaped
 
 
 def _bad_request(message: str) -> Response:
@@ -370,7 +370,9 @@ def build_app(server: OpenAIServer, state: EdgeState, metrics: Callable[[], Awai
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> Response:  # unknown route, wrong method
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error", exc.status_code)
+        response = _error(exc.status_code, str(exc.detail), "invalid_request_error", exc.status_code)
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def internal(_request: Request, exc: Exception) -> Response:

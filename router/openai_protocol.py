@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
@@ -36,7 +36,7 @@ MAX_TEMPLATE_KWARGS = 64
 MAX_TEMPLATE_KWARGS_DEPTH = 16
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
-Number = Annotated[float, Field(allow_inf_nan=False)]
+Number = Annotated[float, Field(allow_inf_nan=False, strict=True)]  # an int is a number; true, "0.5" are not
 
 # Fields of OpenAI's or vLLM's API that change the output, with their neutral values: any other
 # value is refused (never silently ignored).
@@ -65,9 +65,10 @@ def _invalid_unicode_at(data: Any) -> str | None:
         value, path = stack.pop()
         if isinstance(value, dict):
             for k, v in value.items():
+                if isinstance(k, str) and not _valid(k):  # named escaped: the key itself cannot be encoded
+                    escaped = k.encode("utf-8", "backslashreplace").decode("utf-8")
+                    return f"{path}.{escaped}" if path else escaped
                 sub = f"{path}.{k}" if path else str(k)
-                if isinstance(k, str) and not _valid(k):
-                    return sub
                 if isinstance(v, (str, dict, list)):
                     stack.append((v, sub))
         elif isinstance(value, list):
@@ -87,7 +88,22 @@ def _valid(text: str) -> bool:
     return True
 
 
+def _nulls_as_defaults(model: type[BaseModel], data: Any) -> Any:
+    """``data`` without the nulls of fields that cannot be null: an explicit null is the default,
+    as OpenAI's API reads it (``"n": null`` is 1, ``"stream": null`` false)."""
+    if not isinstance(data, dict):
+        return data
+    fields = model.model_fields
+    return {k: v for k, v in data.items()
+            if not (v is None and k in fields and type(None) not in get_args(fields[k].annotation))}  # fmt: skip
+
+
 class StreamOptions(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return _nulls_as_defaults(cls, data)
+
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False  # vLLM's: usage so far in every chunk
 
@@ -104,7 +120,7 @@ class _Body(BaseModel):
             raise PydanticCustomError("invalid_unicode", "{message}", {
                 "message": f"{where}: not valid Unicode (it holds a lone surrogate: a JSON escape such as \\ud800 "
                            "without its pair)"})  # fmt: skip
-        return data
+        return _nulls_as_defaults(cls, data)
 
 
 class _Common(_Body):

@@ -282,7 +282,7 @@ def test_errors_are_openai_error_objects(service: Service, client: openai.OpenAI
     r = httpx.get(f"{url}/no-such-route")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.get(f"{url}/completions")
-    assert r.status_code == 405 and "error" in r.json()
+    assert r.status_code == 405 and "error" in r.json() and r.headers["allow"] == "POST"
     ok = httpx.post(f"{url}/completions", json={"model": name, "prompt": "hi", "max_tokens": 2, "top_k": -1,
                                                  "presence_penalty": 0, "repetition_penalty": 1.0})  # fmt: skip
     assert ok.status_code == 200, ok.text  # vLLM's "off" values are fine

@@ -105,6 +105,7 @@ def test_a_lone_surrogate_is_a_400_that_logs_no_error(tiny_model: str, caplog: p
         "cache_salt": f'{{"model": "{name}", "prompt": "hi", "cache_salt": "\\ud800"}}',
         "stop[0]": f'{{"model": "{name}", "prompt": "hi", "stop": ["\\ud800"]}}',
         "some_unknown_field": f'{{"model": "{name}", "prompt": "hi", "some_unknown_field": "\\ud800"}}',
+        "\\ud800": f'{{"model": "{name}", "prompt": "hi", "\\ud800": 1}}',  # a key: named escaped
     }
 
     async def test(_router: Router, address: str) -> None:
@@ -119,6 +120,31 @@ def test_a_lone_surrogate_is_a_400_that_logs_no_error(tiny_model: str, caplog: p
     with caplog.at_level(logging.WARNING, logger="pdserve"):
         run_router(tiny_model, RouterConfig(), test)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_nulls_read_as_defaults_wrong_types_refused_and_405_says_allow(tiny_model: str) -> None:
+    """``null`` where OpenAI's API allows it is the field's default (the request reaches the router
+    core, which has no workers here: 503); a boolean or a string as a number is a 400 naming the
+    field; a wrong method is a 405 with ``Allow``."""
+    name = Path(tiny_model).name
+    chat = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
+    nulls = {"n": None, "stream": None, "logprobs": None, "ignore_eos": None, "add_generation_prompt": None,
+             "stream_options": {"include_usage": None}, "temperature": None, "max_tokens": None}  # fmt: skip
+
+    async def test(_router: Router, address: str) -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            r = await client.post(f"http://{address}/v1/chat/completions", json={**chat, **nulls})
+            assert r.status_code == 503 and "decode worker" in r.json()["error"]["message"], r.text
+            r = await client.post(f"http://{address}/v1/completions",
+                                  json={"model": name, "prompt": "hi", "echo": None, "n": None})  # fmt: skip
+            assert r.status_code == 503, r.text
+            for bad in (True, "0.5"):
+                r = await client.post(f"http://{address}/v1/chat/completions", json={**chat, "temperature": bad})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+            r = await client.get(f"http://{address}/v1/completions")
+            assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers
+
+    run_router(tiny_model, RouterConfig(), test)
 
 
 def test_chat_template_is_refused_and_template_kwargs_checked(tiny_model: str) -> None:
