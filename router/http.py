@@ -249,7 +249,7 @@ class OpenAIServer:
         rid = new_id("chatcmpl" if chat else "cmpl")
         leaders = [None if i % req.n == 0 else i - i % req.n for i in range(len(specs))]
         merged = _merged([stream_output(self.core, s, self.tokenizer) for s in specs], leaders)
-        states = [ChoiceState() for _ in specs]
+        states = [ChoiceState(keep=not req.stream) for _ in specs]
         if req.stream:
             return await self._stream(req, http, rid, merged, states, logprobs is not None, chat)
         return await self._collect(req, http, rid, merged, states, logprobs is not None, chat)
@@ -267,8 +267,9 @@ class OpenAIServer:
                 return Response(status_code=499)  # nobody is there to read it
         except Exception as e:  # noqa: BLE001 - answered as an error object
             return _error_for(e)
-        body = (chat_body if chat else completion_body)(rid, req.model, states, req.n, self.fmt, logprobs)
-        return JSONResponse(body)
+        # Off the event loop: a body of many choices with logprobs takes a while to build and encode.
+        build = chat_body if chat else completion_body
+        return await asyncio.to_thread(lambda: JSONResponse(build(rid, req.model, states, req.n, self.fmt, logprobs)))
 
     async def _stream(self, req: _Common, http: Request, rid: str, merged: AsyncIterator[tuple[int, Chunk]],
                       states: list[ChoiceState], logprobs: bool, chat: bool) -> Response:  # fmt: skip

@@ -92,7 +92,8 @@ class LogprobFormat:
 
 @dataclass
 class ChoiceState:
-    """One choice as it streams: its text so far, logprobs, finish reason and latest usage."""
+    """One choice as it streams: its text so far and logprobs (unless ``keep`` is false: a stream
+    sends them as they come and needs neither), finish reason and latest usage."""
 
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -100,11 +101,13 @@ class ChoiceState:
     usage: Usage = field(default_factory=Usage)
     offset: int = 0  # legacy logprobs: text offset of the next token
     started: bool = False  # chat streams: the role chunk was sent
+    keep: bool = True
 
     def add(self, chunk: Chunk) -> None:
-        self.text.append(chunk.text)
-        if chunk.logprobs:
-            self.logprobs.extend(chunk.logprobs)
+        if self.keep:
+            self.text.append(chunk.text)
+            if chunk.logprobs:
+                self.logprobs.extend(chunk.logprobs)
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
         self.usage = chunk.usage
