@@ -267,7 +267,7 @@ class KVHandover:
                     pool.free_blocks(blocks)
                     raise
                 pool.cache_restored_blocks(blocks, missing, self.block_size)
-                pool.free_blocks(blocks)  # cached and free: the next lookup takes them
+                pool.free_blocks(reversed(blocks))  # cached and free, the chain's tail evicted first
                 return True
             finally:
                 self._manager.unpin(held)
@@ -334,10 +334,14 @@ class KVHandover:
         hashes = tuple(bytes(h) for h in block_hashes)
         with self.lock:
             start = self._manager.num_cached_prefix(hashes)
-            n = min(max_blocks, len(hashes) - start, self._manager.pool.get_num_free_blocks() // 2)
-            if n <= 0:
-                return None
-            blocks = self._manager.pool.get_new_blocks(n)
+            held = self._manager.pin_cached(list(hashes[:start]))  # the prefix it extends: not evicted for it
+            try:
+                n = min(max_blocks, len(hashes) - start, self._manager.pool.get_num_free_blocks() // 2)
+                if n <= 0:
+                    return None
+                blocks = self._manager.pool.get_new_blocks(n)
+            finally:
+                self._manager.unpin(held)
             self._pins.update(b.block_id for b in blocks)
         return Prefetch(tuple(b.block_id for b in blocks), hashes[start : start + n])
 

@@ -210,10 +210,12 @@ class KVCacheManager:
         if rid not in self.req_to_blocks:
             self.req_to_blocks[rid] = req_blocks
             self.num_cached_blocks[rid] = 0
-            # Counted once per admission (a retry after a failed allocation is not a new query).
-            self.stats.requests += 1
-            self.stats.queries += request.num_tokens
-            self.stats.hits += num_new_computed_tokens
+            # Counted at its first admission only: a retry after a failed allocation, or a request
+            # admitted again after a preemption or a failed load, is not a new query.
+            if request.num_cached_tokens is None:
+                self.stats.requests += 1
+                self.stats.queries += request.num_tokens
+                self.stats.hits += num_new_computed_tokens
         req_blocks.extend(new_computed_blocks)
         req_blocks.extend(new_blocks)
         if num_external_computed_tokens:

@@ -49,6 +49,11 @@ def test_prefix_hit_is_capped_and_counted() -> None:
     assert m.stats.requests == 2
     assert m.stats.queries == 8 + 9 and m.stats.hits == 0 + 8
     assert m.stats.hit_rate == pytest.approx(8 / 17)
+    # c preempted (its blocks freed) and admitted again: not a new query, its hits not counted twice
+    m.free(c)
+    c.num_computed_tokens = 0
+    assert admit(m, c) == 8
+    assert (m.stats.requests, m.stats.queries, m.stats.hits) == (2, 8 + 9, 8)
 
 
 def test_salt_isolates() -> None:

@@ -6,13 +6,16 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.kv_handover import BlocksNotCachedError, RemotePrefill
-from pdserve.engine.kvcache import block_hashes
+from pdserve.engine.kv_handover import BlocksNotCachedError, KVHandover, RemotePrefill
+from pdserve.engine.kv_tensor import KVLayout, KVTensor
+from pdserve.engine.kvcache import KVCacheManager, block_hashes
 from pdserve.engine.model import make_tiny_model
 from pdserve.engine.request import Request
+from tests.support import kvcache as kv_support
 
 BS = 8
 
@@ -281,3 +284,25 @@ def test_prefetched_blocks_are_cached_and_a_request_finds_them_as_its_prefix(mod
     assert dst.handover.begin_prefetch(hashes[:4], 8) is None  # all four cached now
     assert_idle(src)
     assert_idle(dst)
+
+
+def test_a_prefetch_does_not_evict_the_prefix_it_extends() -> None:
+    """Every free block is cached, the prefix a prefetch extends the least recently used: the
+    prefetch takes its blocks from the others, and the prefix stays cached for the request."""
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=kv_support.BS, dtype=torch.float32)
+    manager = KVCacheManager(8, kv_support.BS)
+    handover = KVHandover(manager, KVTensor(layout, 8))
+    prefix = kv_support.req("p", list(range(8)))  # two full blocks
+    kv_support.admit(manager, prefix)
+    manager.free(prefix)  # cached and free, evicted first
+    others = kv_support.req("o", list(range(100, 124)))  # the pool's six other blocks
+    kv_support.admit(manager, others)
+    manager.free(others)
+    longer = kv_support.req("l", list(range(8)) + list(range(50, 66)))  # the prefix, then four blocks
+    hashes = list(longer.block_hashes)
+    prefetch = handover.begin_prefetch(hashes, 8)
+    assert prefetch is not None and prefetch.block_hashes == tuple(hashes[2 : 2 + len(prefetch.block_ids)])
+    assert manager.num_cached_prefix(tuple(hashes)) == 2  # still cached
+    handover.end_prefetch(prefetch, 0)
+    handover.check_invariants()
+    assert manager.num_cached_prefix(tuple(hashes)) == 2 and manager.num_free_blocks() == 8
