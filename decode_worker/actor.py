@@ -24,7 +24,8 @@ class DecodeWorker:
         self.service = DecodeService(self.rt)
 
     async def ready(self) -> dict[str, object]:
-        return self.rt.info()
+        """Its registry info; in a thread, as ``metrics`` (the pool's numbers wait for a step)."""
+        return await asyncio.to_thread(self.rt.info)
 
     async def generate(self, spec: RequestSpec, prefill: PrefillResult | None = None) -> AsyncIterator[DecodeEvent]:
         """Streaming (call with ``.options(num_returns="streaming")``)."""
@@ -46,7 +47,7 @@ class DecodeWorker:
         return await asyncio.to_thread(self.rt.metrics.families)
 
     async def pool_state(self) -> dict[str, int]:
-        return self.rt.pool_state()
+        return await asyncio.to_thread(self.rt.pool_state)
 
     async def shutdown(self) -> None:
         self.service.close()

@@ -5,8 +5,10 @@ callback), the prefill worker's lease on its KV, and a pull of that KV into rese
 Each has one owner here that ends it exactly once, on every path (finished, failed, cancelled
 while queued or while pulling, consumer gone, worker stopping):
 
-* the registration: ``DecodeCall`` (an async context manager) aborts it on exit; the abort
-  runs on a thread that is never cancelled, so a second cancellation cannot drop it;
+* the registration: it runs on a thread of its own (it waits for the engine's lock, which a step
+  holds: the event loop meanwhile streams the other requests' tokens); ``DecodeCall`` (an async
+  context manager) aborts it on exit, after it, on a thread that is never cancelled, so neither
+  a cancellation during the registration nor a second one during the abort can drop it;
 * the pull: the registration claims the engine's load for writing (one wait for the engine's
   lock, not two); ``pull`` hands the claim to its own thread, which ends it with
   ``finish_load`` in its ``finally`` (without writing when the request was aborted first); a
@@ -27,6 +29,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar
@@ -50,12 +53,14 @@ T = TypeVar("T")
 class CallThreads:
     """The service's executors a call hands work to; their queued work is never cancelled.
 
-    ``pulls`` runs pulls, ``ender`` aborts (one thread: each waits for the engine's lock), and
-    ``releases`` lease releases, apart from the aborts: a release to a hung prefill worker waits
-    for its deadline, and must not hold up the end of other requests.
+    ``pulls`` runs pulls, ``registers`` registrations and ``ender`` aborts (one thread each: each
+    waits for the engine's lock, which a step holds; never on the event loop that streams the other
+    requests' tokens), and ``releases`` lease releases, apart from the aborts: a release to a hung
+    prefill worker waits for its deadline, and must not hold up the end of other requests.
     """
 
     pulls: Executor
+    registers: Executor
     ender: Executor
     releases: Executor
 
@@ -86,17 +91,25 @@ class DecodeCall:
         self._threads = threads
         self._lease_settled = prefill is None or not prefill.lease_id
         self._registered = False
+        self._registering: Future[KVLoad | None] | None = None
         self._claimed_load = False  # a claimed load no pull has taken: ended on exit
         self._request: Request | None = None
         self._staged: StagedKV | None = None
         self.filled: KVLoad | None = None  # the load the staged KV filled at registration
         self.pulled_bytes = 0  # what a successful pull moved
 
-    def register(self, on_output: OutputCallback) -> KVLoad | None:
+    async def register(self, on_output: OutputCallback) -> KVLoad | None:
         """Build the request and register it with the engine loop, its outputs to ``on_output``:
         to prefill here, or (after a remote prefill) to continue after the first token with a
         ``KVLoad`` to pull (None when this pool has no room: it recomputes instead). Raises
-        ValueError for a bad request or an id in use (then nothing is registered)."""
+        ValueError for a bad request or an id in use (then nothing is registered). Runs on the
+        registering thread; the exit waits for it, so what it registered is ended also when the
+        caller was cancelled meanwhile. Once per call."""
+        assert self._registering is None, "a call registers its request once"
+        self._registering = self._threads.registers.submit(self._register, on_output)
+        return await wait_to_end(self._registering)
+
+    def _register(self, on_output: OutputCallback) -> KVLoad | None:
         spec, rt, prefill = self.spec, self.rt, self.prefill
         req = self._build_request()
         if prefill is None:
@@ -159,16 +172,19 @@ class DecodeCall:
                         tb: TracebackType | None) -> None:  # fmt: skip
         # Finished (a no-op then), failed, cancelled or the consumer left: the engine drops the
         # request and its blocks (a load being written keeps them until its finish_load).
-        rid, loop = self.spec.request_id, self.rt.loop
-        claimed, self._claimed_load = self._claimed_load, False
+        rid, loop, registering = self.spec.request_id, self.rt.loop, self._registering
 
         def end() -> None:
+            wait_futures([registering])  # a registration whose waiter was cancelled may still run
+            if not self._registered:  # refused (an id in use elsewhere is not this call's to abort)
+                return
+            claimed, self._claimed_load = self._claimed_load, False
             loop.abort(rid)
             if claimed:  # after the abort: the load's blocks go back to the pool
                 loop.finish_load(rid, False)
 
         try:
-            if self._registered:  # an id in use elsewhere is not this call's to abort
+            if registering is not None:
                 await run_to_end(self._threads.ender, end)
         finally:  # also when cancelled again while the abort runs
             if not self._lease_settled:

@@ -38,9 +38,11 @@ class DecodeService:
         # Pulls copy blocks into the pool: on one torch thread each, leaving the team to the engine loop.
         self._pulls = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="kv-pull",
                                          initializer=single_threaded_torch)
+        self._registers = ThreadPoolExecutor(1, thread_name_prefix="request-register",
+                                             initializer=single_threaded_torch)  # fmt: skip
         self._ender = ThreadPoolExecutor(1, thread_name_prefix="request-end", initializer=single_threaded_torch)
         self._releases = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="lease-release")
-        self.threads = CallThreads(self._pulls, self._ender, self._releases)
+        self.threads = CallThreads(self._pulls, self._registers, self._ender, self._releases)
         self._prefetching = ThreadPoolExecutor(MAX_CONCURRENT_PREFETCHES, thread_name_prefix="kv-prefetch",
                                                initializer=single_threaded_torch)  # fmt: skip
         self.prefetches = Prefetches(runtime, self._prefetching, MAX_CONCURRENT_PREFETCHES)
@@ -51,6 +53,7 @@ class DecodeService:
         self.prefetches.close()
         self._prefetching.shutdown(wait=True)
         self._pulls.shutdown(wait=True)
+        self._registers.shutdown(wait=True)
         self._ender.shutdown(wait=True)
         self._releases.shutdown(wait=True)
 
@@ -102,7 +105,7 @@ class DecodeService:
                 return  # dropped before it began: the call's exit releases the lease
             if prefill is not None:
                 await call.stage()
-            load = call.register(on_output)
+            load = await call.register(on_output)
             if prefill is not None:
                 if call.filled is not None:
                     local_hit, transferred = call.filled.num_local_hit_tokens, call.filled.num_external_tokens

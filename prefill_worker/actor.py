@@ -23,7 +23,8 @@ class PrefillWorker:
         self.service = PrefillService(self.rt)
 
     async def ready(self) -> dict[str, object]:
-        return self.rt.info()
+        """Its registry info; in a thread, as ``metrics`` (the pool's numbers wait for a step)."""
+        return await asyncio.to_thread(self.rt.info)
 
     async def prefill(self, spec: RequestSpec) -> PrefillResult:
         return await self.service.prefill(spec)
@@ -47,7 +48,7 @@ class PrefillWorker:
         return await asyncio.to_thread(self.rt.metrics.families)
 
     async def pool_state(self) -> dict[str, int]:
-        return self.rt.pool_state()
+        return await asyncio.to_thread(self.rt.pool_state)
 
     async def shutdown(self) -> None:
         self.rt.close()

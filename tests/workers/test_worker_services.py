@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -371,7 +372,7 @@ def test_a_load_claimed_at_registration_that_no_pull_took_is_ended_on_exit(tiny_
             pre = await PrefillService(prt).prefill(spec)
             with pytest.raises(RuntimeError, match="consumer gone"):
                 async with DecodeCall(drt, spec, pre, service.threads) as call:
-                    assert call.register(lambda out: None) is not None
+                    assert await call.register(lambda out: None) is not None
                     assert drt.engine.load_aborted("r") is False
                     assert drt.pool_state()["free_blocks"] < drt.pool_state()["num_blocks"]
                     raise RuntimeError("consumer gone")
@@ -388,6 +389,43 @@ def test_a_load_claimed_at_registration_that_no_pull_took_is_ended_on_exit(tiny_
         prt.close()
 
 
+def test_a_registration_waits_for_the_step_off_the_event_loop(tiny_model: str, redis_server) -> None:
+    """While a step holds the engine's lock, a new request's registration waits for it on a thread:
+    the decode worker's event loop (which streams every other request's tokens) runs meanwhile."""
+    drt = runtime(tiny_model, redis_server.url, unique_namespace(), "decode-0", "decode")
+    service = DecodeService(drt)
+    held, let_go = threading.Event(), threading.Event()
+    by_test = []
+
+    def step() -> None:
+        with drt.engine.lock:
+            held.set()
+            by_test.append(let_go.wait(30))
+
+    async def run() -> list[int]:
+        spec = RequestSpec("r", tuple(range(1, 20)), SamplingParams(max_tokens=3, ignore_eos=True))
+        gen = service.generate(spec, None)
+        first = asyncio.ensure_future(anext(gen))
+        for _ in range(5):  # the loop turns while the registration waits for the lock
+            await asyncio.sleep(0.01)
+        let_go.set()
+        events = [await first] + [ev async for ev in gen]
+        return [t for ev in events for t in ev.token_ids]
+
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    try:
+        assert held.wait(30)
+        tokens = asyncio.run(run())
+        stepper.join(30)
+        assert by_test == [True] and len(tokens) == 3  # let go by the loop's own turns, not the timeout
+        assert wait_until(lambda: drt.pool_state()["requests"] == 0)
+    finally:
+        let_go.set()
+        service.close()
+        drt.close()
+
+
 def test_a_pull_the_closing_service_cannot_run_leaves_its_claim_to_the_exit(tiny_model: str, redis_server) -> None:
     """The service's pull threads are shut down (it is closing) when a call's pull is due: the
     pull reports a recompute instead of raising, the claim stays the call's, and its exit ends it:
@@ -402,7 +440,7 @@ def test_a_pull_the_closing_service_cannot_run_leaves_its_claim_to_the_exit(tiny
         async def run() -> None:
             pre = await PrefillService(prt).prefill(spec)
             async with DecodeCall(drt, spec, pre, service.threads) as call:
-                load = call.register(lambda out: None)
+                load = await call.register(lambda out: None)
                 assert load is not None
                 service.threads.pulls.shutdown(wait=True)
                 assert await call.pull(load) is False
