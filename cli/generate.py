@@ -38,6 +38,8 @@ def generate_offline(
         for out in engine.step():
             if out.request_id != req.request_id:
                 continue
+            if out.error is not None:
+                raise out.error
             if out.new_token_ids and result.ttft_ms is None:
                 result.ttft_ms = (time.perf_counter() - t0) * 1000
             result.token_ids.extend(out.new_token_ids)

@@ -185,7 +185,15 @@ class DecodeCall:
 
         try:
             if registering is not None:
-                await run_to_end(self._threads.ender, end)
+                # After a registration still running (its waiter was cancelled): on its own thread,
+                # behind it, so that the ender never waits for one and delays the others' ends.
+                ender = self._threads.ender if registering.done() else self._threads.registers
+                try:
+                    future = ender.submit(end)
+                except RuntimeError:  # the service is closing: end it here
+                    end()
+                else:
+                    await wait_to_end(future)
         finally:  # also when cancelled again while the abort runs
             if not self._lease_settled:
                 self.settle_lease(pulled=None)

@@ -8,11 +8,13 @@ beyond what its context decodes to. Text ending in an incomplete character (U+FF
 back until it completes, so a window never starts inside a character (byte-fallback
 decoders turn a whole byte run into U+FFFD if it starts mid-character).
 
-The window stays a few tokens long whatever the output, so each token costs the same: tokens
-that add no text where they stand (special tokens skipped, an EOS a request ignores) leave it,
-and text that still ends in U+FFFD after ``MAX_HELD`` tokens is a literal U+FFFD or bytes that
-never complete (a character is at most 4 bytes, so at most 3 tokens can be waiting for the rest
-of one): it is emitted up to the tokens that may still be starting a character.
+Each token costs about the same however long the stream: tokens that add no text after the
+text so far (special tokens skipped, an EOS a request ignores) leave the window, and text held
+because it ends in U+FFFD for more than ``MAX_HELD`` tokens (a literal U+FFFD, bytes that never
+complete) is decoded again only when its tokens have doubled, so a held run of n tokens costs
+O(n) decoding, not O(n^2). Held text is never emitted early: where a byte-fallback decoder turns
+a whole byte run into U+FFFD while its last character is incomplete, no cut inside the run can
+be told correct.
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 _INCOMPLETE = "\ufffd"
-MAX_HELD = 8  # tokens held back while the text ends in U+FFFD, before it is taken as final
-_MAX_CHAR_TOKENS = 3  # the tokens an incomplete character can end in (UTF-8: at most 3 of 4 bytes)
+MAX_HELD = 8  # pending tokens looked at on every push; beyond, when their number doubles
 
 
 class TokenDecoder(Protocol):
@@ -31,16 +32,15 @@ class TokenDecoder(Protocol):
 
 class IncrementalDetokenizer:
     """Feed token ids as they arrive; the concatenated deltas equal the decode of all ids
-    (once the stream is final, pending text is flushed even if incomplete), but for tokens that
-    decode to nothing where they stand, and a U+FFFD held ``MAX_HELD`` tokens, which is emitted
-    as such. Each ``push`` decodes a window of O(its tokens + MAX_HELD) tokens, however long
-    the stream."""
+    (once the stream is final, pending text is flushed even if incomplete). Decoding costs
+    O(tokens) over the stream whatever its text (module docstring)."""
 
     def __init__(self, tokenizer: TokenDecoder, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
         self._window: list[int] = []  # the previous emission's tokens (the context), then the pending ones
         self._context = 0  # how many of the window's tokens were emitted
+        self._look_at = MAX_HELD  # pending tokens beyond this: decoded again once there are this many
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special)
@@ -48,32 +48,23 @@ class IncrementalDetokenizer:
     def push(self, token_ids: Sequence[int], final: bool = False) -> str:
         """Add tokens; return the newly completed text (may be empty)."""
         self._window.extend(token_ids)
+        pending = len(self._window) - self._context
+        if not final and pending > MAX_HELD:
+            if pending < self._look_at:
+                return ""  # held text: looked at again when the pending tokens have doubled
+            self._look_at = 2 * pending
         prefix = self._decode(self._window[: self._context])
         full = self._decode(self._window)
         if full == prefix:
-            del self._window[self._context :]  # they add nothing here: no reason to decode them again
-            return ""
+            if self._context:  # after text they add nothing: no reason to decode them again
+                del self._window[self._context :]
+            return ""  # (before any text they may: a SentencePiece space shows with the next word)
         if final or (not full.endswith(_INCOMPLETE) and full.startswith(prefix)):
-            return self._emit(len(self._window), prefix, full)
-        if len(self._window) - self._context >= MAX_HELD:
-            return self._emit_held(prefix)
-        return ""
-
-    def _emit(self, end: int, prefix: str, text: str) -> str:
-        """Emit the window's tokens up to ``end``, which decode to ``text``; they become the context."""
-        delta = text[len(prefix) :]
-        del self._window[: self._context]
-        self._context = end - self._context
-        return delta
-
-    def _emit_held(self, prefix: str) -> str:
-        """The pending text has ended in U+FFFD for MAX_HELD tokens: emit it but for the last
-        tokens, where a character may still be incomplete."""
-        end = len(self._window)
-        for cut in range(end - 1, end - _MAX_CHAR_TOKENS - 1, -1):
-            text = self._decode(self._window[:cut])
-            if not text.endswith(_INCOMPLETE) or cut == end - _MAX_CHAR_TOKENS:
-                return self._emit(cut, prefix, text) if len(text) > len(prefix) else ""
+            delta = full[len(prefix) :]
+            del self._window[: self._context]
+            self._context = len(self._window)
+            self._look_at = MAX_HELD
+            return delta
         return ""
 
 

@@ -69,6 +69,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None
+        self.counted_in_prefix_stats = False  # its prefix lookup was counted (at its first admission)
         self.handoff = handoff
         self.grammar = grammar
         self.hasher = BlockHasher(block_size, seed=hash_seed, cache_salt=cache_salt, lora_name=lora_name)

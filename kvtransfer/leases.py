@@ -202,7 +202,7 @@ class LeaseTable:
 
     def _pop(self, entry: _Entry) -> list[Lease]:
         del self._entries[entry.lease.lease_id]
-        # The request id stays taken until its blocks are actually released.
+        # The request id stays taken until the lease's blocks are handed to its release callback.
         self._by_request.pop(entry.lease.request_id, None)
         return [entry.lease]
 

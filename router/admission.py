@@ -4,11 +4,11 @@ At most ``max_in_flight`` requests run at once, at most ``max_per_tenant`` of on
 ``cache_salt``; requests without one share a tenant). Others wait, each tenant in its own FIFO,
 and a freed slot goes to the waiting tenant with the fewest requests running (in turn among
 equals), so a client that floods the router delays its own requests, not everyone's. At most
-``max_queued`` wait in all, shared fairly too: when they are full, a request of a tenant with
-fewer waiting than the tenant with the most takes the place of that tenant's newest waiter, which
-is refused; otherwise the request is refused at once (``Overloaded``), and so is one that waited
-``queue_timeout_s``. While draining every new request is refused (``Draining``). Runs on one
-asyncio event loop.
+``max_queued`` wait in all, shared fairly too: when they are full, a request of a tenant that
+would still have no more waiting than the tenant with the most (at least two fewer now) takes the
+place of that tenant's newest waiter, which is refused; otherwise the request is refused at
+once (``Overloaded``), and so is one that waited ``queue_timeout_s``. While draining every new
+request is refused (``Draining``). Runs on one asyncio event loop.
 """
 
 from __future__ import annotations
@@ -92,6 +92,8 @@ class Admission:
         """The queue is full: refuse the newest waiter of the tenant with the most waiting if it
         has more than one more than ``tenant`` would (so shares even out, and a tenant never
         pushes out its own); True when a place was freed."""
+        if not self._waiting:  # no waiting places at all (max_queued 0)
+            return False
         longest = max(self._waiting, key=lambda t: len(self._waiting[t]))
         if len(self._waiting[longest]) <= len(self._waiting.get(tenant, ())) + 1:
             return False

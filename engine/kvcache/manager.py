@@ -212,7 +212,8 @@ class KVCacheManager:
             self.num_cached_blocks[rid] = 0
             # Counted at its first admission only: a retry after a failed allocation, or a request
             # admitted again after a preemption or a failed load, is not a new query.
-            if request.num_cached_tokens is None:
+            if not request.counted_in_prefix_stats:
+                request.counted_in_prefix_stats = True
                 self.stats.requests += 1
                 self.stats.queries += request.num_tokens
                 self.stats.hits += num_new_computed_tokens

@@ -148,3 +148,23 @@ def test_a_full_queue_is_shared_fairly_between_tenants() -> None:
         assert sorted(order) == sorted(["a-run", "a0", "a1", "a2", "b0", "b1", "b2"])
 
     run(main())
+
+
+def test_no_waiting_places_refuses_at_once() -> None:
+    async def main() -> None:
+        adm = Admission(max_in_flight=1, max_per_tenant=1, max_queued=0, queue_timeout_s=30)
+        gate = asyncio.Event()
+
+        async def request(tenant: str) -> None:
+            async with adm.slot(tenant):
+                await gate.wait()
+
+        holder = asyncio.ensure_future(request("a"))
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded):
+            async with adm.slot("b"):
+                pass
+        gate.set()
+        await holder
+
+    run(main())

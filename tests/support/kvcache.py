@@ -18,6 +18,4 @@ def admit(m: KVCacheManager, r: Request) -> int:
     hit, n = m.get_computed_blocks(r)
     assert m.allocate_slots(r, r.num_tokens - n, n, hit) is not None
     r.num_computed_tokens = r.num_tokens
-    if r.num_cached_tokens is None:
-        r.num_cached_tokens = n
     return n
