@@ -4,9 +4,11 @@ driven directly: the Ray actors are thin shells around these objects."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import socket
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -357,16 +359,34 @@ def test_prefill_cancelled_right_after_the_handoff_holds_nothing(tiny_model: str
         prt.close()
 
 
+@contextlib.contextmanager
+def handed_over(tiny_model: str, redis_url: str) -> Iterator[tuple[WorkerRuntime, WorkerRuntime, DecodeService,
+                                                                    RequestSpec]]:  # fmt: skip
+    """A prefill and a decode runtime, the decode service, and a request's spec to hand over."""
+    ns = unique_namespace()
+    prt = runtime(tiny_model, redis_url, ns, "prefill-0", "prefill")
+    drt = runtime(tiny_model, redis_url, ns, "decode-0", "decode")
+    service = DecodeService(drt)
+    try:
+        yield prt, drt, service, RequestSpec("r", tuple(range(1, 41)), SamplingParams(max_tokens=5, ignore_eos=True))
+    finally:
+        service.close()
+        drt.close()
+        prt.close()
+
+
+def all_back(prt: WorkerRuntime, drt: WorkerRuntime) -> None:
+    """The prefill worker's lease released; every block back in the decode pool."""
+    assert wait_until(lambda: prt.pool_state()["leases"] == 0)
+    state = drt.pool_state()
+    assert state["requests"] == 0 and state["free_blocks"] == state["num_blocks"], state
+
+
 def test_a_load_claimed_at_registration_that_no_pull_took_is_ended_on_exit(tiny_model: str, redis_server) -> None:
     """Registering a handed-over request claims its KV load for writing (one wait for the engine's
     lock). A call that ends before a pull takes the claim (its body failed) ends it after the abort:
     every block back in the pool, the id free, the prefill worker's lease released."""
-    ns = unique_namespace()
-    prt = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill")
-    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode")
-    service = DecodeService(drt)
-    try:
-        spec = RequestSpec("r", tuple(range(1, 41)), SamplingParams(max_tokens=5, ignore_eos=True))
+    with handed_over(tiny_model, redis_server.url) as (prt, drt, service, spec):
 
         async def run() -> None:
             pre = await PrefillService(prt).prefill(spec)
@@ -379,14 +399,8 @@ def test_a_load_claimed_at_registration_that_no_pull_took_is_ended_on_exit(tiny_
 
         asyncio.run(run())
         service.close()
-        assert wait_until(lambda: prt.pool_state()["leases"] == 0)
-        state = drt.pool_state()
-        assert state["requests"] == 0 and state["free_blocks"] == state["num_blocks"], state
+        all_back(prt, drt)
         drt.engine.make_request([1, 2, 3], SamplingParams(), "r")  # the id is free again
-    finally:
-        service.close()
-        drt.close()
-        prt.close()
 
 
 def test_a_registration_waits_for_the_step_off_the_event_loop(tiny_model: str, redis_server) -> None:
@@ -430,12 +444,7 @@ def test_a_pull_the_closing_service_cannot_run_leaves_its_claim_to_the_exit(tiny
     """The service's pull threads are shut down (it is closing) when a call's pull is due: the
     pull reports a recompute instead of raising, the claim stays the call's, and its exit ends it:
     every block back, the prefill worker's lease released."""
-    ns = unique_namespace()
-    prt = runtime(tiny_model, redis_server.url, ns, "prefill-0", "prefill")
-    drt = runtime(tiny_model, redis_server.url, ns, "decode-0", "decode")
-    service = DecodeService(drt)
-    try:
-        spec = RequestSpec("r", tuple(range(1, 41)), SamplingParams(max_tokens=5, ignore_eos=True))
+    with handed_over(tiny_model, redis_server.url) as (prt, drt, service, spec):
 
         async def run() -> None:
             pre = await PrefillService(prt).prefill(spec)
@@ -446,13 +455,7 @@ def test_a_pull_the_closing_service_cannot_run_leaves_its_claim_to_the_exit(tiny
                 assert await call.pull(load) is False
 
         asyncio.run(run())
-        assert wait_until(lambda: prt.pool_state()["leases"] == 0)
-        state = drt.pool_state()
-        assert state["requests"] == 0 and state["free_blocks"] == state["num_blocks"], state
-    finally:
-        service.close()
-        drt.close()
-        prt.close()
+        all_back(prt, drt)
 
 
 def test_steps_finished_while_the_consumer_waits_go_out_as_one_event(tiny_model: str, redis_server) -> None:
