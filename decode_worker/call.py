@@ -25,14 +25,11 @@ The buffer touches nothing in the engine, so it needs no owner beyond the call.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TypeVar
 
 from pdserve.decode_worker.staging import StagedKV, pull_staged
 from pdserve.engine.engine_loop import OutputCallback
@@ -43,11 +40,9 @@ from pdserve.kvtransfer.errors import LayoutMismatchError, PeerUnavailableError,
 from pdserve.kvtransfer.pull import pull_kv
 from pdserve.worker.messages import PrefillResult, RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
+from pdserve.worker.threads import run_to_end, wait_to_end
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
 
 @dataclass(frozen=True)
 class CallThreads:
@@ -63,20 +58,6 @@ class CallThreads:
     registers: Executor
     ender: Executor
     releases: Executor
-
-
-async def run_to_end(executor: Executor, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on ``executor`` and wait for it. Unlike ``asyncio.to_thread``, cancelling the
-    waiter never drops ``fn`` while it is still queued: it runs to its end regardless."""
-    return await wait_to_end(executor.submit(fn))
-
-
-async def wait_to_end(future: Future[T]) -> T:
-    """Wait for ``future``; cancelling the waiter leaves it running to its end."""
-    inner = asyncio.wrap_future(future)
-    # A waiter cancelled meanwhile never reads the result: retrieve it so no error is logged twice.
-    inner.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return await asyncio.shield(inner)
 
 
 class DecodeCall:

@@ -200,6 +200,9 @@ class RouterServicer(pb_grpc.RouterServicer):
                     except asyncio.TimeoutError:
                         stalled = f"the client took none of its stream for {self.send_timeout_s:g} s"
                         raise ClientStalled(stalled) from None
+                    except Exception as e:  # noqa: BLE001 - the call is over (the client left): closing ends its request
+                        logger.debug("request %s: its stream's write failed, the call is over (%r)", spec.request_id, e)
+                        return
         except ClientStalled as e:  # its request is closed by now: slot and blocks are back
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except Overloaded as e:

@@ -6,9 +6,11 @@ Python objects that stand for the fleet); Redis is the real embedded server."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
+import pytest
 
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.limits import RequestLimits
@@ -58,14 +60,16 @@ class EndlessWorkers:
         pass
 
 
-def test_a_grpc_client_that_stops_reading_is_cut_off_at_the_send_deadline(redis_server, tiny_model: str) -> None:  # noqa: ANN001
+def serve(redis_server, tiny_model: str, client: Callable[[pb_grpc.RouterStub, EndlessWorkers, RouterCore],  # noqa: ANN001
+                                                          Awaitable[None]]) -> None:  # fmt: skip
+    """``client`` against a real grpc.aio server of a router servicer over endless workers, with
+    a send deadline of 0.5 s."""
     workers = EndlessWorkers()
     index = IndexConfig(redis_server.url, namespace=unique_namespace())
     core = RouterCore(RouterConfig(local_prefill_threshold=0), CacheConfig(block_size=16), workers,
                       PrefixLookup(index), StatsRecorder(index))  # fmt: skip
-    tokenizer = load_tokenizer(tiny_model)
     limits = RequestLimits(vocab_size=1000, max_model_len=1 << 30, block_size=16)
-    servicer = RouterServicer(core, tokenizer, limits, send_timeout_s=0.5)
+    servicer = RouterServicer(core, load_tokenizer(tiny_model), limits, send_timeout_s=0.5)
 
     async def main() -> None:
         server = grpc.aio.server()
@@ -74,18 +78,45 @@ def test_a_grpc_client_that_stops_reading_is_cut_off_at_the_send_deadline(redis_
         await server.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         try:
-            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(1, 41))),
-                                         sampling=pb.SamplingOptions(max_tokens=1 << 29, ignore_eos=True))  # fmt: skip
-            call = pb_grpc.RouterStub(channel).Generate(request)
-            first = await call.read()  # one message, then nothing more is read
-            assert first.token_ids
-            await asyncio.wait_for(workers.closed.wait(), timeout=60)
-            assert await wait_until_async(lambda: core.admission.in_flight == 0, timeout=30)
-            assert workers.sent > 1
-            call.cancel()
+            await client(pb_grpc.RouterStub(channel), workers, core)
         finally:
             await channel.close()
             await server.stop(0)
             core.close()
 
     asyncio.run(main())
+
+
+REQUEST = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(1, 41))),
+                             sampling=pb.SamplingOptions(max_tokens=1 << 29, ignore_eos=True))  # fmt: skip
+
+
+def test_a_grpc_client_that_stops_reading_is_cut_off_at_the_send_deadline(redis_server, tiny_model: str) -> None:  # noqa: ANN001
+    async def client(stub: pb_grpc.RouterStub, workers: EndlessWorkers, core: RouterCore) -> None:
+        call = stub.Generate(REQUEST)
+        first = await call.read()  # one message, then nothing more is read
+        assert first.token_ids
+        await asyncio.wait_for(workers.closed.wait(), timeout=60)
+        assert await wait_until_async(lambda: core.admission.in_flight == 0, timeout=30)
+        assert workers.sent > 1
+        call.cancel()
+
+    serve(redis_server, tiny_model, client)
+
+
+def test_a_grpc_client_that_cancels_mid_stream_ends_its_request_quietly(redis_server, tiny_model: str,  # noqa: ANN001
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Clients that cancel while their stream is written: each request ends, and nothing is logged
+    as a failure (a write to a call that is over is the client leaving, not an error)."""
+    async def client(stub: pb_grpc.RouterStub, workers: EndlessWorkers, core: RouterCore) -> None:
+        for _ in range(20):
+            workers.closed.clear()
+            call = stub.Generate(REQUEST)
+            assert (await call.read()).token_ids
+            call.cancel()
+            await asyncio.wait_for(workers.closed.wait(), timeout=60)
+        assert await wait_until_async(lambda: core.admission.in_flight == 0, timeout=30)
+
+    with caplog.at_level(logging.WARNING, logger="pdserve.router"):
+        serve(redis_server, tiny_model, client)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
