@@ -171,7 +171,11 @@ def test_calls_that_never_send_their_request_cannot_take_the_holders_threads() -
                 calls += [call(no_request(), timeout=60, metadata=metadata) for _ in range(3)]
         try:
             assert wait_until(lambda: all(c.done() for c in calls), timeout=30)
-            assert {c.code() for c in calls} == {grpc.StatusCode.UNAUTHENTICATED}
+            # Each is refused as it arrives; one that comes while the holder's threads are taken by
+            # the refusals of others is refused as over the limit instead: none waits for a request.
+            codes = {c.code() for c in calls}
+            assert grpc.StatusCode.UNAUTHENTICATED in codes
+            assert codes <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
             with KVTransferClient(holder.address, TransferConfig(cluster_secret=SECRET)) as client:
                 assert client.metadata().worker_id == "holder"
                 assert client.pull_into(dest(), list(range(4)), block_hashes=holder.hashes).num_blocks == 4
