@@ -90,15 +90,20 @@ class BlockSource:
         return self.leases.release_request(request_id) or self.handover.release(request_id)
 
     def _free_lease(self, lease: Lease) -> None:
-        """Free a lease's blocks now if the engine's lock is free, else on the unpinning thread once
-        the step holding it ends: the pull whose end frees them (on gRPC's own thread) or a Release
-        call never waits for a step."""
-        if self.handover.try_release(lease.request_id):
+        """Free a lease's blocks without waiting for a step: the pull whose end frees them (on
+        gRPC's own thread) or a Release call never waits for one."""
+        rid = lease.request_id
+        self._off_step(lambda: self.handover.try_release(rid), lambda: self.handover.release(rid))
+
+    def _off_step(self, now: Callable[[], bool], waiting: Callable[[], object]) -> None:
+        """``now()`` (False when a step holds the engine's lock, and nothing was done), else
+        ``waiting()`` on the unpinning thread once the step ends; here when the source is closing."""
+        if now():
             return
         try:
-            self._unpinner.submit(self.handover.release, lease.request_id)
-        except RuntimeError:  # the source is closing: free here, waiting for the lock
-            self.handover.release(lease.request_id)
+            self._unpinner.submit(waiting)
+        except RuntimeError:  # the source is closing: here, waiting for the lock
+            waiting()
 
     def close(self) -> None:
         """End every lease (blocks being pulled are freed when those pulls end) and wait for the
@@ -157,14 +162,9 @@ class BlockSource:
         )
 
     def _unpin(self, pinned: PinnedKV) -> None:
-        """Unpin now if the engine's lock is free, else on the unpinning thread once the step holding
-        it ends: a pull's end (the stream's status, a region or NIXL answer) never waits for a step."""
-        if self.handover.unpin(pinned, wait=False):
-            return
-        try:
-            self._unpinner.submit(self.handover.unpin, pinned)
-        except RuntimeError:  # the source is closing: unpin here, waiting for the lock
-            self.handover.unpin(pinned)
+        """Unpin without waiting for a step: a pull's end (the stream's status, a region or NIXL
+        answer) never waits for one."""
+        self._off_step(lambda: self.handover.unpin(pinned, wait=False), lambda: self.handover.unpin(pinned))
 
     def chunks(self, pinned: PinnedBlocks, chunk_bytes: int, max_pieces: int) -> Iterator[Chunk]:
         """The pinned blocks as stream chunks, lazily: a chunk references only its own pieces' bytes."""

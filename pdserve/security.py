@@ -163,7 +163,9 @@ class NonceTable:
 
 
 @dataclass(frozen=True)
-class _Token:
+class Token:
+    """A call's ``pdserve-auth`` token, parsed (``ClusterAuth.admit`` returns the one it let in)."""
+
     ts_ms: int
     nonce: str
     call_mac: str
@@ -171,16 +173,7 @@ class _Token:
     caller: str
 
 
-@dataclass(frozen=True)
-class Admission:
-    """A call ``ClusterAuth.admit`` let in: its claimed caller and what its body must match."""
-
-    caller: str
-    call_mac: str
-    body_mac: str
-
-
-def _parse(metadata: Sequence[tuple[str, Any]] | None) -> _Token:
+def _parse(metadata: Sequence[tuple[str, Any]] | None) -> Token:
     """The one well-formed ``pdserve-auth`` token of ``metadata``; raises ``AuthRefused``."""
     values = [v for k, v in metadata or () if k == AUTH_METADATA_KEY]
     if not values:
@@ -196,7 +189,7 @@ def _parse(metadata: Sequence[tuple[str, Any]] | None) -> _Token:
         raise AuthRefused("malformed credentials", caller if caller_ok else None)
     if not _NONCE_RE.fullmatch(nonce) or not (_MAC_RE.fullmatch(call_mac) and _MAC_RE.fullmatch(body_mac)):
         raise AuthRefused("malformed credentials", caller)
-    return _Token(int(ts), nonce, call_mac, body_mac, caller)
+    return Token(int(ts), nonce, call_mac, body_mac, caller)
 
 
 class ClusterAuth:
@@ -248,7 +241,7 @@ class ClusterAuth:
         body_mac = self._body_mac(call_mac, bytes(body))
         return ((AUTH_METADATA_KEY, f"{_VERSION}.{ts_ms}.{nonce}.{call_mac}.{body_mac}.{self.caller}"),)
 
-    def admit(self, method: str, metadata: Sequence[tuple[str, Any]] | None) -> Admission:
+    def admit(self, method: str, metadata: Sequence[tuple[str, Any]] | None) -> Token:
         """A call of ``method`` admitted from its headers alone, before its request is read; raises
         ``AuthRefused`` unless the token is well formed, in time, its call MAC made for exactly this
         method (constant-time comparison), and its nonce unseen. Admitting spends the nonce: the
@@ -266,14 +259,14 @@ class ClusterAuth:
             raise AuthRefused("replayed token (nonce already used)", token.caller)
         if refused == "full":
             raise AuthRefused(f"replay table full ({self.nonces.capacity} tokens in the window)", token.caller)
-        return Admission(token.caller, token.call_mac, token.body_mac)
+        return token
 
-    def check_body(self, admission: Admission, body: bytes) -> str:
+    def check_body(self, token: Token, body: bytes) -> str:
         """The verified caller of an admitted call whose request bytes are ``body``; raises
         ``AuthRefused`` unless the token's body MAC was made for exactly these bytes."""
-        if not hmac.compare_digest(admission.body_mac, self._body_mac(admission.call_mac, bytes(body))):
-            raise AuthRefused("bad signature (the request differs)", admission.caller)
-        return admission.caller
+        if not hmac.compare_digest(token.body_mac, self._body_mac(token.call_mac, bytes(body))):
+            raise AuthRefused("bad signature (the request differs)", token.caller)
+        return token.caller
 
     def authenticate(self, method: str, metadata: Sequence[tuple[str, Any]] | None, body: bytes) -> str:
         """``admit`` then ``check_body``: the verified caller of a call of ``method`` with request
@@ -330,10 +323,10 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if handler.request_streaming:
             return self._refusal(handler, method, AuthRefused("streaming requests cannot be authenticated"))
         try:
-            admission = self.auth.admit(method, tuple(handler_call_details.invocation_metadata or ()))
+            token = self.auth.admit(method, tuple(handler_call_details.invocation_metadata or ()))
         except AuthRefused as refusal:
             return self._refusal(handler, method, refusal)
-        return self._wrap(method, admission, handler)
+        return self._wrap(method, token, handler)
 
     def _refusal(self, handler: grpc.RpcMethodHandler, method: str, refusal: AuthRefused) -> grpc.RpcMethodHandler:
         """A handler that refuses the call without reading its request: a request-streaming
@@ -347,14 +340,14 @@ class AuthInterceptor(grpc.ServerInterceptor):
         make = grpc.stream_stream_rpc_method_handler if streaming_out else grpc.stream_unary_rpc_method_handler
         return make(refuse, request_deserializer=None, response_serializer=handler.response_serializer)
 
-    def _wrap(self, method: str, admission: Admission, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def _wrap(self, method: str, token: Token, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         streaming_out = handler.response_streaming
         inner = handler.unary_stream if streaming_out else handler.unary_unary
         deserializer = handler.request_deserializer
 
         def behavior(raw: bytes, context: grpc.ServicerContext) -> Any:
             try:
-                self.auth.check_body(admission, raw)
+                self.auth.check_body(token, raw)
             except AuthRefused as refusal:
                 self._log.warn(method, context.peer(), refusal)
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "this call needs the cluster's credentials")
