@@ -31,6 +31,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from types import TracebackType
 
+from pdserve.decode_worker.holder_slots import HolderSlots
 from pdserve.decode_worker.staging import StagedKV, pull_staged
 from pdserve.engine.engine_loop import OutputCallback
 from pdserve.engine.kv_handover import KVLoad, RemotePrefill
@@ -40,7 +41,7 @@ from pdserve.kvtransfer.errors import LayoutMismatchError, PeerUnavailableError,
 from pdserve.kvtransfer.pull import pull_kv
 from pdserve.worker.messages import PrefillResult, RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
-from pdserve.worker.threads import run_to_end, wait_to_end
+from pdserve.worker.threads import wait_to_end
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +49,15 @@ logger = logging.getLogger(__name__)
 class CallThreads:
     """The service's executors a call hands work to; their queued work is never cancelled.
 
-    ``pulls`` runs pulls, ``registers`` registrations and ``ender`` aborts (one thread each: each
+    ``pulls`` runs pulls, at most ``holders.per_holder`` of one prefill worker's at once (a hung
+    one cannot take them all: ``decode_worker/holder_slots.py``), ``registers`` registrations and ``ender`` aborts (one thread each: each
     waits for the engine's lock, which a step holds; never on the event loop that streams the other
     requests' tokens), and ``releases`` lease releases, apart from the aborts: a release to a hung
     prefill worker waits for its deadline, and must not hold up the end of other requests.
     """
 
     pulls: Executor
+    holders: HolderSlots
     registers: Executor
     ender: Executor
     releases: Executor
@@ -134,7 +137,8 @@ class DecodeCall:
             return pull_staged(rt.engine, rt.client(prefill.address), req, len(self.spec.prompt_token_ids), lease_id)
 
         try:
-            self._staged = await run_to_end(self._threads.pulls, work)
+            self._staged = await wait_to_end(await self._threads.holders.submit(prefill.address, self._threads.pulls,
+                                                                                work))  # fmt: skip
         except TransferError as exc:  # the holder cannot be reached or refuses: the pull will say so
             logger.debug("staged pull of %s from %s failed: %s", req.request_id, prefill.address, exc)
             return
@@ -227,8 +231,8 @@ class DecodeCall:
                 rt.loop.finish_load(rid, ok)
 
         assert self._claimed_load, "pull() takes the load its register() claimed, once"
-        try:
-            future = self._threads.pulls.submit(work)
+        try:  # cancelled while it waits for a slot of the holder: the claim stays this call's too
+            future = await self._threads.holders.submit(prefill.address, self._threads.pulls, work)
         except RuntimeError:  # the service is closing: the claim stays this call's, its exit ends it
             self.settle_lease(pulled=None)
             return False

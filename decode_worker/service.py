@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.decode_worker.call import CallThreads, DecodeCall
+from pdserve.decode_worker.holder_slots import HolderSlots
 from pdserve.decode_worker.prefetch import Prefetches
 from pdserve.engine.cpu_threads import single_threaded_torch
 from pdserve.engine.engine import RequestOutput
@@ -17,7 +18,7 @@ from pdserve.worker.runtime import WorkerRuntime
 
 Outcome = RequestOutput | BaseException  # what the engine hands a stream: an output, or why it failed
 
-MAX_CONCURRENT_PULLS = 8
+MAX_CONCURRENT_PULLS = 16  # threads; one prefill worker's pulls take at most half of them (HolderSlots)
 MAX_CONCURRENT_PREFETCHES = 4  # on threads of their own: a prefetch waiting on its holder must not hold up a pull
 
 
@@ -42,7 +43,9 @@ class DecodeService:
                                              initializer=single_threaded_torch)  # fmt: skip
         self._ender = ThreadPoolExecutor(1, thread_name_prefix="request-end", initializer=single_threaded_torch)
         self._releases = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="lease-release")
-        self.threads = CallThreads(self._pulls, self._registers, self._ender, self._releases)
+        per_holder = min(runtime.config.transfer.max_pulls_per_peer, MAX_CONCURRENT_PULLS // 2)
+        self.threads = CallThreads(self._pulls, HolderSlots(per_holder), self._registers, self._ender,
+                                   self._releases)  # fmt: skip
         self._prefetching = ThreadPoolExecutor(MAX_CONCURRENT_PREFETCHES, thread_name_prefix="kv-prefetch",
                                                initializer=single_threaded_torch)  # fmt: skip
         self.prefetches = Prefetches(runtime, self._prefetching, MAX_CONCURRENT_PREFETCHES)

@@ -5,7 +5,7 @@ every failure raises a ``TransferError`` subclass:
 
 =============================  =======================================================
 ``PeerUnavailableError``       holder unreachable or gone mid-stream (UNAVAILABLE, CANCELLED)
-``TransferTimeoutError``       deadline exceeded
+``TransferTimeoutError``       deadline exceeded, or the holder silent for ``holder_silence_s``
 ``BlockNotFoundError``         unknown/released/expired lease, hash not cached (NOT_FOUND)
 ``LayoutMismatchError``        KV layout or model differs (FAILED_PRECONDITION, or ``check_compatible``)
 ``ChecksumError``              a piece's bytes do not match its checksum
@@ -32,9 +32,11 @@ it. The returned ``PullStats.transport`` says which carried the bytes.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import grpc
@@ -51,6 +53,7 @@ from pdserve.kvtransfer.errors import (
     TransferError,
     TransferTimeoutError,
 )
+from pdserve.kvtransfer.guard import PullGuard
 from pdserve.kvtransfer.nixl import NixlUnavailable
 from pdserve.kvtransfer.nixl_client import NixlPuller
 from pdserve.kvtransfer.protoconv import WireFormatError, decode_chunk, layout_to_proto, metadata_from_proto
@@ -112,6 +115,9 @@ class KVTransferClient:
         self._pull_slots = threading.BoundedSemaphore(c.max_pulls_per_peer)
         self._holder: TransferMetadata | None = None  # the last metadata() answer
         self._dead_socket: str | None = None  # a holder socket that could not be used
+        self._watch: PullGuard | None = None  # cancels a stream whose holder went silent
+        self._watch_lock = threading.Lock()
+        self._closed = False
         self.shm = ShmPuller(c, ch, self._signed, _SERVICE)  # the same-host path and its regions
         self.nixl = NixlPuller(c, ch, self._signed, _SERVICE)  # the NIXL path (its agent made at first use)
 
@@ -125,6 +131,10 @@ class KVTransferClient:
         self.shm.close()
         self.nixl.close()
         self._channel.close()
+        with self._watch_lock:
+            watch, self._watch, self._closed = self._watch, None, True
+        if watch is not None:
+            watch.close()
 
     def __enter__(self) -> KVTransferClient:
         return self
@@ -238,9 +248,7 @@ class KVTransferClient:
                     receiver = receiver_for_pull()
             body, metadata = self._signed("Pull", request)
             call = self._pull(body, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
-            for data in call:
-                receiver.accept(_decode(data))
-            return receiver.finish()
+            return self._stream(call, receiver)
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
         except TransferError as exc:
@@ -252,6 +260,38 @@ class KVTransferClient:
             if call is not None:
                 call.cancel()  # no-op once the stream completed; frees the holder's pins otherwise
             self._pull_slots.release()
+
+    def _stream(self, call: grpc.Call, receiver: BlockReceiver) -> PullStats:
+        """Every chunk of a Pull stream into ``receiver``, under the watch that cancels it when
+        the holder is silent for ``holder_silence_s`` (then a ``TransferTimeoutError``)."""
+        ticket = self._silence_watch().admit(self.address, call.cancel)
+        assert ticket is not None, "the pull slots keep to the watch's limit"
+        try:
+            for data in call:
+                ticket.progress()
+                receiver.accept(_decode(data))
+            return receiver.finish()
+        except grpc.RpcError as exc:
+            if ticket.cancelled is None:
+                raise
+            raise TransferTimeoutError(f"holder {self.address} sent nothing for "
+                                       f"{self.config.holder_silence_s:g}s: {ticket.cancelled}",
+                                       peer=self.address) from exc  # fmt: skip
+        finally:
+            ticket.close()
+
+    def _silence_watch(self) -> PullGuard:
+        """The watchdog of this client's streams, started with its first one."""
+        with self._watch_lock:
+            if self._closed:
+                raise ValueError("the client is closed")
+            if self._watch is None:
+                c = self.config
+                self._watch = PullGuard(c.max_pulls_per_peer, c.holder_silence_s, math.inf,
+                                        what="a KV pull from holder")  # fmt: skip
+                # A client dropped without close() (its last user let go) ends its watchdog too.
+                weakref.finalize(self, self._watch.stop)
+            return self._watch
 
     # -- same-host transport --------------------------------------------------------------
     def _shm_socket(self) -> str | None:

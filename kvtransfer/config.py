@@ -44,7 +44,8 @@ class TransferConfig:
     Abuse bounds on a holder: at most ``max_pulls_per_peer`` pulls stream to one peer host at once
     (a puller keeps to the same number on its side), a stream that cannot send its next chunk
     for ``stall_timeout_s`` or runs past ``pull_timeout_s`` is cancelled, and calls beyond
-    ``server_threads`` are refused (``RESOURCE_EXHAUSTED``) instead of queued.
+    ``server_threads`` are refused (``RESOURCE_EXHAUSTED``) instead of queued. A puller, in turn,
+    gives up a pull whose holder says nothing for ``holder_silence_s`` (a hung holder).
 
     Same-host transport (``kvtransfer/shm.py``, docs/kv-wire.md): with ``shm`` a holder also serves
     pulls into staging regions that its pullers hand it over its Unix socket (in a fresh 0700
@@ -126,6 +127,16 @@ class TransferConfig:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if not isinstance(self.shutdown_grace_s, (int, float)) or not 0 <= self.shutdown_grace_s < math.inf:
             raise ValueError(f"shutdown_grace_s must be a finite number >= 0, got {self.shutdown_grace_s!r}")
+
+    @property
+    def holder_silence_s(self) -> float:
+        """How long a puller waits for any word from a holder within a pull (a chunk, a slot, an
+        answer) before it gives the pull up (``TransferTimeoutError``): twice ``stall_timeout_s``. A
+        live holder cancels a stream it cannot advance for ``stall_timeout_s`` itself (a prefix wait
+        included: the holder caps it at half that), so only a hung one (stopped, wedged, its host
+        gone without a reset) is silent this long, and it then holds the puller's thread this long,
+        not for the whole ``pull_timeout_s``."""
+        return 2 * self.stall_timeout_s
 
     def ports(self) -> range:
         """The ports a transfer server may take, in the order tried (``range(0, 1)``: any free port)."""

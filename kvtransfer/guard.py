@@ -8,6 +8,8 @@ stream that has not sent its next chunk within ``stall_timeout_s``, or that runs
 pins. A watchdog thread checks the streams a few times per stall period.
 
 Plain Python: the servicer hands in the peer string and a cancel callable (``context.cancel``).
+A puller uses the same watchdog for its own streams (``KVTransferClient``: a holder silent for
+``holder_silence_s``), with the stream's ``cancel``.
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ class PullGuard:
         stall_timeout_s: float,
         max_duration_s: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        what: str = "a KV pull to",
     ) -> None:
+        self.what = what  # how the log names a cancelled stream, before its peer
         self.max_per_peer = max_per_peer
         self.stall_timeout_s = stall_timeout_s
         self.max_duration_s = max_duration_s
@@ -111,7 +116,7 @@ class PullGuard:
                     continue
                 due.append(t)
         for t in due:
-            logger.warning("cancelling a KV pull to %s: %s", t.host, t.cancelled)
+            logger.warning("cancelling %s %s: %s", self.what, t.host, t.cancelled)
             try:
                 t.cancel()
             except Exception:  # noqa: BLE001 - the RPC may have ended meanwhile
@@ -127,6 +132,10 @@ class PullGuard:
             except Exception:  # noqa: BLE001 - the watchdog must outlive any one stream
                 logger.exception("pull watchdog failed")
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Tell the watchdog to end, without waiting for it (safe from any thread, a finalizer's too)."""
         self._stop.set()
+
+    def close(self) -> None:
+        self.stop()
         self._thread.join(timeout=5)

@@ -11,7 +11,8 @@ token counts checked, each block copied once into the KV tensor) while the holde
 Failure contract: ``NixlUnavailable`` when NIXL cannot carry the pull (not installed, refused by the
 holder, the notification missing, the region busy with another pull, a block larger than the
 region); the caller pulls again over gRPC with a fresh receiver. A call's ``grpc.RpcError`` or a
-``TransferError`` (a checksum, a malformed answer) fails the pull. After any failure of a window the
+``TransferError`` (a checksum, a malformed answer, a ``TransferTimeoutError`` when a window's answer
+does not come within ``holder_silence_s``) fails the pull. After any failure of a window the
 region is ended (the next pull makes a new one), so a write still in flight cannot land in the next
 pull's region; its memory is kept until such a write must have ended (``_end_region``). A region ends
 with its agent (after a failure, when idle, at ``close``): a holder's copy of its metadata then reaches
@@ -34,7 +35,7 @@ import torch
 from google.protobuf.message import Message
 
 from pdserve.kvtransfer.config import TransferConfig
-from pdserve.kvtransfer.errors import InvalidPullError
+from pdserve.kvtransfer.errors import InvalidPullError, TransferTimeoutError
 from pdserve.kvtransfer.nixl import NixlAgent, NixlUnavailable
 from pdserve.kvtransfer.receiver import BlockReceiver
 from pdserve.kvtransfer.wire import Chunk, Piece, PullStats
@@ -184,7 +185,11 @@ class NixlPuller:
         meanwhile (the holder's writes need it for their wire-up)."""
         agent = self._agent
         assert agent is not None
+        silent_until = min(deadline, time.monotonic() + self.config.holder_silence_s)
         while not window.future.done():
+            if time.monotonic() > silent_until:  # a hung holder: the call may never answer
+                window.future.cancel()
+                raise TransferTimeoutError(f"no answer to a NIXL window in {self.config.holder_silence_s:g}s")
             landed.update(agent.poll_notifs())
             time.sleep(_POLL_S)
         answer = window.future.result()  # a failed call raises its grpc.RpcError

@@ -5,7 +5,8 @@ restarted at the same address, ends the regions of the old one) and runs one pul
 a region from the pool (made on demand: AttachRegion for a ticket, then the region handed over the
 socket), PullRegion for the pull's ticket, then the ring (``shm_ring.read_pull``) into the pull's
 ``BlockReceiver``. Both calls are made through the client's channel and signing, so they carry the
-same credentials and deadline as a Pull.
+same credentials and deadline as a Pull; each wait for the holder (a call, the next slot) is also
+bounded by ``holder_silence_s``.
 
 Failure contract: ``ShmUnavailable`` before any byte is written (the caller pulls over gRPC; a
 ``RegionsBusy`` when every region carries a pull), else the call's ``grpc.RpcError`` or a
@@ -72,17 +73,18 @@ class ShmPuller:
         pool = self.region_pool(socket_path)
         if pool is None:
             raise ShmUnavailable("the client is closed")
-        region = pool.take(deadline)
+        silence = self.config.holder_silence_s  # each wait for the holder: a hung one is given up
+        region = pool.take(min(deadline, time.monotonic() + silence))
         if region is None:
             raise RegionsBusy(f"all {self.config.shm_regions} staging regions for this holder are in use")
         try:
-            offer = self._offer(request, region, deadline)
+            offer = self._offer(request, region, min(deadline, time.monotonic() + silence))
         except BaseException:
             pool.give(region)  # nothing was written into it
             raise
         try:
             read_pull(region.sock, region.view, self._slot_bytes(region), offer, receiver, deadline,
-                      self.config.max_blocks_per_chunk)  # fmt: skip
+                      self.config.max_blocks_per_chunk, silence)  # fmt: skip
         except ShmUnavailable:  # the GO was refused: the region is as it was
             pool.give(region)
             raise

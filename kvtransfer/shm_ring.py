@@ -17,6 +17,7 @@ channel) ends the region on both ends: nobody can say which slot the other still
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -154,13 +155,14 @@ def _expect_ack(conn: socket.socket, seq: int, pull: HolderPull) -> None:
 
 
 def read_pull(sock: socket.socket, region: memoryview, slot_bytes: int, offer: PullOffer, receiver: BlockReceiver,
-              deadline: float, max_pieces: int) -> None:  # fmt: skip
+              deadline: float, max_pieces: int, silence_s: float = math.inf) -> None:  # fmt: skip
     """The puller's side of one pull on the region's channel ``sock``: GO, then every SLOT checked
     and copied into ``receiver`` and acknowledged, until all of the offer's blocks arrived.
 
     Raises ``ShmUnavailable`` when the holder refuses the GO (nothing written, the region is intact),
     else a ``TransferError``: ``ChecksumError``/``InvalidPullError`` from the checks,
-    ``TransferTimeoutError`` past ``deadline``, ``PeerUnavailableError`` when the channel fails,
+    ``TransferTimeoutError`` past ``deadline`` or when the holder sends no frame for ``silence_s``,
+    ``PeerUnavailableError`` when the channel fails,
     ``TransferError`` when the holder reports a failure.
     """
     num_slots = len(region) // slot_bytes
@@ -170,7 +172,7 @@ def read_pull(sock: socket.socket, region: memoryview, slot_bytes: int, offer: P
         _settimeout(sock, deadline)
         send_frame(sock, GO, offer.ticket)
         while got < total:
-            _settimeout(sock, deadline)
+            _settimeout(sock, min(deadline, time.monotonic() + silence_s))
             kind, payload, _ = recv_frame(sock)
             if kind == REFUSED and seq == 0:
                 raise ShmUnavailable(f"holder refused the pull: {payload.decode(errors='replace')}")

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -322,6 +324,33 @@ def test_deadline_exceeded(peers: dict[str, Peer]) -> None:
         pull(h, req, client, 10, lease_id=peer.request("lease-0")["lease_id"])
     assert time.monotonic() - t0 < 10
     assert_no_leak(manager)
+
+
+def test_a_stopped_holder_is_given_up_after_its_silence_not_the_pull_deadline() -> None:
+    """A hung holder (here: SIGSTOP, its sockets open and silent) holds a pull for ``holder_silence_s``
+    on either transport, not for the whole ``pull_timeout_s``, and nothing leaks."""
+    peer = Peer()
+    lease_id = peer.request("lease-0")["lease_id"]
+    base = TransferConfig(chunk_bytes=CHUNK, pull_timeout_s=120.0, stall_timeout_s=2.0)
+    clients = {"grpc": KVTransferClient(peer.address, replace(base, shm=False)),
+               "shm": KVTransferClient(peer.address, base)}  # fmt: skip
+    try:
+        manager, h = local_worker()
+        for transport, client in clients.items():  # connected, and the region made, while the holder runs
+            client.metadata()
+            assert client.pull_into(KVTensor(LAYOUT, LOCAL_BLOCKS), [0, 1, 2], lease_id=lease_id).transport == transport
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        for client in clients.values():
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeoutError):
+                pull(h, decode_request(peer, "lease-0"), client, 10, lease_id=lease_id)
+            assert time.monotonic() - t0 < 30, "the pull waited for its deadline, not for the holder's silence"
+            assert_no_leak(manager)
+    finally:
+        for client in clients.values():
+            client.close()
+        os.kill(peer.proc.pid, signal.SIGCONT)
+        peer.kill()
 
 
 def test_layout_mismatch_refused(peers: dict[str, Peer]) -> None:
