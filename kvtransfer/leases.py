@@ -56,6 +56,7 @@ class Lease:
 class _Entry:
     lease: Lease
     active_pulls: int = 0
+    pulled: bool = False  # a pull of it began
     dead: bool = False  # released or expired: no new pulls, freed when active_pulls hits 0
 
 
@@ -74,6 +75,8 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._by_request: dict[str, str] = {}  # live request id -> lease id
+        self.created = 0  # leases ever created
+        self.released_unpulled = 0  # leases released (not expired) before any pull of them began
 
     # -- lifecycle ------------------------------------------------------------------------
     def create(self, held: HeldKV, ttl_s: float | None = None) -> str:
@@ -92,6 +95,7 @@ class LeaseTable:
                 raise ValueError(f"request {held.request_id!r} already has lease {self._by_request[held.request_id]!r}")
             self._entries[lease_id] = _Entry(lease)
             self._by_request[held.request_id] = lease_id
+            self.created += 1
         return lease_id
 
     def acquire(self, lease_id: str) -> Lease:
@@ -105,6 +109,7 @@ class LeaseTable:
                 if entry is None or entry.dead:
                     raise LeaseNotFoundError(lease_id)
                 entry.active_pulls += 1
+                entry.pulled = True
                 return entry.lease
         finally:
             self._run_callbacks(to_release)
@@ -136,6 +141,7 @@ class LeaseTable:
             entry = self._entries.get(lease_id)
             if entry is None or entry.dead:
                 return False
+            self.released_unpulled += not entry.pulled
             to_release = self._kill(entry)
         self._run_callbacks(to_release)
         return True
@@ -149,6 +155,8 @@ class LeaseTable:
             if lease_id is None:
                 return False
             entry = self._entries[lease_id]
+            if not entry.dead:
+                self.released_unpulled += not entry.pulled
             to_release = [] if entry.dead else self._kill(entry)
         self._run_callbacks(to_release)
         return True

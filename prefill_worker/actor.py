@@ -51,4 +51,5 @@ class PrefillWorker:
         return await asyncio.to_thread(self.rt.pool_state)
 
     async def shutdown(self) -> None:
+        await asyncio.to_thread(self.service.close)
         self.rt.close()

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 
+from pdserve.engine.cpu_threads import single_threaded_torch
 from pdserve.engine.engine import RequestOutput
 from pdserve.worker.drops import Dropped, Drops
 from pdserve.worker.messages import PrefillResult, RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
+from pdserve.worker.threads import wait_to_end
 
 
 class PrefillService:
@@ -18,11 +22,22 @@ class PrefillService:
     in every other outcome (finished on the first token, error, cancellation) the
     request holds no blocks when ``prefill`` returns or raises. ``drop`` ends a prefill by its
     request id, whether it runs or has not begun (``worker/drops.py``): it raises ``Dropped``.
+
+    A registration and the end of a request given up on wait for the engine's lock, which a step
+    holds: they run on a thread of their own, in order (a request's end after its registration),
+    never on the event loop that answers the other prefills, and a cancelled waiter leaves them
+    running to their end. ``close`` waits for them.
     """
 
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
         self.drops = Drops()
+        self._engine_calls = ThreadPoolExecutor(1, thread_name_prefix="prefill-register",
+                                                initializer=single_threaded_torch)  # fmt: skip
+
+    def close(self) -> None:
+        """Wait for the registrations and ends handed to the service's thread."""
+        self._engine_calls.shutdown(wait=True)
 
     def drop(self, request_id: str) -> bool:
         """End ``request_id``'s prefill (the router gave up on it): True when it runs, False when
@@ -50,38 +65,55 @@ class PrefillService:
 
         if not self.drops.begin(spec.request_id, on_drop):
             raise Dropped(spec.request_id)  # nothing submitted: nothing held
-        try:
-            rt.loop.submit(req, on_output)  # an id in use raises here: the other request is not ours to abort
-            return await self._lease(spec, done)
-        finally:
-            self.drops.end(spec.request_id, on_drop)
-
-    async def _lease(self, spec: RequestSpec, done: asyncio.Future[RequestOutput]) -> PrefillResult:
-        """Wait for the submitted request's first token and hold its KV under a lease; on any
-        other outcome (finished, failed, cancelled, dropped) it holds nothing on return."""
-        rt = self.rt
+        registering: Future[None] | None = None
         leased = False
         try:
-            out = await done
-            lease_id = rt.source.lease(out.kv_handoff) if out.kv_handoff is not None else None
-            leased = lease_id is not None
-            rt.stats.record({"prefill_computed_tokens": out.num_prompt_tokens - out.num_cached_tokens}, spec.cache_salt)
-            return PrefillResult(
-                spec.request_id,
-                out.new_token_ids[0],
-                lease_id is None,
-                None if lease_id else out.finish_reason,
-                lease_id,
-                rt.address,
-                rt.config.worker_id,
-                out.num_prompt_tokens,
-                out.num_cached_tokens,
-                out.logprobs[0] if out.logprobs else None,
-            )
+            registering = self._engine_calls.submit(rt.loop.submit, req, on_output)
+            await wait_to_end(registering)  # an id in use raises here: the other request is not ours to end
+            result = await self._result(spec, done)
+            leased = result.lease_id is not None
+            return result
         finally:
-            if not leased:
-                # Cancelled or failed before a lease took the KV over: nothing may stay held. The
-                # engine may have handed the request off already (its output not yet delivered
-                # here), so after the abort a held KV is released too; the engine lock orders both.
-                rt.loop.abort(spec.request_id)
-                rt.engine.handover.release(spec.request_id)
+            self.drops.end(spec.request_id, on_drop)
+            if registering is not None and not leased:
+                await self._end(spec.request_id, registering)
+
+    async def _result(self, spec: RequestSpec, done: asyncio.Future[RequestOutput]) -> PrefillResult:
+        """Wait for the submitted request's first token and hold its KV under a lease."""
+        rt = self.rt
+        out = await done
+        lease_id = rt.source.lease(out.kv_handoff) if out.kv_handoff is not None else None
+        rt.stats.record({"prefill_computed_tokens": out.num_prompt_tokens - out.num_cached_tokens}, spec.cache_salt)
+        return PrefillResult(
+            spec.request_id,
+            out.new_token_ids[0],
+            lease_id is None,
+            None if lease_id else out.finish_reason,
+            lease_id,
+            rt.address,
+            rt.config.worker_id,
+            out.num_prompt_tokens,
+            out.num_cached_tokens,
+            out.logprobs[0] if out.logprobs else None,
+        )
+
+    async def _end(self, request_id: str, registering: Future[None]) -> None:
+        """Finished on its first token, failed, cancelled or dropped before a lease took its KV:
+        nothing may stay held. The engine may have handed the request off already (its output not
+        yet delivered here), so after the abort a held KV is released too; the engine lock orders
+        both. On the service's thread, after the registration (also when cancelled again)."""
+        rt = self.rt
+
+        def end() -> None:
+            wait_futures([registering])
+            if registering.exception() is not None:  # refused: nothing of this call's is registered
+                return
+            rt.loop.abort(request_id)
+            rt.engine.handover.release(request_id)
+
+        try:
+            future = self._engine_calls.submit(end)
+        except RuntimeError:  # the service is closing: end it here
+            end()
+        else:
+            await wait_to_end(future)

@@ -151,12 +151,16 @@ class WorkerRuntime:
 
     def pool_state(self) -> dict[str, int]:
         """Free blocks, leases, requests holding blocks and requests registered with the engine
-        loop (idle: free == total, 0, 0, 0)."""
+        loop (idle: free == total, 0, 0, 0); and, since the worker started, how many leases it
+        created and how many of them were released before any pull of them began (requests given
+        up on, or recomputed)."""
         usage = self.engine.kv_usage()
         return {
             "free_blocks": usage.free_blocks,
             "num_blocks": usage.num_blocks,
             "leases": len(self.source.leases),
+            "leases_created": self.source.leases.created,
+            "leases_released_unpulled": self.source.leases.released_unpulled,
             "requests": usage.requests,
             "registered": self.loop.num_registered,
         }

@@ -563,6 +563,14 @@ def test_lease_table_defers_expiry_and_releases_once() -> None:
     table.end_pull(lid)
     assert released == ["a"] and table.num_holding() == 0
     assert table.release(lid) is False and released == ["a"]
+    # The counters: created, and released before any pull (by id or by request; not an expiry).
+    table.release(table.create(HeldKV("c", (1,), (), 3, 4)))
+    table.release_request("d") or table.create(HeldKV("d", (2,), (), 3, 4))
+    assert table.release_request("d") and not table.release_request("d")
+    table.create(HeldKV("e", (3,), (), 3, 4))
+    now[0] = 10.0
+    assert table.reap() == 1
+    assert (table.created, table.released_unpulled) == (4, 2)
 
 
 def test_config_validation() -> None:

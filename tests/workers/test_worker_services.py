@@ -26,7 +26,7 @@ from pdserve.kvtransfer.nixl import nixl_installed
 from pdserve.kvtransfer.pull import pull_kv
 from pdserve.prefill_worker.service import PrefillService
 from pdserve.worker.config import WorkerConfig
-from pdserve.worker.messages import RequestSpec
+from pdserve.worker.messages import PrefillResult, RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
 from tests.support.deepseek_models import make_deepseek_checkpoint
 from tests.support.polling import wait_until, wait_until_async
@@ -438,6 +438,47 @@ def test_a_registration_waits_for_the_step_off_the_event_loop(tiny_model: str, r
         let_go.set()
         service.close()
         drt.close()
+
+
+def test_a_prefill_registration_waits_for_the_step_off_the_event_loop(tiny_model: str, redis_server) -> None:
+    """The same on a prefill worker, whose event loop answers every other prefill (and drops and
+    lease releases) meanwhile; a prefill cancelled while its registration waits still ends it."""
+    prt = runtime(tiny_model, redis_server.url, unique_namespace(), "prefill-0", "prefill")
+    service = PrefillService(prt)
+    held, let_go = threading.Event(), threading.Event()
+    by_test = []
+
+    def step() -> None:
+        with prt.engine.lock:
+            held.set()
+            by_test.append(let_go.wait(30))
+
+    async def run() -> PrefillResult:
+        spec = RequestSpec("r", tuple(range(1, 20)), SamplingParams(max_tokens=3, ignore_eos=True))
+        first = asyncio.ensure_future(service.prefill(spec))
+        gone = asyncio.ensure_future(service.prefill(RequestSpec("gone", tuple(range(1, 30)), SamplingParams())))
+        for _ in range(5):  # the loop turns while the registrations wait for the lock
+            await asyncio.sleep(0.01)
+        gone.cancel()
+        let_go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        return await first
+
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    try:
+        assert held.wait(30)
+        result = asyncio.run(run())
+        stepper.join(30)
+        assert by_test == [True] and result.lease_id  # let go by the loop's own turns, not the timeout
+        assert prt.source.release(result.lease_id)
+        assert wait_until(lambda: prt.pool_state()["requests"] == prt.pool_state()["registered"] == 0)
+        assert prt.pool_state()["free_blocks"] == prt.pool_state()["num_blocks"]
+    finally:
+        let_go.set()
+        service.close()
+        prt.close()
 
 
 def test_a_pull_the_closing_service_cannot_run_leaves_its_claim_to_the_exit(tiny_model: str, redis_server) -> None:
