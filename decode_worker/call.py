@@ -26,6 +26,7 @@ The buffer touches nothing in the engine, so it needs no owner beyond the call.
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ class DecodeCall:
         self.prefill = prefill
         self._threads = threads
         self._lease_settled = prefill is None or not prefill.lease_id
+        self._settling = threading.Lock()
         self._registered = False
         self._registering: Future[KVLoad | None] | None = None
         self._claimed_load = False  # a claimed load no pull has taken: ended on exit
@@ -184,11 +186,13 @@ class DecodeCall:
                 self.settle_lease(pulled=None)
 
     def settle_lease(self, pulled: KVTransferClient | None) -> None:
-        """Release the prefill worker's lease once, without waiting: with the client that pulled
-        it when the KV landed, else through the runtime (a failure only means it expires)."""
-        if self._lease_settled:
-            return
-        self._lease_settled = True
+        """Release the prefill worker's lease once (from any thread), without waiting: with the
+        client that pulled it when the KV landed, else through the runtime (a failure only means
+        it expires)."""
+        with self._settling:  # the registering thread and the exit may both come here
+            if self._lease_settled:
+                return
+            self._lease_settled = True
         prefill = self.prefill
         assert prefill is not None and prefill.lease_id is not None
         lease_id = prefill.lease_id
