@@ -403,20 +403,37 @@ def test_a_load_claimed_at_registration_that_no_pull_took_is_ended_on_exit(tiny_
         drt.engine.make_request([1, 2, 3], SamplingParams(), "r")  # the id is free again
 
 
+@contextlib.contextmanager
+def a_step_holding_the_lock(rt: WorkerRuntime) -> Iterator[threading.Event]:
+    """A thread holds ``rt``'s engine lock, as a long step would, until the event it yields is set;
+    on exit, checks that the test set it (the loop turned meanwhile), not the thread's timeout."""
+    held, let_go = threading.Event(), threading.Event()
+    by_test = []
+
+    def step() -> None:
+        with rt.engine.lock:
+            held.set()
+            by_test.append(let_go.wait(30))
+
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    try:
+        assert held.wait(30)
+        yield let_go
+        stepper.join(30)
+        assert by_test == [True]
+    finally:
+        let_go.set()
+        stepper.join(30)
+
+
 def test_a_registration_waits_for_the_step_off_the_event_loop(tiny_model: str, redis_server) -> None:
     """While a step holds the engine's lock, a new request's registration waits for it on a thread:
     the decode worker's event loop (which streams every other request's tokens) runs meanwhile."""
     drt = runtime(tiny_model, redis_server.url, unique_namespace(), "decode-0", "decode")
     service = DecodeService(drt)
-    held, let_go = threading.Event(), threading.Event()
-    by_test = []
 
-    def step() -> None:
-        with drt.engine.lock:
-            held.set()
-            by_test.append(let_go.wait(30))
-
-    async def run() -> list[int]:
+    async def run(let_go: threading.Event) -> list[int]:
         spec = RequestSpec("r", tuple(range(1, 20)), SamplingParams(max_tokens=3, ignore_eos=True))
         gen = service.generate(spec, None)
         first = asyncio.ensure_future(anext(gen))
@@ -426,16 +443,12 @@ def test_a_registration_waits_for_the_step_off_the_event_loop(tiny_model: str, r
         events = [await first] + [ev async for ev in gen]
         return [t for ev in events for t in ev.token_ids]
 
-    stepper = threading.Thread(target=step)
-    stepper.start()
     try:
-        assert held.wait(30)
-        tokens = asyncio.run(run())
-        stepper.join(30)
-        assert by_test == [True] and len(tokens) == 3  # let go by the loop's own turns, not the timeout
+        with a_step_holding_the_lock(drt) as let_go:
+            tokens = asyncio.run(run(let_go))
+        assert len(tokens) == 3
         assert wait_until(lambda: drt.pool_state()["requests"] == 0)
     finally:
-        let_go.set()
         service.close()
         drt.close()
 
@@ -445,15 +458,8 @@ def test_a_prefill_registration_waits_for_the_step_off_the_event_loop(tiny_model
     lease releases) meanwhile; a prefill cancelled while its registration waits still ends it."""
     prt = runtime(tiny_model, redis_server.url, unique_namespace(), "prefill-0", "prefill")
     service = PrefillService(prt)
-    held, let_go = threading.Event(), threading.Event()
-    by_test = []
 
-    def step() -> None:
-        with prt.engine.lock:
-            held.set()
-            by_test.append(let_go.wait(30))
-
-    async def run() -> PrefillResult:
+    async def run(let_go: threading.Event) -> PrefillResult:
         spec = RequestSpec("r", tuple(range(1, 20)), SamplingParams(max_tokens=3, ignore_eos=True))
         first = asyncio.ensure_future(service.prefill(spec))
         gone = asyncio.ensure_future(service.prefill(RequestSpec("gone", tuple(range(1, 30)), SamplingParams())))
@@ -465,18 +471,13 @@ def test_a_prefill_registration_waits_for_the_step_off_the_event_loop(tiny_model
             await gone
         return await first
 
-    stepper = threading.Thread(target=step)
-    stepper.start()
     try:
-        assert held.wait(30)
-        result = asyncio.run(run())
-        stepper.join(30)
-        assert by_test == [True] and result.lease_id  # let go by the loop's own turns, not the timeout
-        assert prt.source.release(result.lease_id)
+        with a_step_holding_the_lock(prt) as let_go:
+            result = asyncio.run(run(let_go))
+        assert result.lease_id and prt.source.release(result.lease_id)
         assert wait_until(lambda: prt.pool_state()["requests"] == prt.pool_state()["registered"] == 0)
         assert prt.pool_state()["free_blocks"] == prt.pool_state()["num_blocks"]
     finally:
-        let_go.set()
         service.close()
         prt.close()
 
