@@ -51,10 +51,11 @@ class CallThreads:
     """The service's executors a call hands work to; their queued work is never cancelled.
 
     ``pulls`` runs pulls, at most ``holders.per_holder`` of one prefill worker's at once (a hung
-    one cannot take them all: ``decode_worker/holder_slots.py``), ``registers`` registrations and ``ender`` aborts (one thread each: each
-    waits for the engine's lock, which a step holds; never on the event loop that streams the other
-    requests' tokens), and ``releases`` lease releases, apart from the aborts: a release to a hung
-    prefill worker waits for its deadline, and must not hold up the end of other requests.
+    one cannot take them all: ``decode_worker/holder_slots.py``), ``registers`` registrations and
+    ``ender`` aborts (one thread each: each waits for the engine's lock, which a step holds; never
+    on the event loop that streams the other requests' tokens), and ``releases`` lease releases,
+    apart from the aborts: a release to a hung prefill worker waits for its deadline, and must not
+    hold up the end of other requests.
     """
 
     pulls: Executor

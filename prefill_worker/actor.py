@@ -6,8 +6,8 @@ import asyncio
 
 from prometheus_client.metrics_core import Metric
 
-from pdserve.prefill_worker.service import PrefillService
 from pdserve.logs import configure_text_logging
+from pdserve.prefill_worker.service import PrefillService
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.messages import PrefillResult, RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
