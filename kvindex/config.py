@@ -8,11 +8,12 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 import xxhash
 from redis.backoff import NoBackoff
+from redis.connection import parse_url
 from redis.retry import Retry
 
 from pdserve import envs
@@ -32,12 +33,20 @@ def tenant_digest(cache_salt: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password (if any) replaced by ``***``."""
+    """``url`` with its passwords replaced by ``***``: the one in ``user:password@`` and the
+    values of ``password`` query parameters (redis-py takes both; ``unix://`` URLs need the latter)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    if parts.password is not None:  # the first ":pw@" is the netloc's: the scheme comes before it
+        url = url.replace(f":{parts.password}@", ":***@", 1)
+    if parts.query:
+        query = "&".join(_redact_param(p) for p in parts.query.split("&"))
+        url = url.replace(f"?{parts.query}", f"?{query}", 1)
+    return url
+
+
+def _redact_param(param: str) -> str:
+    name, sep, _ = param.partition("=")
+    return f"{name}=***" if sep and unquote(name).lower() == "password" else param
 
 
 @dataclass(frozen=True, repr=False)
@@ -66,10 +75,19 @@ class IndexConfig:
     # Windowed counters (``pdserve stats --window``): per-bucket hashes, kept this long.
     stats_bucket_s: int = 10
     stats_retention_s: int = 3600
+    # A tenant's counters (``{ns}:stats:tenant:<digest>``) expire this long after their last write,
+    # so tenants that come and go (a client may send a new cache_salt with every request) do not
+    # fill Redis; a tenant that keeps sending keeps its counters.
+    stats_tenant_ttl_s: int = 7 * 86400
 
     def __post_init__(self) -> None:
-        if self.url is not None and urlsplit(self.url).scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://, got {self.redacted_url!r}")
+        if self.url is not None:
+            if urlsplit(self.url).scheme not in ("redis", "rediss", "unix"):
+                raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://, got {self.redacted_url!r}")
+            try:
+                parse_url(self.url)  # what from_url will do: a bad port or db is refused here, not in a worker
+            except ValueError as exc:
+                raise ValueError(f"bad Redis URL {self.redacted_url!r}: {exc}") from None
         if not _NAMESPACE_RE.match(self.namespace):
             raise ValueError(f"namespace must match {_NAMESPACE_RE.pattern}, got {self.namespace!r}")
         for name in ("events_maxlen", "batch_max", "max_queue"):
@@ -78,6 +96,8 @@ class IndexConfig:
         for name in ("socket_timeout_s", "lookup_timeout_s", "restart_check_s", "retry_initial_s", "retry_max_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.stats_tenant_ttl_s < 1:
+            raise ValueError(f"stats_tenant_ttl_s must be >= 1, got {self.stats_tenant_ttl_s}")
         if self.stats_bucket_s < 1 or self.stats_retention_s < self.stats_bucket_s:
             raise ValueError("stats_bucket_s must be >= 1 and stats_retention_s >= stats_bucket_s, got "
                              f"{self.stats_bucket_s} and {self.stats_retention_s}")  # fmt: skip

@@ -255,14 +255,18 @@ class EmbeddedRedis:
         workdir = make_owned_dir(_DIR_PREFIX)  # and the directories of killed owners go
         log_path = os.path.join(workdir, _LOG_NAME)
         # Output goes to a file, not a pipe: a full pipe nobody reads would stall the server.
-        with open(log_path, "wb") as log:
-            # Its own session: the terminal's SIGINT goes to the foreground process group, and
-            # `pdserve up` drains (its workers still writing to Redis) before it stops the server.
-            # Out of the owner's process group, it must still end with its owner, even a killed one.
-            proc = subprocess.Popen(
-                self._command(workdir), cwd=workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_die_with_parent(),
-            )
+        try:
+            with open(log_path, "wb") as log:
+                # Its own session: the terminal's SIGINT goes to the foreground process group, and
+                # `pdserve up` drains (its workers still writing to Redis) before it stops the server.
+                # Out of the owner's process group, it must still end with its owner, even a killed one.
+                proc = subprocess.Popen(
+                    self._command(workdir), cwd=workdir, stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent(),
+                )
+        except BaseException:  # no server: its directory (the config holds the password) goes now
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
         self._proc, self._workdir = proc, workdir
         self._finalizer = weakref.finalize(self, _terminate, proc, workdir)
         deadline = time.monotonic() + self.startup_timeout_s

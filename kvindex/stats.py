@@ -36,12 +36,19 @@ def hit_rate(counters: Mapping[str, int]) -> float:
     return counters.get("prefix_hit_tokens", 0) / prompt if prompt else 0.0
 
 
+# Counters (key, field) an outage keeps for the resync, at most (about 200 bytes each).
+MAX_LOST_COUNTERS = 20_000
+
+
 class StatsRecorder(BackgroundWriter):
     """HINCRBY the ``STATS_FIELDS`` counters on the cluster, worker and tenant hashes.
 
     ``record`` never blocks on I/O and never raises on Redis trouble (unknown counter names do raise:
     that is a bug). A batch's increments are summed and written in one MULTI/EXEC; increments that
-    could not be written are kept and written when Redis returns, so totals survive an outage.
+    could not be written are kept and written when Redis returns, so totals survive an outage
+    (the cluster's and the workers' whole; tenants' and time buckets' within ``MAX_LOST_COUNTERS``).
+    A tenant's hash expires ``stats_tenant_ttl_s`` after its last write, a time bucket's
+    ``stats_retention_s`` after.
     A batch is never retried at once (its client has no retries) and waits up to 5 s for Redis
     (off the serving path), but a batch whose EXEC ran and whose reply was then lost (the
     connection dropped, or no answer within 5 s) is written again by the resync and counted
@@ -57,6 +64,7 @@ class StatsRecorder(BackgroundWriter):
         self.worker_id = worker_id
         self._clock = clock
         self._lost: Counter[tuple[str, str]] = Counter()
+        self.unsaved = 0  # increments of tenants and time buckets an outage lost (MAX_LOST_COUNTERS)
         super().__init__(config, f"stats[{worker_id or 'cluster'}]")
 
     def record(self, counters: Mapping[str, int], cache_salt: str | None = None,
@@ -92,16 +100,32 @@ class StatsRecorder(BackgroundWriter):
         self._queue_increments(pipe, total)
 
     def _queue_increments(self, pipe: redis.client.Pipeline, total: Counter[tuple[str, str]]) -> None:
-        window_prefix = self.config.stats_window_key(0)[:-1]
+        cfg = self.config
+        window_prefix, tenant_prefix = cfg.stats_window_key(0)[:-1], cfg.stats_key_prefix("tenant")
         for (key, name), n in total.items():
             pipe.hincrby(key, name, n)
-        for key in {key for key, _ in total if key.startswith(window_prefix)}:
-            # Every write sets it again: a bucket written late (after an outage) expires too.
-            pipe.expire(key, self.config.stats_retention_s + self.config.stats_bucket_s)
+        # Every write sets their expiry again: a bucket written late (after an outage) expires too,
+        # and a tenant's counters last while it keeps sending.
+        for key in {key for key, _ in total}:
+            if key.startswith(window_prefix):
+                pipe.expire(key, cfg.stats_retention_s + cfg.stats_bucket_s)
+            elif key.startswith(tenant_prefix):
+                pipe.expire(key, cfg.stats_tenant_ttl_s)
 
     def _dropped(self, batch: list) -> None:
+        # Kept for the resync, within MAX_LOST_COUNTERS: the cluster's and workers' counters always
+        # (a few dozen), a tenant's or a time bucket's only while there is room. A long outage under
+        # many tenants (a client may send a new cache_salt with every request) would otherwise grow
+        # this without bound; what does not fit is counted in ``unsaved`` and lost.
+        tenant_prefix, window_prefix = self.config.stats_key_prefix("tenant"), self.config.stats_window_key(0)[:-1]
+        lost = self._lost
         for incr in batch:
-            self._lost.update(incr)
+            for (key, name), n in incr.items():
+                room = len(lost) < MAX_LOST_COUNTERS or (key, name) in lost
+                if room or not key.startswith((tenant_prefix, window_prefix)):
+                    lost[key, name] += n
+                else:
+                    self.unsaved += n
 
     def _resync(self, client: redis.Redis) -> None:
         with self._cv:

@@ -115,6 +115,8 @@ class BackgroundWriter:
                     pipe = self._client.pipeline(transaction=False)
                     self._write(pipe, batch)
                     pipe.execute()
+                if self._outage.down:
+                    self._answers()  # a resync with nothing to write sent nothing: ask before saying so
                 self._outage.ok()
                 delay = self.config.retry_initial_s
                 self._finish(len(batch))
@@ -134,6 +136,13 @@ class BackgroundWriter:
                 self._finish(len(batch) + len(rest))
                 self._stop.wait(delay)
                 delay = min(delay * 2, self.config.retry_max_s)
+
+    def _answers(self) -> None:
+        """One round trip (PING); raises when Redis does not answer. A refusal is an answer."""
+        try:
+            self._client.ping()
+        except redis.ResponseError:  # e.g. an ACL without PING: the server is there all the same
+            pass
 
     def _server_restarted(self) -> bool:
         """True when Redis answers with another ``run_id`` than last time (it restarted).

@@ -21,11 +21,12 @@ import xxhash
 
 from pdserve.engine.kvcache import BlockPool, block_hashes
 from pdserve.engine.kvcache.events import BlockStored
-from pdserve.kvindex.config import IndexConfig, tenant_digest
+from pdserve.kvindex.config import IndexConfig, redact_url, tenant_digest
 from pdserve.kvindex.embedded import EmbeddedRedis, sweep_stale_workdirs
 from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.publisher import KVEventPublisher, remove_worker_blocks
 from pdserve.kvindex.registry import WorkerRegistry
+from pdserve.kvindex import stats as stats_module
 from pdserve.kvindex.stats import STATS_FIELDS, StatsRecorder, read_stats, read_window
 from tests.support import REPO
 from tests.support.polling import process_gone, wait_until
@@ -305,6 +306,9 @@ def test_stats_add_up_across_workers_and_tenants(cfg: IndexConfig, client: redis
     assert client.exists(f"{ns}:stats:tenant:{ta}") and not list(client.scan_iter(f"{ns}:*tenant-a*"))
     assert stats["tenants"][ta]["prefix_hit_tokens"] == 95 and stats["tenants"][tb]["prompt_tokens"] == 10
     assert stats["tenants"][ta]["transfer_failures"] == 1
+    # Tenants' counters expire a while after their last write; the cluster's and workers' never.
+    assert 0 < client.ttl(f"{ns}:stats:tenant:{ta}") <= cfg.stats_tenant_ttl_s
+    assert client.ttl(f"{ns}:stats") == client.ttl(f"{ns}:stats:worker:prefill-0") == -1
     for kind in ("workers", "tenants"):
         assert sum(d["prompt_tokens"] for d in stats[kind].values()) == stats["cluster"]["prompt_tokens"]
     a.close()
@@ -448,6 +452,44 @@ def test_outage_never_blocks_callers_and_index_is_republished(caplog: pytest.Log
         c.close()
 
 
+def test_an_outage_under_many_tenants_keeps_the_totals_in_bounded_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Increments lost to an outage are kept for the resync: the cluster's and the worker's whole,
+    tenants' only up to the bound (a client may send a new cache_salt with every request)."""
+    monkeypatch.setattr(stats_module, "MAX_LOST_COUNTERS", 40)
+    with running_redis() as server:
+        cfg = IndexConfig(server.url, namespace="pdserve", **FAST)
+        stats = StatsRecorder(cfg, "p0")
+        server.stop()
+        for i in range(200):
+            stats.record({"requests": 1, "prompt_tokens": 10}, cache_salt=f"tenant-{i}")
+        assert wait_until(lambda: stats.outages == 1 and stats.unsaved > 0)
+        server.restart()
+        assert stats.flush(10)
+        c = redis.Redis.from_url(server.url, decode_responses=True)
+        totals = read_stats(c, cfg)
+        assert totals["cluster"]["requests"] == 200 and totals["workers"]["p0"]["prompt_tokens"] == 2000
+        assert 0 < len(totals["tenants"]) <= 40  # the rest was counted as unsaved, not kept
+        stats.close()
+        c.close()
+
+
+def test_an_idle_writer_counts_one_outage_while_redis_stays_down(caplog: pytest.LogCaptureFixture) -> None:
+    """A writer with nothing to write notices the outage by its restart check; with nothing to
+    resync either, it must not call Redis reachable again (and count a new outage at the next
+    check) without an answer from it."""
+    caplog.set_level(logging.INFO, logger="pdserve.kvindex")
+    with running_redis() as server:
+        stats = StatsRecorder(IndexConfig(server.url, namespace="pdserve", restart_check_s=0.1, **FAST), "p0")
+        server.stop()
+        assert wait_until(lambda: stats.failed_attempts >= 4, timeout=30)
+        assert stats.outages == 1
+        assert not any("reachable again" in r.getMessage() for r in caplog.records)
+        server.restart()
+        assert wait_until(lambda: any("reachable again" in r.getMessage() for r in caplog.records), timeout=30)
+        assert stats.outages == 1
+        stats.close()
+
+
 def test_quiet_restart_is_noticed_and_index_republished() -> None:
     """Redis restarts (empty) while the worker writes nothing: no write ever fails, yet the
     holder fields come back within restart_check_s, and the router's lookup finds them again."""
@@ -559,10 +601,26 @@ def test_config_validation_and_tls_url() -> None:
                    {"url": "redis://x", "retry_initial_s": 5.0}):  # fmt: skip
         with pytest.raises(ValueError):
             IndexConfig(**kwargs)
+    with pytest.raises(ValueError, match=r"bad Redis URL 'redis://u:\*\*\*@h:notaport/0'"):
+        IndexConfig("redis://u:hunter2@h:notaport/0")  # refused where it is given, the password hidden
+    # Every password redis-py would read is redacted: in the netloc and in a query parameter.
+    for url, shown in (("redis://u:p%40ss@h:1/0", "redis://u:***@h:1/0"),
+                       ("redis://h:1/0?password=topsecret&db=2", "redis://h:1/0?password=***&db=2"),
+                       ("unix:///run/r.sock?db=1&Password=s3", "unix:///run/r.sock?db=1&Password=***"),
+                       ("redis://h:1/0", "redis://h:1/0")):  # fmt: skip
+        assert redact_url(url) == shown and shown in repr(IndexConfig(url))
     cfg = IndexConfig("rediss://:pw@cache.example:6380/0")
     assert cfg.client().connection_pool.connection_class is redis.SSLConnection
     with pytest.raises(Exception):  # noqa: B017 - frozen
         cfg.namespace = "x"  # type: ignore[misc]
+
+
+def test_an_embedded_redis_that_cannot_start_leaves_no_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its directory holds the config, and the config the password: a failed start removes it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(FileNotFoundError):
+        EmbeddedRedis(binary=str(tmp_path / "no-such-redis-server")).start()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_embedded_redis_ends_with_its_owner_even_a_killed_one(
