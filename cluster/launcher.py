@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import ray
+import redis
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster.config import ServiceConfig
@@ -27,7 +28,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.model.checkpoint import check_model
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.parallel.shard import check_tensor_parallel
-from pdserve.kvindex.config import IndexConfig, redact_url
+from pdserve.kvindex.config import REDIS_ERRORS, IndexConfig, redact_url
 from pdserve.kvindex.embedded import EmbeddedRedis
 from pdserve.logs import configure_text_logging
 from pdserve.procstat import child_pids
@@ -256,6 +257,25 @@ class Service:
         """The index config of every process: the service's, with the Redis URL settled at start."""
         return replace(self.config.index, url=self.redis_url)
 
+    def _check_redis(self) -> None:
+        """A Redis that refuses the URL's credentials never will: ValueError, before anything starts.
+        One that does not answer may come back: serving starts without the index (a warning)."""
+        index = self.index_config()
+        client = index.client(retries=0, timeout_s=5.0)
+        try:
+            client.ping()
+        except redis.AuthenticationError as e:  # also redis-py's AuthenticationWrongNumberOfArgsError
+            raise ValueError(f"redis at {index.redacted_url} refused the credentials: {e}") from None
+        except redis.ResponseError as e:
+            if "NOAUTH" in str(e) or "WRONGPASS" in str(e) or "HELLO" in str(e):
+                raise ValueError(f"redis at {index.redacted_url} refused the credentials: {e}") from None
+            # Any other refusal (an ACL without PING) is an answer: the server is there.
+        except REDIS_ERRORS as e:
+            self.progress(f"warning: redis at {index.redacted_url} does not answer ({e}); serving starts "
+                          "without the index and uses it once it answers")  # fmt: skip
+        finally:
+            client.close()
+
     def start(self) -> tuple[str, str]:
         """Start everything; returns (router address, redis url). Stops what it started on failure."""
         try:
@@ -289,6 +309,8 @@ class Service:
             self.redis = EmbeddedRedis().start()
             self.redis_url = self.redis.url
             self.progress(f"started embedded redis-server at {redact_url(self.redis_url)}")
+        else:
+            self._check_redis()
         workers = c.prefill + c.decode
         if not ray.is_initialized():
             # Every process of this job logs at the chosen level, in text or JSON, and its lines

@@ -254,6 +254,21 @@ def test_bad_config_and_paths_are_messages_not_tracebacks(tmp_path: Path) -> Non
         assert needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
 
 
+def test_a_redis_url_that_cannot_work_stops_up_in_one_line(redis_server: EmbeddedRedis, model_dir: str) -> None:
+    """Credentials the server refuses, or a URL that does not parse, end `up` before anything starts,
+    in one line that hides the password: not 'ready' with an index that never works."""
+    port = redis_server.url.rsplit(":", 1)[1].split("/")[0]
+    cases = [
+        (f"redis://pdserve:wrong-secret@127.0.0.1:{port}/0", "refused the credentials"),
+        (f"redis://127.0.0.1:{port}/0", "refused the credentials"),  # no password at all
+        ("redis://pdserve:wrong-secret@127.0.0.1:notaport/0", "bad Redis URL"),
+    ]
+    for url, needle in cases:
+        r = pdserve("up", "--model", model_dir, "--redis-url", url)
+        assert r.returncode == 2, (url, r.stderr)
+        assert needle in r.stderr and "Traceback" not in r.stderr and "wrong-secret" not in r.stderr, (url, r.stderr)
+
+
 def test_bench_help_lists_the_benchmarks() -> None:
     r = pdserve("bench", "--help")
     assert r.returncode == 0, r.stderr
