@@ -34,8 +34,22 @@ RAY_CONTEXT_FIELDS = frozenset({"job_id", "worker_id", "node_id", "actor_id", "a
 _STANDARD_FIELDS = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
+# Control characters (and Unicode's line separators) as escapes: a value a client chose (a path, a
+# header) must not end a line and forge the next one, nor drive the reader's terminal.
+_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)]}
+_ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t", 0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\\n``, ``\\x1b``): one line."""
+    return text.translate(_ESCAPES)
+
+
 class CompactFormatter(logging.Formatter):
-    """``TEXT_FORMAT``, then the record's ``extra=`` fields as ``key=value`` (Ray's ids left out)."""
+    """``TEXT_FORMAT``, then the record's ``extra=`` fields as ``key=value`` (Ray's ids left out).
+
+    A record is one line: control characters of its message and fields are escaped
+    (``escape_controls``); only a traceback, which logging appends after, spans lines."""
 
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT)
@@ -44,7 +58,7 @@ class CompactFormatter(logging.Formatter):
         line = super().formatMessage(record)
         extras = [f"{k}={v}" for k, v in record.__dict__.items()
                   if k not in _STANDARD_FIELDS and k not in RAY_CONTEXT_FIELDS and not k.startswith("_")]  # fmt: skip
-        return f"{line} {' '.join(extras)}" if extras else line
+        return escape_controls(f"{line} {' '.join(extras)}" if extras else line)
 
 
 class _PdserveHandler(logging.StreamHandler):

@@ -91,13 +91,19 @@ class EdgeState:
         return [conns, held, refused]
 
 
+MAX_LOGGED_PATH = 256
+
+
 def log_rejected(state: EdgeState, http_status: int, t0: float, method: str = "-", path: str = "-",
                  tenant: str = "-") -> None:  # fmt: skip
     """One access-log line for a request the edge refused before the router core saw it: the
     core's fields (unknown ones None), ``status`` ``rejected:<reason>`` (``error`` for a 500),
-    and the HTTP status, method and path. Never the body."""
+    and the HTTP status, method and path (cut at ``MAX_LOGGED_PATH`` characters: the client chose
+    it, as it chose any control characters in it, which the log's formatter escapes). Never the body."""
     if not (state.access_log and access_log.isEnabledFor(logging.INFO)):
         return
+    if len(path) > MAX_LOGGED_PATH:
+        path = path[:MAX_LOGGED_PATH] + "..."
     reason = _REASONS.get(http_status, str(http_status))
     status = "error" if http_status >= 500 and http_status != 503 else f"rejected:{reason}"
     request_id = uuid.uuid4().hex

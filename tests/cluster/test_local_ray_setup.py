@@ -91,6 +91,33 @@ def test_text_log_lines_are_compact() -> None:
     assert len(line) < 100 and not any(k in line for k in ray_ids)
 
 
+def test_a_value_a_client_chose_cannot_forge_a_log_line() -> None:
+    """A path or header with a newline, a carriage return or a terminal escape stays on its own
+    record's line, escaped (as uvicorn decodes ``%0A`` in a path into a newline); only a
+    traceback, which logging appends after the line, spans more."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logs.CompactFormatter())
+    logger = logging.getLogger("pdserve.test-forge")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    forged = "/v1/x\n2026-12-01 16:32:05,682 INFO pdserve.access: request deadbeef stop\r\x1b[2J\u2028"
+    try:
+        logger.info("request %s (HTTP 401 GET %s)", "r1", forged, extra={"path": forged})
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            logger.exception("failed at %s", forged)
+    finally:
+        logger.removeHandler(handler)
+    first, second, *traceback = out.getvalue().rstrip("\n").split("\n")
+    assert first.count("pdserve.access") == 2 and "\\n2026-12-01" in first and "\\x1b[2J" in first
+    assert "\x1b" not in first and "\r" not in first and "\u2028" not in first
+    assert second.startswith(first[:4]) and "failed at /v1/x\\n" in second
+    assert traceback[0] == "Traceback (most recent call last):" and traceback[-1] == "RuntimeError: boom"
+
+
 def test_the_compact_handler_is_installed_once_and_its_level_passed_on() -> None:
     """``configure_text_logging`` (what each actor runs first, with the service's level) installs one
     handler however often it runs; ``text_log_level`` reads back the level an actor passes on to the
