@@ -70,19 +70,18 @@ class PrefillService:
         try:
             registering = self._engine_calls.submit(rt.loop.submit, req, on_output)
             await wait_to_end(registering)  # an id in use raises here: the other request is not ours to end
-            result = await self._result(spec, done)
-            leased = result.lease_id is not None
-            return result
+            out = await done
+            lease_id = rt.source.lease(out.kv_handoff) if out.kv_handoff is not None else None
+            leased = lease_id is not None  # from here the lease owns the KV, whatever follows
+            return self._result(spec, out, lease_id)
         finally:
             self.drops.end(spec.request_id, on_drop)
             if registering is not None and not leased:
                 await self._end(spec.request_id, registering)
 
-    async def _result(self, spec: RequestSpec, done: asyncio.Future[RequestOutput]) -> PrefillResult:
-        """Wait for the submitted request's first token and hold its KV under a lease."""
+    def _result(self, spec: RequestSpec, out: RequestOutput, lease_id: str | None) -> PrefillResult:
+        """The first token's answer (counted in the stats), its KV under ``lease_id`` if any."""
         rt = self.rt
-        out = await done
-        lease_id = rt.source.lease(out.kv_handoff) if out.kv_handoff is not None else None
         rt.stats.record({"prefill_computed_tokens": out.num_prompt_tokens - out.num_cached_tokens}, spec.cache_salt)
         return PrefillResult(
             spec.request_id,
