@@ -54,6 +54,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.router:
         print("pdserve: error: --api-key goes with --router (an offline --model run needs none)", file=sys.stderr)
         return 2
+    tls_flags = [f"--{n.replace('_', '-')}" for n in ("tls_ca", "tls_cert", "tls_key", "tls_server_name")
+                 if getattr(args, n) is not None]  # fmt: skip
+    if tls_flags and not args.router:
+        verb = "goes" if len(tls_flags) == 1 else "go"
+        print(f"pdserve: error: {' '.join(tls_flags)} {verb} with --router (an offline --model run has no "
+              "connection)", file=sys.stderr)  # fmt: skip
+        return 2
+    if tls_flags and not (args.tls_ca or args.tls_cert):  # else the call would go out in plaintext
+        print(f"pdserve: error: {' '.join(tls_flags)} without --tls-ca or --tls-cert: TLS needs a CA to verify the "
+              "router with (or a client certificate)", file=sys.stderr)  # fmt: skip
+        return 2
     if args.router and (args.revision is not None or args.download_dir is not None):
         print("pdserve: error: --revision and --download-dir go with --model (the router has its model)",
               file=sys.stderr)  # fmt: skip

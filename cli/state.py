@@ -34,11 +34,27 @@ def write_state(state: dict[str, object]) -> Path:
 
 
 def read_state() -> dict | None:
-    """The state of the ``up`` on this machine, or None when there is none (or it is unreadable)."""
+    """The state of the ``up`` running on this machine, or None when there is none: no file, an
+    unreadable one, or one whose ``up`` is gone (killed before it could remove it)."""
     try:
-        return json.loads(state_file().read_text())
+        state = json.loads(state_file().read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(state, dict) or not _alive(state.get("pid")):
+        return None
+    return state
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, if not ours
+        return True
+    return True
 
 
 def remove_state(pid: int) -> None:

@@ -128,18 +128,27 @@ def run_up(args: argparse.Namespace) -> int:
     from pdserve.cluster.launcher import Service
 
     stop = threading.Event()
+    phase = ["starting"]  # starting -> serving -> stopping
+    interrupted = threading.Event()  # a signal gave up the start or the drain: no further one counts
     service = Service(config)
 
     def on_signal(*_: object) -> None:
-        if stop.is_set():  # the second signal: no more draining
+        # Starting: give the start up (it stops what it started). Serving: the first signal drains,
+        # the second skips the drain. After that (and while stopping) the stop runs to its end: it
+        # removes the state file, and what it stops would be left running.
+        if phase[0] == "stopping" or interrupted.is_set():
+            return
+        if phase[0] == "starting" or stop.is_set():
+            interrupted.set()
             raise KeyboardInterrupt
         stop.set()
 
+    # Before the start, and again by the launcher after ray.init, which installs a handler of its own.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     try:
         address, redis_url = service.start()
-        # After start: ray.init installs its own SIGTERM handler, which would skip the clean stop.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, on_signal)
+        phase[0] = "serving"
         print(f"router listening on {address}", flush=True)
         if service.http_address is not None:
             print(f"http listening on {service.http_address}", flush=True)
@@ -160,6 +169,9 @@ def run_up(args: argparse.Namespace) -> int:
         cut = service.drain()
         print(f"stopping{f' ({cut} requests cut off)' if cut else ''}...", flush=True)
     finally:
-        service.stop()
-        remove_state(os.getpid())
+        phase[0] = "stopping"
+        try:
+            service.stop()
+        finally:
+            remove_state(os.getpid())
     return 0

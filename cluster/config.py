@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -80,6 +81,10 @@ class ServiceConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        ports = [p for p in (self.port, self.http_port, self.metrics_port) if p]  # 0: any free port
+        if len(set(ports)) < len(ports):
+            raise ValueError(f"port, http_port and metrics_port must differ, got {self.port}, {self.http_port} "
+                             f"and {self.metrics_port}")  # fmt: skip
         if not self.host or any(c.isspace() for c in self.host):
             raise ValueError(f"host must be an address to bind (127.0.0.1, 0.0.0.0, a name), got {self.host!r}")
         name = self.router.served_model_name
@@ -91,17 +96,20 @@ class ServiceConfig:
             value = getattr(self, name)
             if value is not None and not 1 <= value <= 64:
                 raise ValueError(f"{name} must be in [1, 64], got {value}")
-        if self.gpus_per_worker < 0 or self.cpus_per_worker < 0:
-            raise ValueError("gpus_per_worker and cpus_per_worker must be >= 0")
+        for name in ("gpus_per_worker", "cpus_per_worker"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not 0 <= self.core_reclaim_wait_s <= 10:
             raise ValueError(f"core_reclaim_wait_s must be in [0, 10] seconds, got {self.core_reclaim_wait_s}")
         for name in ("prefill_cpus_per_worker", "decode_cpus_per_worker"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         for name in ("prefill_resources", "decode_resources"):
             for res, amount in getattr(self, name).items():
-                if not res or res in ("CPU", "GPU", "memory", "object_store_memory") or not amount > 0:
+                if not res or res in ("CPU", "GPU", "memory", "object_store_memory") or not amount > 0 \
+                        or not math.isfinite(amount):
                     raise ValueError(f"{name}: {res!r}: {amount!r}: a custom resource name (CPUs and GPUs "
                                      "have fields of their own) and an amount > 0")  # fmt: skip
 

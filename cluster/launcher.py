@@ -9,8 +9,10 @@ import os
 import re
 import secrets
 import signal
+import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -106,6 +108,20 @@ def _ray_on_loopback() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = before
 
 
+@contextmanager
+def _own_signal_handlers() -> Iterator[None]:
+    """This process's SIGINT and SIGTERM handlers, put back after ``ray.init`` replaced them
+    (Ray's own ends the process at once: ``pdserve up`` would not stop what it started)."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
+
+
 def _is_loopback(address: str) -> bool:
     """Whether a Ray address (``HOST:PORT``) names this machine's loopback."""
     host = address.rsplit(":", 1)[0].strip("[]")
@@ -124,8 +140,21 @@ def join_ray(address: str, log_options: dict) -> None:
     loopback (the one ``pdserve up`` starts without ``--ray-address``) does not listen there, and the
     connection would wait forever. So a loopback address is joined under ``_ray_on_loopback``.
     """
-    with _ray_on_loopback() if _is_loopback(address) else contextlib.nullcontext():
+    _check_reachable(address)
+    with _ray_on_loopback() if _is_loopback(address) else contextlib.nullcontext(), _own_signal_handlers():
         ray.init(address=address, **log_options)
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A ``HOST:PORT`` Ray address whose port takes no connection is refused (ValueError) here:
+    ``ray.init`` would retry it for minutes. Other forms (``auto``, ``ray://``) are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in address:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"no Ray at {address}: {e or type(e).__name__} (is `ray start --head` running there?)") from None
 
 
 def _init_local_ray(cpus: int, log_options: dict, progress: Callable[[str], None]) -> None:
@@ -141,7 +170,7 @@ def _init_local_ray(cpus: int, log_options: dict, progress: Callable[[str], None
     for attempt in (1, 2):
         before = child_pids(os.getpid())
         try:
-            with _ray_on_loopback():
+            with _ray_on_loopback(), _own_signal_handlers():
                 ray.init(num_cpus=cpus, include_dashboard=False, **log_options)
             return
         except Exception as e:

@@ -8,6 +8,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from pdserve.kvindex.stats import StatsRecorder
 from tests.support import REPO
 from tests.support.redis import unique_namespace
 from tests.support.service import shared_ray
+from tests.support.polling import wait_until
 from tests.support.sockets import descendants, listeners
 
 
@@ -83,6 +85,13 @@ def test_generate_offline_json_matches_engine(model_dir: str) -> None:
         (["generate", "--model", "MODEL", "--prompt", "hi", "--top-p", "2"], "top_p"),
         (["generate", "--model", "MODEL", "--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
         (["stats", "--redis-url", "redis://127.0.0.1:1/0"], "cannot read stats"),
+        # TLS flags that would be ignored (the call going out in plaintext) are refused.
+        (["generate", "--router", "127.0.0.1:1", "--tls-key", "k.pem", "--prompt", "hi"], "without --tls-ca"),
+        (["generate", "--model", "MODEL", "--tls-ca", "ca.pem", "--prompt", "hi"], "--tls-ca goes with --router"),
+        # Values no service can run with, refused before anything starts.
+        (["up", "--prefill-cpus", "inf"], "must be a finite number > 0, got inf"),
+        (["up", "--port", "47301", "--http-port", "47301"], "must differ"),
+        (["up", "--ray-address", "127.0.0.1:1", "--model", "MODEL"], "no Ray at 127.0.0.1:1"),
     ],
 )
 def test_errors_are_messages_with_nonzero_exit(model_dir: str, args: list[str], needle: str) -> None:
@@ -216,6 +225,66 @@ def test_up_prints_ready_lines_serves_and_drains_on_sigterm(model_dir: str, tmp_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_sigterm_while_up_starts_stops_what_it_started(model_dir: str, tmp_path: Path) -> None:
+    """A service manager stopping `up` while its workers load: the start is given up and everything
+    it started stops (Ray, redis-server and its directory, the workers), exit 130; not Ray's own
+    handler ending the process on the spot (a C++ stack dump, exit 134, everything left behind)."""
+    env = dict(os.environ, PDSERVE_STATE_DIR=str(tmp_path / "state"))
+    log = tmp_path / "stderr.log"
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli.main", "up", "--model", model_dir, "--port", "0",
+                             "--http-port", "off"], stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=REPO,
+                            env=env)  # fmt: skip
+    try:
+        assert wait_until(lambda: "ray: local cluster" in log.read_text() or proc.poll() is not None, timeout=120)
+        started = descendants(proc.pid)
+        assert len(started) > 3, log.read_text()  # Ray's processes, redis-server
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
+        assert "SIGTERM received" not in log.read_text()
+        assert wait_until(lambda: not any(Path(f"/proc/{p}").exists() and "Z" not in _proc_state(p)
+                                          for p in started - {proc.pid}), timeout=60), log.read_text()[-3000:]  # fmt: skip
+        owned = [d for d in Path(tempfile.gettempdir()).glob("pdserve-redis-*")
+                 if (d / "owner").exists() and (d / "owner").read_text().split()[0] == str(proc.pid)]  # fmt: skip
+        assert owned == [] and not (tmp_path / "state" / "up.json").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_second_signal_while_up_stops_skips_the_drain_and_still_cleans_up(model_dir: str, tmp_path: Path) -> None:
+    """The operator presses Ctrl-C twice: the drain is skipped, the stop runs to its end (a third
+    signal cannot cut it short) and the state file, which holds the Redis password, goes."""
+    env = dict(os.environ, PDSERVE_STATE_DIR=str(tmp_path / "state"))
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli.main", "up", "--model", model_dir, "--port", "0",
+                             "--http-port", "off"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            cwd=REPO, env=env)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = iter(proc.stdout.readline, "")
+        assert any(line.startswith("state in ") for line in lines)
+        started = descendants(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        assert any(line.startswith("draining") for line in lines)
+        proc.send_signal(signal.SIGINT)  # no more draining
+        proc.send_signal(signal.SIGINT)  # while it stops: ignored
+        assert proc.wait(timeout=120) == 130
+        assert not (tmp_path / "state" / "up.json").exists()
+        assert wait_until(lambda: not any(Path(f"/proc/{p}").exists() and "Z" not in _proc_state(p)
+                                          for p in started - {proc.pid}), timeout=60)  # fmt: skip
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return "Z"
 
 
 @pytest.mark.slow
