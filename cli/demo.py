@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import signal
 import sys
 import textwrap
 import time
@@ -166,6 +167,10 @@ def conclusions(turns: list[Turn]) -> list[str]:
     return out
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from pdserve.engine.model.hub import resolve_model
 
@@ -173,6 +178,7 @@ def run_demo(args: argparse.Namespace) -> int:
     engine = EngineConfig(model=model)
     # Warnings only: the demo tells its own story (no access log, no workers' start-up lines).
     service = Service(ServiceConfig(port=0, http_port=None, engine=engine, log_level="WARNING"))
+    signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: the service stops (the launcher keeps it past ray.init)
     try:
         address, redis_url = service.start()
         print(f"model: {Path(model).name}; router listening on {address}")
