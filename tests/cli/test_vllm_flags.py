@@ -159,7 +159,7 @@ def test_print_config_shows_the_flags_and_hides_secrets(hub_env: dict[str, str])
         (["--chat-template", "{% if %}"], "Jinja syntax error"),
         (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be a fraction in (0, 1]"),
         (["--model", "org/unknown"], "HF_HUB_OFFLINE"),
-        (["--decode-cpus", "0"], "decode_cpus_per_worker must be > 0"),
+        (["--decode-cpus", "0"], "decode_cpus_per_worker must be a finite number > 0"),
         (["--prefill-cpus", "x"], "--prefill-cpus"),
     ],
 )

@@ -22,7 +22,11 @@ def test_types_are_checked_and_errors_name_the_field(tmp_path: Path) -> None:
         ({"router__load_weight": True}, "router.load_weight must be a number"),
         ({"engine__cache__block_size": 0}, "engine.cache.block_size must be in"),
         ({"transfer__lease_ttl_s": -1}, "transfer.lease_ttl_s must be"),
-        ({"decode_cpus_per_worker": 0}, "decode_cpus_per_worker must be > 0"),
+        ({"decode_cpus_per_worker": 0}, "decode_cpus_per_worker must be a finite number > 0"),
+        ({"cpus_per_worker": float("inf")}, "cpus_per_worker must be a finite number >= 0, got inf"),
+        ({"gpus_per_worker": float("nan")}, "gpus_per_worker must be a finite number >= 0, got nan"),
+        ({"prefill_resources": {"accel": float("inf")}}, "a custom resource name"),
+        ({"port": 9000, "metrics_port": 9000}, "port, http_port and metrics_port must differ"),
         ({"share_idle_cpus": "no"}, "share_idle_cpus must be true or false"),
         ({"core_reclaim_wait_s": -1}, r"core_reclaim_wait_s must be in \[0, 10\] seconds"),
     ]:
