@@ -203,4 +203,6 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"pdserve demo: request failed: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the stop runs to its end
+            signal.signal(sig, signal.SIG_IGN)
         service.stop()

@@ -115,6 +115,8 @@ def _own_signal_handlers() -> Iterator[None]:
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
+    except SystemExit as e:  # Ray's SIGTERM handler, while ray.init ran: an interruption like Ctrl-C
+        raise KeyboardInterrupt from e
     finally:
         if threading.current_thread() is threading.main_thread():
             for sig, handler in handlers.items():
@@ -173,12 +175,12 @@ def _init_local_ray(cpus: int, log_options: dict, progress: Callable[[str], None
             with _ray_on_loopback(), _own_signal_handlers():
                 ray.init(num_cpus=cpus, include_dashboard=False, **log_options)
             return
-        except Exception as e:
+        except BaseException as e:  # an interruption too: the processes of the attempt go first
             ray.shutdown()
             for pid in child_pids(os.getpid()) - before:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)  # our unreaped child: its pid is not reused
-            if attempt == 2:
+            if attempt == 2 or not isinstance(e, Exception):
                 raise
             progress(f"ray: the local Ray did not start ({_last_line(str(e))}); starting it again")
 

@@ -113,19 +113,22 @@ class StatsRecorder(BackgroundWriter):
                 pipe.expire(key, cfg.stats_tenant_ttl_s)
 
     def _dropped(self, batch: list) -> None:
-        # Kept for the resync, within MAX_LOST_COUNTERS: the cluster's and workers' counters always
-        # (a few dozen), a tenant's or a time bucket's only while there is room. A long outage under
-        # many tenants (a client may send a new cache_salt with every request) would otherwise grow
-        # this without bound; what does not fit is counted in ``unsaved`` and lost.
+        for incr in batch:
+            self._keep(incr)
+
+    def _keep(self, incr: Mapping[tuple[str, str], int]) -> None:
+        """Keep ``incr`` for the resync (``self._cv`` held), within MAX_LOST_COUNTERS: the cluster's and
+        workers' counters always (a few dozen), a tenant's or a time bucket's only while there is room.
+        A long outage under many tenants (a client may send a new cache_salt with every request) would
+        otherwise grow this without bound; what does not fit is counted in ``unsaved`` and lost."""
         tenant_prefix, window_prefix = self.config.stats_key_prefix("tenant"), self.config.stats_window_key(0)[:-1]
         lost = self._lost
-        for incr in batch:
-            for (key, name), n in incr.items():
-                room = len(lost) < MAX_LOST_COUNTERS or (key, name) in lost
-                if room or not key.startswith((tenant_prefix, window_prefix)):
-                    lost[key, name] += n
-                else:
-                    self.unsaved += n
+        for (key, name), n in incr.items():
+            room = len(lost) < MAX_LOST_COUNTERS or (key, name) in lost
+            if room or not key.startswith((tenant_prefix, window_prefix)):
+                lost[key, name] += n
+            else:
+                self.unsaved += n
 
     def _resync(self, client: redis.Redis) -> None:
         with self._cv:
@@ -137,7 +140,7 @@ class StatsRecorder(BackgroundWriter):
                 pipe.execute()
         except BaseException:
             with self._cv:
-                self._lost.update(lost)
+                self._keep(lost)  # within the bound too: drops may have filled it meanwhile
             raise
 
 

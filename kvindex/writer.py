@@ -115,7 +115,7 @@ class BackgroundWriter:
                     pipe = self._client.pipeline(transaction=False)
                     self._write(pipe, batch)
                     pipe.execute()
-                if self._outage.down:
+                if self._outage.down and not batch:
                     self._answers()  # a resync with nothing to write sent nothing: ask before saying so
                 self._outage.ok()
                 delay = self.config.retry_initial_s

@@ -76,6 +76,10 @@ class PrefillService:
             return self._result(spec, out, lease_id)
         finally:
             self.drops.end(spec.request_id, on_drop)
+            if not done.done():
+                done.cancel()
+            elif not done.cancelled():
+                done.exception()  # a drop's, read: nobody else will (asyncio would log it as lost)
             if registering is not None and not leased:
                 await self._end(spec.request_id, registering)
 

@@ -174,8 +174,10 @@ def test_cancellation_storm_leaves_no_lease_or_block_behind(service) -> None:
     with cf.ThreadPoolExecutor(4) as pool:
         list(pool.map(one, range(40)))
     assert wait_until(lambda: all_idle(svc), timeout=15)  # well within the 30 s lease TTL
-    # The storm did catch requests whose prefill worker had leased their KV: more leases than
-    # requests that ran to their end (each of which took at most one).
+    # The storm reached past the lease: more leases than requests that ran to their end (each took
+    # at most one), so some leased requests were given up (in the hand-over, the pull or the decode).
+    # The narrowest window, leased and not yet passed on, is performed deterministically by
+    # tests/workers/test_worker_services.py::test_prefill_cancelled_right_after_the_handoff_holds_nothing.
     assert ray.get(prefill.pool_state.remote())["leases_created"] - before > len(completed)
 
 

@@ -5,6 +5,8 @@ gRPC KV transfer, real Redis)."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -116,6 +118,35 @@ def test_a_prefill_dropped_while_queued_ends_holding_nothing(tiny_model: str, re
         assert state["requests"] == state["registered"] == state["leases"] == 0, state
         assert state["free_blocks"] == state["num_blocks"] and service.drops.num_running == 0
         prt.engine.make_request([1, 2, 3], SamplingParams(), "queued")  # the id is free again
+
+
+def test_a_prefill_dropped_and_cancelled_while_it_registers_leaves_no_error_behind(
+    tiny_model: str, redis_server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The router drops and cancels a prefill whose registration waits for the engine: the drop's
+    error is read (asyncio logs none as never retrieved), and the request ends holding nothing."""
+    with prefill_and_decode(tiny_model, redis_server.url) as (prt, _):
+        service = PrefillService(prt)
+        spec = RequestSpec("both", tuple(range(1, 41)), SamplingParams(max_tokens=5))
+
+        async def run() -> None:
+            with prt.engine.lock:
+                task = asyncio.ensure_future(service.prefill(spec))
+                assert await wait_until_async(lambda: service.drops.num_running == 1)
+                assert service.drop("both") is True
+                task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            gc.collect()  # a future whose exception nobody read is logged when it is collected
+            await asyncio.sleep(0)
+
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            asyncio.run(run())
+        assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+        service.close()
+        state = prt.pool_state()
+        assert state["requests"] == state["registered"] == state["leases"] == 0, state
+        assert state["free_blocks"] == state["num_blocks"]
 
 
 def test_a_prefill_dropped_before_it_began_submits_nothing(tiny_model: str, redis_server) -> None:
