@@ -156,7 +156,8 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as e:
-        raise ValueError(f"no Ray at {address}: {e or type(e).__name__} (is `ray start --head` running there?)") from None
+        reason = e or type(e).__name__
+        raise ValueError(f"no Ray at {address}: {reason} (is `ray start --head` running there?)") from None
 
 
 def _init_local_ray(cpus: int, log_options: dict, progress: Callable[[str], None]) -> None:

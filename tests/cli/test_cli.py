@@ -21,9 +21,9 @@ from pdserve.kvindex.embedded import EmbeddedRedis
 from pdserve.kvindex.registry import WorkerRegistry
 from pdserve.kvindex.stats import StatsRecorder
 from tests.support import REPO
+from tests.support.polling import wait_until
 from tests.support.redis import unique_namespace
 from tests.support.service import shared_ray
-from tests.support.polling import wait_until
 from tests.support.sockets import descendants, listeners
 
 
@@ -243,8 +243,7 @@ def test_a_sigterm_while_up_starts_stops_what_it_started(model_dir: str, tmp_pat
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
         assert "SIGTERM received" not in log.read_text()
-        assert wait_until(lambda: not any(Path(f"/proc/{p}").exists() and "Z" not in _proc_state(p)
-                                          for p in started - {proc.pid}), timeout=60), log.read_text()[-3000:]  # fmt: skip
+        assert wait_until(lambda: _all_ended(started - {proc.pid}), timeout=60), log.read_text()[-3000:]
         owned = [d for d in Path(tempfile.gettempdir()).glob("pdserve-redis-*")
                  if (d / "owner").exists() and (d / "owner").read_text().split()[0] == str(proc.pid)]  # fmt: skip
         assert owned == [] and not (tmp_path / "state" / "up.json").exists()
@@ -272,19 +271,23 @@ def test_a_second_signal_while_up_stops_skips_the_drain_and_still_cleans_up(mode
         proc.send_signal(signal.SIGINT)  # while it stops: ignored
         assert proc.wait(timeout=120) in (0, 130)
         assert not (tmp_path / "state" / "up.json").exists()
-        assert wait_until(lambda: not any(Path(f"/proc/{p}").exists() and "Z" not in _proc_state(p)
-                                          for p in started - {proc.pid}), timeout=60)  # fmt: skip
+        assert wait_until(lambda: _all_ended(started - {proc.pid}), timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
+def _all_ended(pids: set[int]) -> bool:
+    """No process of ``pids`` runs (gone, or a zombie)."""
+    return not any(_proc_state(p) not in ("", "Z") for p in pids)
+
+
 def _proc_state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
     except OSError:
-        return "Z"
+        return ""
 
 
 @pytest.mark.slow

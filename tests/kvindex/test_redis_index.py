@@ -21,12 +21,12 @@ import xxhash
 
 from pdserve.engine.kvcache import BlockPool, block_hashes
 from pdserve.engine.kvcache.events import BlockStored
+from pdserve.kvindex import stats as stats_module
 from pdserve.kvindex.config import IndexConfig, redact_url, tenant_digest
 from pdserve.kvindex.embedded import EmbeddedRedis, sweep_stale_workdirs
 from pdserve.kvindex.lookup import PrefixLookup
 from pdserve.kvindex.publisher import KVEventPublisher, remove_worker_blocks
 from pdserve.kvindex.registry import WorkerRegistry
-from pdserve.kvindex import stats as stats_module
 from pdserve.kvindex.stats import STATS_FIELDS, StatsRecorder, read_stats, read_window
 from tests.support import REPO
 from tests.support.polling import process_gone, wait_until
@@ -615,7 +615,8 @@ def test_config_validation_and_tls_url() -> None:
         cfg.namespace = "x"  # type: ignore[misc]
 
 
-def test_an_embedded_redis_that_cannot_start_leaves_no_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_embedded_redis_that_cannot_start_leaves_no_directory(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Its directory holds the config, and the config the password: a failed start removes it."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(FileNotFoundError):
