@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -340,17 +341,24 @@ def test_a_stopped_holder_is_given_up_after_its_silence_not_the_pull_deadline() 
             client.metadata()
             assert client.pull_into(KVTensor(LAYOUT, LOCAL_BLOCKS), [0, 1, 2], lease_id=lease_id).transport == transport
         os.kill(peer.proc.pid, signal.SIGSTOP)
-        for client in clients.values():
+        assert wait_until(lambda: _state(peer.proc.pid) == "T")  # every thread of it stopped
+        for transport, client in clients.items():
             t0 = time.monotonic()
             with pytest.raises(TransferTimeoutError):
                 pull(h, decode_request(peer, "lease-0"), client, 10, lease_id=lease_id)
-            assert time.monotonic() - t0 < 30, "the pull waited for its deadline, not for the holder's silence"
+            assert time.monotonic() - t0 < 30, f"{transport}: the pull waited for its deadline, not the silence"
+            assert _state(peer.proc.pid) == "T", f"{transport}: the holder was let run meanwhile"
             assert_no_leak(manager)
     finally:
         for client in clients.values():
             client.close()
         os.kill(peer.proc.pid, signal.SIGCONT)
         peer.kill()
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (``T``: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
 
 
 def test_layout_mismatch_refused(peers: dict[str, Peer]) -> None:
