@@ -42,7 +42,7 @@ from pdserve.kvtransfer.errors import LayoutMismatchError, PeerUnavailableError,
 from pdserve.kvtransfer.pull import pull_kv
 from pdserve.worker.messages import PrefillResult, RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
-from pdserve.worker.threads import wait_to_end
+from pdserve.worker.threads import run_to_end, wait_to_end
 
 logger = logging.getLogger(__name__)
 
@@ -175,13 +175,7 @@ class DecodeCall:
             if registering is not None:
                 # After a registration still running (its waiter was cancelled): on its own thread,
                 # behind it, so that the ender never waits for one and delays the others' ends.
-                ender = self._threads.ender if registering.done() else self._threads.registers
-                try:
-                    future = ender.submit(end)
-                except RuntimeError:  # the service is closing: end it here
-                    end()
-                else:
-                    await wait_to_end(future)
+                await run_to_end(self._threads.ender if registering.done() else self._threads.registers, end)
         finally:  # also when cancelled again while the abort runs
             if not self._lease_settled:
                 self.settle_lease(pulled=None)

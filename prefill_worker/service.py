@@ -11,7 +11,7 @@ from pdserve.engine.engine import RequestOutput
 from pdserve.worker.drops import Dropped, Drops
 from pdserve.worker.messages import PrefillResult, RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
-from pdserve.worker.threads import wait_to_end
+from pdserve.worker.threads import run_to_end, wait_to_end
 
 
 class PrefillService:
@@ -114,9 +114,4 @@ class PrefillService:
             rt.loop.abort(request_id)
             rt.engine.handover.release(request_id)
 
-        try:
-            future = self._engine_calls.submit(end)
-        except RuntimeError:  # the service is closing: end it here
-            end()
-        else:
-            await wait_to_end(future)
+        await run_to_end(self._engine_calls, end)

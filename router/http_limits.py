@@ -170,9 +170,7 @@ class GuardedH11Protocol(H11Protocol):
         self._disarm_send_timer()
 
     def _disarm_send_timer(self) -> None:
-        if self._send_timer is not None:
-            self._send_timer.cancel()
-            self._send_timer = None
+        self._send_timer = _cancelled(self._send_timer)
 
     def _send_timeout(self) -> None:
         self._send_timer = None
@@ -197,9 +195,7 @@ class GuardedH11Protocol(H11Protocol):
         self._head_timer = self.loop.call_later(self.edge.limits.header_timeout_s, self._head_timeout)
 
     def _disarm_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._head_timer = _cancelled(self._head_timer)
 
     def _head_timeout(self) -> None:
         self._head_timer = None
@@ -254,3 +250,9 @@ class RejectionLog:
             if status >= 400 and status != 499 and not scope.get(CORE_HAS_IT):
                 log_rejected(self.state, status, t0, scope.get("method", "-"), scope.get("path", "-"),
                              scope.get(TENANT, "-"))  # fmt: skip
+
+
+def _cancelled(timer: asyncio.TimerHandle | None) -> None:
+    """Cancel ``timer`` if there is one; None, for the attribute that held it."""
+    if timer is not None:
+        timer.cancel()

@@ -17,8 +17,13 @@ T = TypeVar("T")
 
 async def run_to_end(executor: Executor, fn: Callable[[], T]) -> T:
     """Run ``fn`` on ``executor`` and wait for it. Unlike ``asyncio.to_thread``, cancelling the
-    waiter never drops ``fn`` while it is still queued: it runs to its end regardless."""
-    return await wait_to_end(executor.submit(fn))
+    waiter never drops ``fn`` while it is still queued: it runs to its end regardless. An executor
+    that is shutting down takes no work: ``fn`` then runs here (the ends of requests must run)."""
+    try:
+        future = executor.submit(fn)
+    except RuntimeError:  # shut down: the worker is closing
+        return fn()
+    return await wait_to_end(future)
 
 
 async def wait_to_end(future: Future[T]) -> T:
