@@ -32,7 +32,8 @@ class CacheConfig:
     # one byte per value with per-layer scales (the checkpoint's k_scale/v_scale, else 1.0).
     kv_cache_dtype: str = "auto"
     # vLLM's --kv-offload-gb: host memory (GiB) for a second tier that keeps blocks the pool
-    # evicts (engine/kv_offload.py); 0: none.
+    # evicts (engine/kv_offload.py); 0: none. Needs enable_prefix_caching: blocks are kept and found
+    # by their prefix hash. Allocated at start: a size the host cannot give is refused then.
     kv_offload_gb: float = 0.0
     # A disk tier behind the host tier (GiB of local disk per engine): blocks the host tier drops
     # for room are written there instead of lost. Needs kv_offload_gb > 0. The file is unnamed and
@@ -47,6 +48,11 @@ class CacheConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.kv_offload_disk_gb > 0 and self.kv_offload_gb <= 0:
             raise ValueError("kv_offload_disk_gb needs kv_offload_gb > 0: the disk tier takes what the host tier drops")
+        if self.kv_offload_gb > 0 and not self.enable_prefix_caching:
+            # Without prefix caching no block has a hash: the tier would reserve its memory (and
+            # disk) and never keep or restore a block.
+            raise ValueError("kv_offload_gb needs enable_prefix_caching=True: the offload tier keeps and finds blocks "
+                             "by their prefix hash")  # fmt: skip
         if self.kv_offload_disk_dir is not None and (not isinstance(self.kv_offload_disk_dir, str)
                                                      or not self.kv_offload_disk_dir):  # fmt: skip
             raise ValueError(f"kv_offload_disk_dir must be a directory path, got {self.kv_offload_disk_dir!r}")

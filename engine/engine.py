@@ -134,7 +134,25 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, event_sink: EventSink | None = None,
                  on_rank_lost: Callable[[str], None] | None = None) -> None:  # fmt: skip
         """``on_rank_lost``: with tensor parallelism, called once with the reason when one of the
-        engine's other ranks exits (``engine/parallel/ranks.py``); the engine cannot step again."""
+        engine's other ranks is lost: it exited, or a step failed on the group (a rank hung past
+        ``collective_timeout_s``) (``engine/parallel/ranks.py``); the engine cannot step again.
+
+        A build that fails ends what it started (the ranks, the tier's file) and gives the process
+        its CPU threads back before it raises."""
+        # What close() gives back, set before anything is started: close() ends whatever exists.
+        self.tier: OffloadTier | None = None
+        self.ranks: Ranks | None = None
+        self._threads_before: int | None = None  # this process's CPU threads before its ranks took a share
+        self.lock = threading.RLock()
+        try:
+            self._build(config, event_sink, on_rank_lost)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, event_sink: EventSink | None,
+               on_rank_lost: Callable[[str], None] | None) -> None:  # fmt: skip
+        """The engine's parts, in order; what needs ending is on ``self`` as soon as it is started."""
         if config.model is None:
             raise ValueError("EngineConfig.model: no model given")
         self.config = config
@@ -175,14 +193,17 @@ class LLMEngine:
         self.limits = RequestLimits.for_engine(mc, config, num_blocks)
         self.max_model_len = self.limits.max_model_len
         self.kv_tensor = KVTensor(layout, num_blocks, self.device, shared=tp > 1)
-        self.ranks = self._start_ranks(layout, num_blocks) if tp > 1 else None
+        # The tier before the ranks: a tier that cannot be made (its size, its disk) fails the
+        # build before any rank is started.
+        if cc.kv_offload_gb > 0:
+            self.tier = offload_tiers(cc, layout.block_nbytes, event_sink, pin_memory=self.device.type == "cuda")
+        if tp > 1:
+            self._start_ranks(layout, num_blocks)
         medium = "GPU" if self.device.type == "cuda" else "CPU"
         self.kv_manager = KVCacheManager(
             num_blocks, cc.block_size, cc.enable_prefix_caching, medium, event_sink, mc.sliding_window
         )
-        self.tier: OffloadTier | None = None
-        if cc.kv_offload_gb > 0:
-            self.tier = offload_tiers(cc, layout.block_nbytes, event_sink, pin_memory=self.device.type == "cuda")
+        if self.tier is not None:
             tier = self.tier
 
             def offload(block_id: int, block_hash: bytes) -> None:
@@ -194,7 +215,6 @@ class LLMEngine:
                                   cascade=self.cascade)  # fmt: skip
         # Compiles structured-output constraints (once each) on the first request that has one.
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
-        self.lock = threading.RLock()
         self.handover = KVHandover(self.kv_manager, self.kv_tensor, self.lock)
         self.handover.tier = self.tier
         self.requests: dict[str, Request] = {}
@@ -400,19 +420,23 @@ class LLMEngine:
 
     def close(self) -> None:
         """Give back what the engine holds beyond memory: its disk tier's file (and the space
-        reserved for it). Call it when done with the engine; idempotent."""
+        reserved for it), its tensor-parallel ranks, and the CPU threads they took a share of. Call
+        it when done with the engine; idempotent, and safe on an engine whose build failed."""
         with self.lock:
             if self.tier is not None:
                 self.tier.close()
             if self.ranks is not None:
                 self.ranks.close()
                 self.ranks.fail("the engine was closed", log=False)
+            if self._threads_before is not None:
                 torch.set_num_threads(self._threads_before)
+                self._threads_before = None
 
-    def _start_ranks(self, layout: KVLayout, num_blocks: int) -> Ranks:
-        """Ranks 1..N-1 of a tensor-parallel engine, each with its shard loaded, joined with this
-        process (rank 0) in one group. Child processes share out this process's CPU threads (it keeps
-        its share); Ray actors each have a bundle's CPUs, as many as this process's."""
+    def _start_ranks(self, layout: KVLayout, num_blocks: int) -> None:
+        """Ranks 1..N-1 of a tensor-parallel engine (:attr:`ranks`), each with its shard loaded,
+        joined with this process (rank 0) in one group. Child processes share out this process's CPU
+        threads (it keeps its share; :meth:`close` gives them back); Ray actors each have a bundle's
+        CPUs, as many as this process's."""
         parallel = self.config.parallel
         size = parallel.tensor_parallel_size
         launcher: RankLauncher
@@ -424,8 +448,9 @@ class LLMEngine:
             from pdserve.engine.parallel.rank_processes import ProcessLauncher
 
             launcher = ProcessLauncher()
-        self._threads_before = torch.get_num_threads()  # given back by close()
-        threads = max(1, self._threads_before // size) if launcher.shares_cpus else self._threads_before
+        before = torch.get_num_threads()
+        threads = max(1, before // size) if launcher.shares_cpus else before
+        self._threads_before = before  # given back by close(), also when the build fails from here on
         torch.set_num_threads(threads)
         spec = {
             "model": self.config.model, "dtype": str(self.dtype).removeprefix("torch."), "onednn": self.onednn,
@@ -436,16 +461,12 @@ class LLMEngine:
                        "dtype": str(layout.dtype).removeprefix("torch."), "kv_scales": list(layout.kv_scales),
                        "kind": layout.kind, "rope_dim": layout.rope_dim},
         }  # fmt: skip
-        try:
-            ranks = Ranks(launcher, spec, self.kv_tensor, size, parallel.collective_timeout_s,
-                          parallel.start_timeout_s, self._on_rank_lost)  # fmt: skip
-        except BaseException:
-            torch.set_num_threads(self._threads_before)  # no engine: the process keeps its threads
-            raise
-        self.model.join(ranks.group)
+        # Ranks() ends every rank it started when it fails; once it returns, close() ends them.
+        self.ranks = Ranks(launcher, spec, self.kv_tensor, size, parallel.collective_timeout_s,
+                           parallel.start_timeout_s, self._on_rank_lost)  # fmt: skip
+        self.model.join(self.ranks.group)
         logger.info("tensor parallel: %d ranks (%s), %d CPU thread(s) each", size,
                     parallel.distributed_executor_backend, threads)  # fmt: skip
-        return ranks
 
     def _plan_pool(self, layout: KVLayout) -> int:
         """The KV pool's block count (engine/kv_budget.py); KVBudgetError when a budget cannot hold one

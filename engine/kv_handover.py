@@ -255,17 +255,19 @@ class KVHandover:
             try:
                 if pool.get_num_free_blocks() < len(missing):
                     return False
-                tier.touch(missing)  # the evictions below drop other tier blocks first
-                blocks = pool.get_new_blocks(len(missing))
-                try:
-                    for block, h in zip(blocks, missing):
-                        tier.load(h, self.kv_tensor.block_bytes(block.block_id))
-                except (KeyError, TierCorruptionError):
-                    pool.free_blocks(blocks)
-                    return False
-                except BaseException:
-                    pool.free_blocks(blocks)
-                    raise
+                tier.touch(missing)
+                # The pool's evictions below are stored into the tier: they must not drop ``missing``.
+                with tier.protected(missing):
+                    blocks = pool.get_new_blocks(len(missing))
+                    try:
+                        for block, h in zip(blocks, missing):
+                            tier.load(h, self.kv_tensor.block_bytes(block.block_id))
+                    except (KeyError, TierCorruptionError):
+                        pool.free_blocks(blocks)
+                        return False
+                    except BaseException:
+                        pool.free_blocks(blocks)
+                        raise
                 pool.cache_restored_blocks(blocks, missing, self.block_size)
                 pool.free_blocks(reversed(blocks))  # cached and free, the chain's tail evicted first
                 return True

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,6 @@ from pdserve.engine.kv_slots import FileSlots, HostSlots, SlotStorage, digest
 from pdserve.engine.kvcache.events import BlockRemoved, BlockStored, EventSink
 
 logger = logging.getLogger(__name__)
-
 
 
 class TierCorruptionError(RuntimeError):
@@ -74,6 +74,7 @@ class OffloadTier:
         self._checksums = [0] * num_blocks
         self._sink = event_sink
         self._stored = self._evicted = self._loaded = self._corrupted = 0
+        self._protected: frozenset[bytes] = frozenset()  # never dropped for room (see ``protected``)
 
     @property
     def data(self) -> torch.Tensor:
@@ -95,11 +96,32 @@ class OffloadTier:
         """Blocks found changed or unreadable at load, in this tier and its spill (lifetime)."""
         return self._corrupted + (self.spill.num_corrupted if self.spill is not None else 0)
 
+    @contextmanager
+    def protected(self, block_hashes: Sequence[bytes]) -> Iterator[None]:
+        """While inside, ``store`` never drops these blocks for room, here or in ``spill``: a restore
+        makes room in the pool first, and the blocks that pool evicts are stored here, which must
+        not push out the very blocks being restored. Nests."""
+        before = self._protected
+        self._protected = before | frozenset(block_hashes)
+        try:
+            if self.spill is not None:
+                with self.spill.protected(block_hashes):
+                    yield
+            else:
+                yield
+        finally:
+            self._protected = before
+
+    def _victim(self) -> bytes | None:
+        """The least recently used block that may be dropped for room; None when all are protected."""
+        return next((h for h in self._slots if h not in self._protected), None)
+
     def store(self, block_hash: bytes, src: torch.Tensor) -> None:
         """Copy one block (``src``: its ``block_nbytes`` bytes, any device) in under ``block_hash``,
-        making room by dropping the least recently used block (into ``spill`` when there is one).
-        A hash already here is only refreshed. Never raises for an I/O failure: the block is then
-        not kept (logged)."""
+        making room by dropping the least recently used block that is not ``protected`` (into
+        ``spill`` when there is one); when every block here is protected, ``block_hash`` is not
+        kept. A hash already here is only refreshed. Never raises for an I/O failure: the block is
+        then not kept (logged)."""
         if src.numel() != self.block_nbytes:
             raise ValueError(f"a tier block is {self.block_nbytes} bytes, got {src.numel()}")
         if block_hash in self._slots:
@@ -107,7 +129,11 @@ class OffloadTier:
             return
         gone: list[bytes] = []
         if not self._free:
-            old, slot = self._slots.popitem(last=False)
+            old = self._victim()
+            if old is None:
+                logger.debug("%s: every block is being restored; block %s not kept", self.medium, block_hash.hex())
+                return
+            slot = self._slots.pop(old)
             try:
                 if self.spill is not None:
                     self._spill(old, slot)
@@ -215,16 +241,22 @@ class OffloadTier:
 
 
 def offload_tiers(cc: CacheConfig, block_nbytes: int, event_sink: EventSink | None, pin_memory: bool) -> OffloadTier:
-    """The host tier of ``cc.kv_offload_gb``, with a disk tier of ``cc.kv_offload_disk_gb`` behind it if set."""
+    """The host tier of ``cc.kv_offload_gb``, with a disk tier of ``cc.kv_offload_disk_gb`` behind it if set.
+    ``ValueError`` naming the option when a tier cannot be made (no block fits, the host's memory or
+    the disk cannot hold it); nothing is left held then."""
     sizes = {}
     for name in ("kv_offload_gb", "kv_offload_disk_gb"):
         gb = getattr(cc, name)
         sizes[name] = int(gb * 1024**3) // block_nbytes
         if gb > 0 and sizes[name] < 1:
             raise ValueError(f"{name}={gb} holds no block of {block_nbytes} bytes")
+    # The host memory first: the disk tier's file is then made only once nothing else can fail.
+    try:
+        host = HostSlots(sizes["kv_offload_gb"], block_nbytes, pin_memory)
+    except ValueError as exc:
+        raise ValueError(f"kv_offload_gb={cc.kv_offload_gb}: {exc}; lower kv_offload_gb") from None
     disk = None
     if sizes["kv_offload_disk_gb"]:
         storage = FileSlots(cc.kv_offload_disk_dir, sizes["kv_offload_disk_gb"], block_nbytes)
         disk = OffloadTier(sizes["kv_offload_disk_gb"], block_nbytes, cc.block_size, event_sink, storage=storage)
-    return OffloadTier(sizes["kv_offload_gb"], block_nbytes, cc.block_size, event_sink, pin_memory=pin_memory,
-                       spill=disk)  # fmt: skip
+    return OffloadTier(sizes["kv_offload_gb"], block_nbytes, cc.block_size, event_sink, storage=host, spill=disk)

@@ -16,6 +16,10 @@ MEDIUM = "CPU_TIER"  # the medium of a host tier's events
 DISK_MEDIUM = "DISK_TIER"
 
 
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 1024**3:.2f} GiB"
+
+
 def digest(data: torch.Tensor) -> int:
     """xxh3_64 of a host tensor's bytes: the checksum every tier keeps per block."""
     return xxhash.xxh3_64_intdigest(data.numpy())
@@ -37,14 +41,40 @@ class SlotStorage(Protocol):
     def close(self) -> None: ...
 
 
+def host_memory_available() -> int | None:
+    """The host's ``MemAvailable`` (``/proc/meminfo``) in bytes: what it can give without swapping;
+    None where that is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class HostSlots:
-    """Slots in one host tensor (pinned: CUDA copies to and from it are fast)."""
+    """Slots in one host tensor (pinned: CUDA copies to and from it are fast). ``ValueError`` with
+    the size when the host cannot give that much memory: more than it has available
+    (``MemAvailable``, refused before allocating: the kernel may grant it and kill the process
+    once the tier fills), or an allocation that fails."""
 
     medium = MEDIUM
 
     def __init__(self, num_blocks: int, block_nbytes: int, pin_memory: bool = False) -> None:
         self.num_blocks, self.block_nbytes = num_blocks, block_nbytes
-        self.data = torch.empty((num_blocks, block_nbytes), dtype=torch.uint8, pin_memory=pin_memory)
+        size = num_blocks * block_nbytes
+        available = host_memory_available()
+        if available is not None and size > available:
+            raise ValueError(f"{_gib(size)} of host memory asked for, the host has {_gib(available)} available "
+                             "(MemAvailable)")  # fmt: skip
+        try:
+            self.data = torch.empty((num_blocks, block_nbytes), dtype=torch.uint8, pin_memory=pin_memory)
+        except (RuntimeError, MemoryError) as exc:  # torch's allocator (or pinning) refused it
+            why = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"cannot allocate {_gib(size)} of {'pinned ' if pin_memory else ''}host memory: "
+                             f"{why}") from None  # fmt: skip
 
     def write(self, slot: int, src: torch.Tensor) -> int:
         dst = self.data[slot]

@@ -14,7 +14,9 @@ for its plans, one for its reports, and a way to tell whether it is still there.
 
 Lifetime: :class:`Ranks` owns them. A rank that dies fails the step it was in (its sockets close:
 the driver's collective raises at once) or the next send (its input is closed), with an error
-naming it; the worker cannot step again (:attr:`Ranks.failure`). :meth:`Ranks.close` ends every rank.
+naming it; a rank that hangs fails the step after the collective timeout. Either way the worker
+cannot step again (:attr:`Ranks.failure`): the watcher then ends every rank (a hung one is killed)
+and reports the loss once (``on_lost``). :meth:`Ranks.close` ends every rank.
 """
 
 from __future__ import annotations
@@ -98,10 +100,15 @@ class Ranks:
     RuntimeError naming the rank and its error when one fails to, or takes longer than
     ``start_timeout_s`` (every rank started is ended first).
 
-    ``on_lost``: called once (from a watcher thread) with the reason when a rank exits before
-    :meth:`close`, even while the worker is idle; a serving worker ends its process there so that
-    its supervisor (Ray) restarts it whole.
+    ``on_lost``: called once (from a watcher thread) with the reason when the worker can no
+    longer step before :meth:`close`: a rank exited (even while the worker is idle), or a step
+    failed the group (:meth:`fail`: a rank that hung past the collective timeout). Every rank is
+    ended first (one still running is killed after ``LOST_GRACE_S``); a serving worker ends its
+    process there so that its supervisor (Ray) restarts it whole.
     """
+
+    LOST_GRACE_S = 1.0  # how long the ranks of a lost worker get to return before they are killed
+    WATCH_INTERVAL_S = 0.2
 
     def __init__(self, launcher: RankLauncher, spec: dict[str, Any], kv: KVTensor, size: int,
                  collective_timeout_s: float, start_timeout_s: float,
@@ -115,6 +122,7 @@ class Ranks:
         self._on_lost = on_lost
         self._launcher = launcher
         self._links: list[RankLink] = []
+        self._ending = threading.Lock()  # the watcher and close() may end the ranks at the same time
         # Mode 0700: the group's rendezvous file. Owned, so that the next worker removes one a worker
         # killed while its ranks started left behind.
         self._dir = make_owned_dir("pdserve-tp-")
@@ -141,13 +149,23 @@ class Ranks:
         return self._dir
 
     def _watch(self) -> None:
-        while not self._closed.wait(0.2):
+        """Until :meth:`close`: once a rank exits or a step fails the group, end every rank and
+        report the loss (``on_lost``), once."""
+        while not self._closed.wait(self.WATCH_INTERVAL_S):
             why = self.exited()
             if why is not None:
                 self.fail(why)
+            if self.failure is not None:
+                self._end_links(self.LOST_GRACE_S)
                 if self._on_lost is not None and not self._closed.is_set():
-                    self._on_lost(why)
+                    self._on_lost(self.failure)
                 return
+
+    def _end_links(self, grace_s: float) -> None:
+        """End every rank still linked (idempotent)."""
+        with self._ending:
+            end_links(self._links, grace_s)
+            self._links = []
 
     def _wait_loaded(self, deadline: float) -> None:
         waiting = {link.reports.fileno(): link for link in self._links}
@@ -195,7 +213,8 @@ class Ranks:
                 raise RankLost(self.failure) from None
 
     def fail(self, why: str, log: bool = True) -> None:
-        """Mark the worker unable to step (the first reason is kept)."""
+        """Mark the worker unable to step (the first reason is kept). Before :meth:`close`, the
+        watcher then ends the ranks and reports the loss (``on_lost``)."""
         if self.failure is None:
             self.failure = why
             if log:
@@ -217,7 +236,6 @@ class Ranks:
         """End every rank (idempotent): closing a rank's input ends it; the ranks still running
         ``grace_s`` after all inputs were closed are killed (one grace for all, not one each)."""
         self._closed.set()
-        end_links(self._links, grace_s)
-        self._links = []
+        self._end_links(grace_s)
         self._launcher.close()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -303,3 +303,142 @@ def test_a_rank_that_cannot_load_its_shard_is_named_and_nothing_is_left(tmp_path
         Ranks(ProcessLauncher(), spec, kv, 2, collective_timeout_s=10, start_timeout_s=120)
     assert not list(tmp_path.iterdir())
     assert len(made) == 1 and Path(made[0]).name.startswith("pdserve-tp-") and not Path(made[0]).exists()
+
+
+# ----------------------------------------------------------------------------- hardening
+PLANTED = """import os
+open(os.environ["PDSERVE_TEST_MARKER"], "a").write(f"imported in pid {os.getpid()}\\n")
+raise SystemExit(3)
+"""
+
+
+def _plant_json(directory: Path, marker: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``json.py`` in ``directory`` (which becomes the current directory) that writes ``marker``
+    and exits if any process imports it: a rank imports ``json`` before anything else."""
+    (directory / "json.py").write_text(PLANTED)
+    monkeypatch.setenv("PDSERVE_TEST_MARKER", str(marker))
+    monkeypatch.chdir(directory)
+
+
+@pytest.mark.parametrize("python", ["3.11", "3.10"])
+def test_a_rank_command_ignores_modules_in_the_current_directory(
+    python: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both forms of the rank's command line (``-P`` and the fallback before Python 3.11) import
+    nothing from the current directory: the rank starts, finds no spec on its input and returns 1."""
+    import subprocess
+    import sys
+
+    from pdserve.engine.parallel import rank_processes
+
+    marker = tmp_path / "marker"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    _plant_json(cwd, marker, monkeypatch)
+    version = (3, 10) if python == "3.10" else sys.version_info[:2]
+    command = rank_processes.rank_command(version)
+    assert ("-P" in command) == (version >= (3, 11))
+    done = subprocess.run(command, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+    assert done.returncode == 1, done.stderr.decode()[-2000:]
+    assert not marker.exists()
+
+
+def test_ranks_started_from_a_directory_with_a_planted_module_do_not_import_it(
+    tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "marker"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    _plant_json(cwd, marker, monkeypatch)
+    expected = LLM(tiny_model, num_blocks=32, block_size=4).generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+    llm = LLM(tiny_model, num_blocks=32, block_size=4, tensor_parallel_size=2)
+    try:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+    finally:
+        llm.close()
+    assert not marker.exists(), marker.read_text()
+    assert out[0].token_ids == expected[0].token_ids
+
+
+def _rank_children() -> list[int]:
+    """This process's children that run a tensor-parallel rank."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == me and b"rank_main" in command:
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("offload", [{"kv_offload_gb": 1e-9},
+                                     {"kv_offload_gb": 0.01, "kv_offload_disk_gb": 0.01,
+                                      "kv_offload_disk_dir": "/nonexistent/pdserve-test"}])  # fmt: skip
+def test_a_refused_offload_tier_starts_no_rank(tiny_model: str, offload: dict) -> None:
+    threads = torch.get_num_threads()
+    with pytest.raises(ValueError, match="kv_offload_gb=1e-09 holds no block|cannot create the disk tier's file"):
+        LLM(tiny_model, num_blocks=32, block_size=4, tensor_parallel_size=2, **offload)
+    assert _rank_children() == []
+    assert torch.get_num_threads() == threads
+
+
+def test_a_build_that_fails_after_the_ranks_started_ends_them_and_gives_threads_back(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve.engine import engine as engine_module
+
+    threads = torch.get_num_threads()
+    started: list[int] = []
+
+    def failing_scheduler(*args: object, **kwargs: object) -> None:
+        started.extend(_rank_children())
+        assert torch.get_num_threads() < threads or threads == 1  # the ranks took their share
+        raise RuntimeError("the scheduler could not be built")
+
+    monkeypatch.setattr(engine_module, "Scheduler", failing_scheduler)
+    with pytest.raises(RuntimeError, match="the scheduler could not be built"):
+        LLM(tiny_model, num_blocks=32, block_size=4, tensor_parallel_size=2, kv_offload_gb=0.01)
+    assert len(started) == 1
+    assert wait_until(lambda: all(process_gone(pid) for pid in started), timeout=10)
+    assert _rank_children() == []
+    assert torch.get_num_threads() == threads
+
+
+def test_a_hung_rank_is_reported_lost_once_and_every_rank_ended(tiny_model: str) -> None:
+    """A rank that stops answering (stopped here) fails the step after the collective timeout; the
+    worker is then reported lost (a served worker ends its process there, to be restarted) and its
+    ranks are ended, the hung one killed."""
+    from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig
+    from pdserve.engine.engine import LLMEngine
+
+    lost: list[str] = []
+    config = EngineConfig(tiny_model, cache=CacheConfig(num_blocks=32, block_size=4),
+                          parallel=ParallelConfig(tensor_parallel_size=2, collective_timeout_s=3))  # fmt: skip
+    engine = LLMEngine(config, on_rank_lost=lost.append)
+    assert engine.ranks is not None
+    (pid,) = engine.ranks.pids
+    try:
+        engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=20, ignore_eos=True), request_id="r0")
+        engine.step()
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(RankLost, match="a tensor-parallel step failed"):
+            engine.step()
+        failed = time.monotonic()
+        assert wait_until(lambda: lost, timeout=10)
+        assert time.monotonic() - failed < 5  # the watcher's poll and one grace, not a restart's wait
+        assert wait_until(lambda: process_gone(pid), timeout=5)
+        time.sleep(0.5)  # the watcher has returned: no second report
+        assert len(lost) == 1 and lost[0] == engine.ranks.failure
+        assert engine.kv_manager.num_free_blocks() == engine.kv_manager.num_blocks
+    finally:
+        if not process_gone(pid):
+            os.kill(pid, signal.SIGCONT)
+        engine.close()
+    assert len(lost) == 1
