@@ -113,6 +113,7 @@ BENCHMARKS = {
     "tp": ("pdserve.benchmarks.tp", "tensor parallelism on the CPU: a decode step at TP=N vs TP=1, collective share"),
     "gguf": ("pdserve.benchmarks.gguf", "reading a GGUF header: pdserve's one-pass reader vs gguf.GGUFReader"),
     "overlap": ("pdserve.benchmarks.overlap", "a long prompt's handover with and without prefetching during its prefill"),
+    "streams": ("pdserve.benchmarks.streams", "tokens to the router: a Ray stream per request vs one event channel per worker"),
 }
 
 

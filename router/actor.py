@@ -80,7 +80,7 @@ class Router:
         self._engine = engine
         self.tokenizer = load_tokenizer(engine.model, engine.chat_template)
         _ = self.tokenizer.token_bound  # computed once, now, rather than in the first request
-        self.workers = RayWorkers(prefill, decode)
+        self.workers = RayWorkers(prefill, decode, config.decode_channel_ttl_s)
         self.core = RouterCore(config, engine.cache, self.workers, PrefixLookup(index), StatsRecorder(index))
         # Tokenization (and chat rendering) of both edges runs here: bounded, and apart from the
         # default executor that serves the prefix lookups, so long prompts cannot delay those.
@@ -256,6 +256,7 @@ class Router:
                 self.server = None
         finally:
             self.core.close()
+            self.workers.close()
             self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
 

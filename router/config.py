@@ -68,6 +68,10 @@ class RouterConfig:
     # (HTTP: the connection's buffers full; gRPC: a message not taken) is disconnected, which ends
     # its request: it cannot hold an admission slot, a connection or its output forever.
     send_timeout_s: float = 30.0
+    # Tokens come from each decode worker on one event channel per router, which the router renews
+    # every quarter of this; a worker ends the requests of a channel not renewed for this long (a
+    # router that died: Ray does not end a dead caller's tasks).
+    decode_channel_ttl_s: float = 30.0
     # The key every client of the HTTP API (``Authorization: Bearer KEY``) and of the gRPC API
     # (metadata ``authorization: Bearer KEY``) must present; /health and /metrics stay open, and
     # so does gRPC health checking. None: open to anyone who reaches the ports. Default
@@ -91,7 +95,7 @@ class RouterConfig:
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {w!r}")
         for name in ("http_header_timeout_s", "http_body_timeout_s", "send_timeout_s", "health_probe_interval_s",
-                     "health_probe_timeout_s"):
+                     "health_probe_timeout_s", "decode_channel_ttl_s"):
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {t!r}")

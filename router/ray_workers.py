@@ -10,6 +10,7 @@ from prometheus_client.metrics_core import Metric
 from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.router.core import WorkerUnavailableError
+from pdserve.router.decode_channel import DecodeChannel
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 
 
@@ -29,6 +30,22 @@ def _worker_error(role: str, worker_id: str, exc: RayTaskError) -> Exception:
     return WorkerFailedError(f"{role} worker {worker_id} failed ({type(cause).__name__})")
 
 
+class _RunEnded:
+    """Queued when a request's ``run`` call ended: the events it sent, or its error."""
+
+    def __init__(self, sent: int = 0, error: BaseException | None = None) -> None:
+        self.sent, self.error = sent, error
+
+
+async def _report_end(ref: ray.ObjectRef, queue: asyncio.Queue[object]) -> None:
+    try:
+        queue.put_nowait(_RunEnded(sent=await ref))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the reader raises it
+        queue.put_nowait(_RunEnded(error=exc))
+
+
 async def _settled(ref: ray.ObjectRef) -> None:
     """Wait until the task behind ``ref`` is over, however it ended."""
     try:
@@ -42,7 +59,11 @@ class RayWorkers:
     cancelled caller cancels the remote task (the worker then frees the request's blocks) and
     also drops it by request id (``worker/drops.py``), which ends it where Ray lost the cancel."""
 
-    def __init__(self, prefill: dict[str, ray.actor.ActorHandle], decode: dict[str, ray.actor.ActorHandle]) -> None:
+    def __init__(self, prefill: dict[str, ray.actor.ActorHandle], decode: dict[str, ray.actor.ActorHandle],
+                 channel_ttl_s: float = 30.0) -> None:  # fmt: skip
+        """``channel_ttl_s``: a decode worker ends the requests of an event channel not renewed for
+        this long (the router renews each every quarter of it): what a router's death costs."""
+        self.channel_ttl_s = channel_ttl_s
         self.prefill_handles = prefill
         self.decode_handles = decode
         self.prefill_ids = list(prefill)
@@ -50,6 +71,8 @@ class RayWorkers:
         self._cleanups: set[asyncio.Task[None]] = set()
         self._addresses: dict[str, str] = {}  # prefill worker -> its KV-transfer address, as its last result said
         self._prefetching: dict[str, str] = {}  # request id -> the decode worker prefetching it during its prefill
+        self._channels: dict[str, DecodeChannel] = {}  # decode worker -> its event channel (router/decode_channel.py)
+        self._opening: dict[tuple[str, asyncio.AbstractEventLoop], asyncio.Lock] = {}
 
     async def prefill(self, worker_id: str, spec: RequestSpec) -> PrefillResult:
         ref = self.prefill_handles[worker_id].prefill.remote(spec)
@@ -111,26 +134,73 @@ class RayWorkers:
     async def decode(
         self, worker_id: str, spec: RequestSpec, prefill: PrefillResult | None
     ) -> AsyncIterator[DecodeEvent]:
+        """The request's events, read from the worker's event channel while its ``run`` call owns it
+        there (``router/decode_channel.py``). The stream ends after the finished event, or early
+        when the worker dropped the request (``run`` returned, every event it sent was read)."""
         handle = self.decode_handles[worker_id]
-        gen = handle.generate.options(num_returns="streaming").remote(spec, prefill)
-        finished = dead = False
         try:
-            async for ref in gen:
-                event: DecodeEvent = await ref
-                finished = event.finished
-                yield event
+            channel = await self._channel(worker_id, handle)
+        except RayActorError as exc:
+            raise WorkerUnavailableError(f"decode worker {worker_id} is unavailable") from exc
+        queue = channel.register(spec.request_id)
+        ref = handle.run.remote(spec, prefill, channel.id)
+        watch = asyncio.ensure_future(_report_end(ref, queue))
+        finished = dead = False
+        received, sent = 0, None
+        try:
+            while sent is None or received < sent:
+                item = await queue.get()
+                if isinstance(item, DecodeEvent):
+                    received += 1
+                    finished = item.finished
+                    yield item
+                    if finished:
+                        return
+                elif isinstance(item, _RunEnded):
+                    if item.error is not None:
+                        raise item.error
+                    sent = item.sent
+                else:  # the channel broke: the worker died or restarted
+                    raise WorkerUnavailableError(f"decode worker {worker_id} is unavailable") from item.error
         except RayActorError as exc:
             dead = True
+            channel.close()  # the worker died: its stream is dead too, and the next request needs a new one
             raise WorkerUnavailableError(f"decode worker {worker_id} is unavailable") from exc
         except RayTaskError as exc:
             raise _worker_error("decode", worker_id, exc) from exc
         finally:
+            channel.unregister(spec.request_id)
+            watch.cancel()
             if not finished:
-                ray.cancel(gen)
-                # Ray loses a cancel that comes while the actor is starting the task, and the stream
+                ray.cancel(ref)
+                # Ray loses a cancel that comes while the actor is starting the task, and the request
                 # would run to max_tokens unread: the drop ends it by id, begun or not.
                 if not dead:
                     handle.drop.remote(spec.request_id)  # not awaited: idempotent
+
+    async def _channel(self, worker_id: str, handle: ray.actor.ActorHandle) -> DecodeChannel:
+        """This loop's open channel to ``worker_id``, opened now where there is none (one opening at
+        a time per worker; a broken one is replaced)."""
+        channel = self._channels.get(worker_id)
+        if channel is not None and channel.usable(handle):
+            return channel
+        loop = asyncio.get_running_loop()
+        for key in [k for k in self._opening if k[1].is_closed()]:
+            del self._opening[key]  # a loop's locks serve no other loop
+        lock = self._opening.setdefault((worker_id, loop), asyncio.Lock())
+        async with lock:
+            channel = self._channels.get(worker_id)
+            if channel is None or not channel.usable(handle):
+                if channel is not None:
+                    channel.close()
+                channel = self._channels[worker_id] = await DecodeChannel.open(handle, worker_id, self.channel_ttl_s)
+            return channel
+
+    def close(self) -> None:
+        """Close the event channels (their requests end as if their worker were gone)."""
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
 
     async def scrape(self, timeout_s: float) -> dict[str, list[Metric] | None]:
         """Every worker's metric families (``metrics`` of its actor), asked of all at once; None

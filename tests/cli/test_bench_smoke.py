@@ -283,3 +283,12 @@ def test_nixl_designs_bench_without_the_library_says_so() -> None:
               "b.load_nixl = off; sys.exit(b.main(['--repeats', '1']))")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0 and "NIXL is not installed (test)" in r.stderr and not r.stdout
+
+
+def test_streams_bench_moves_every_token_both_ways() -> None:
+    """Both ways deliver every token (the bench fails otherwise) and report each side's CPU."""
+    out = bench("streams", "--streams", "3", "--tokens", "5", "--step-ms", "5", "--repeats", "1")
+    assert (out["streams"], out["tokens"]) == (3, 5)
+    for way in ("per_request", "channel"):
+        assert out[way]["actor_us_per_token"] > 0 and out[way]["router_us_per_token"] > 0 and out[way]["wall_s"] > 0
+    assert out["actor_us_per_token_ratio"] > 0 and out["router_us_per_token_ratio"] > 0

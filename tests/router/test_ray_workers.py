@@ -9,6 +9,8 @@ import pytest
 import ray
 
 from pdserve import SamplingParams
+from pdserve.decode_worker.outbox import Outboxes
+from pdserve.router.core import WorkerUnavailableError
 from pdserve.router.ray_workers import RayWorkers, WorkerFailedError
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
 from tests.support.polling import wait_until, wait_until_async
@@ -23,6 +25,7 @@ class CountingDecode:
     def __init__(self) -> None:
         self.dropped: list[str] = []
         self.prefetched: list[str] = []
+        self.outboxes = Outboxes()
 
     async def prefetch(self, spec: RequestSpec, address: str) -> bool:
         self.prefetched.append(spec.request_id)
@@ -31,10 +34,20 @@ class CountingDecode:
     async def prefetches(self) -> list[str]:
         return list(self.prefetched)
 
-    async def generate(self, spec: RequestSpec, prefill: object = None):  # noqa: ANN201 - a Ray stream
-        for n in range(1, spec.params.max_tokens + 1):
-            await asyncio.sleep(0.001)
-            yield DecodeEvent(spec.request_id, (n,), n == spec.params.max_tokens, "length")
+    async def events(self, channel: str, ttl_s: float):  # noqa: ANN201 - a Ray stream
+        async for batch in self.outboxes.serve(channel, ttl_s):
+            yield batch
+
+    async def renew(self, channel: str) -> bool:
+        return self.outboxes.renew(channel)
+
+    async def run(self, spec: RequestSpec, prefill: object, channel: str) -> int:
+        async def generate():  # noqa: ANN202
+            for n in range(1, spec.params.max_tokens + 1):
+                await asyncio.sleep(0.001)
+                yield DecodeEvent(spec.request_id, (n,), n == spec.params.max_tokens, "length")
+
+        return await self.outboxes.send(channel, spec.request_id, generate())
 
     async def drop(self, request_id: str) -> bool:
         self.dropped.append(request_id)
@@ -134,12 +147,25 @@ def test_a_cancelled_prefill_is_dropped_by_id_with_its_prefetch_and_released_onc
 class FailingWorker:
     """A prefill that refuses its request, and a decode stream that fails after one event."""
 
+    def __init__(self) -> None:
+        self.outboxes = Outboxes()
+
     async def prefill(self, spec: RequestSpec) -> PrefillResult:
         raise ValueError("max_tokens: the request needs 40 KV blocks, the pool has 8")
 
-    async def generate(self, spec: RequestSpec, prefill: object = None):  # noqa: ANN201 - a Ray stream
-        yield DecodeEvent(spec.request_id, (1,), False, None)
-        raise RuntimeError(f"step failed in {__file__}")
+    async def events(self, channel: str, ttl_s: float):  # noqa: ANN201 - a Ray stream
+        async for batch in self.outboxes.serve(channel, ttl_s):
+            yield batch
+
+    async def renew(self, channel: str) -> bool:
+        return self.outboxes.renew(channel)
+
+    async def run(self, spec: RequestSpec, prefill: object, channel: str) -> int:
+        async def generate():  # noqa: ANN202
+            yield DecodeEvent(spec.request_id, (1,), False, None)
+            raise RuntimeError(f"step failed in {__file__}")
+
+        return await self.outboxes.send(channel, spec.request_id, generate())
 
     async def drop(self, request_id: str) -> bool:
         return False
@@ -169,3 +195,153 @@ def test_a_workers_error_reaches_the_router_without_its_host_or_traceback() -> N
         assert isinstance(cause, ray.exceptions.RayTaskError) and "step failed in" in str(cause)
     finally:
         ray.kill(actor)
+
+
+@ray.remote(max_restarts=1)
+class SteppingDecode:
+    """A decode actor whose streams all advance together, one token per tick (as an engine's steps
+    advance every running request); it counts the messages and events it sent on its channels.
+    The request "dropped" is dropped after two tokens (``run`` returns, unfinished)."""
+
+    def __init__(self) -> None:
+        self.outboxes = Outboxes()
+        self.tick = asyncio.Event()
+        self.messages = self.events_sent = self.running = 0
+        self.ticker: asyncio.Task[None] | None = None
+
+    async def _ticks(self) -> None:
+        while True:
+            await asyncio.sleep(0.002)
+            self.tick.set()
+            self.tick = asyncio.Event()
+
+    async def renew(self, channel: str) -> bool:
+        return self.outboxes.renew(channel)
+
+    async def events(self, channel: str, ttl_s: float):  # noqa: ANN201 - a Ray stream
+        if self.ticker is None:
+            self.ticker = asyncio.ensure_future(self._ticks())
+        async for batch in self.outboxes.serve(channel, ttl_s):
+            self.messages += bool(batch)
+            self.events_sent += len(batch)
+            yield batch
+
+    async def run(self, spec: RequestSpec, prefill: object, channel: str) -> int:
+        n = spec.params.max_tokens
+
+        async def generate():  # noqa: ANN202
+            self.running += 1
+            try:
+                for k in range(1, (2 if spec.request_id == "dropped" else n) + 1):
+                    await self.tick.wait()
+                    yield DecodeEvent(spec.request_id, (k,), k == n, "length")
+            finally:
+                self.running -= 1
+
+        return await self.outboxes.send(channel, spec.request_id, generate())
+
+    async def drop(self, request_id: str) -> bool:
+        return False
+
+    async def counts(self) -> tuple[int, int, int]:
+        return self.messages, self.events_sent, len(self.outboxes)
+
+    async def requests_running(self) -> int:
+        return self.running
+
+
+def test_concurrent_streams_share_one_message_per_step() -> None:
+    """Eight requests decoded together on one worker reach the router whole and in order, in about
+    one message per step, not one per request and step; a request the worker dropped ends early."""
+    shared_ray()
+    actor = SteppingDecode.remote()
+    try:
+        workers = RayWorkers({}, {"decode-0": actor})
+
+        async def read(rid: str, n: int) -> list[DecodeEvent]:
+            spec = RequestSpec(rid, (1,), SamplingParams(max_tokens=n))
+            return [ev async for ev in workers.decode("decode-0", spec, None)]
+
+        async def main() -> list[list[DecodeEvent]]:
+            streams = await asyncio.gather(*(read(f"r{i}", 20) for i in range(8)))
+            dropped = await read("dropped", 20)
+            workers.close()
+            return [*streams, dropped]
+
+        *streams, dropped = asyncio.run(main())
+        for events in streams:
+            assert [ev.token_ids for ev in events] == [(k,) for k in range(1, 21)] and events[-1].finished
+        assert [ev.token_ids for ev in dropped] == [(1,), (2,)] and not dropped[-1].finished
+        messages, sent, _ = ray.get(actor.counts.remote(), timeout=30)
+        assert sent == 8 * 20 + 2
+        assert messages <= sent // 4, (messages, sent)  # ~20 steps of 8 streams; one per event would be 162
+        assert wait_until(lambda: ray.get(actor.counts.remote(), timeout=30)[2] == 0, timeout=30)  # channel closed
+    finally:
+        ray.kill(actor)
+
+
+def test_a_worker_that_dies_fails_its_streams_and_a_new_channel_serves_after_its_restart() -> None:
+    shared_ray()
+    actor = SteppingDecode.remote()
+    try:
+        workers = RayWorkers({}, {"decode-0": actor})
+
+        async def main() -> list[DecodeEvent]:
+            spec = [RequestSpec(f"r{i}", (1,), SamplingParams(max_tokens=10**6)) for i in range(3)]
+            streams = [workers.decode("decode-0", s, None) for s in spec]
+            assert all([(await s.__anext__()).token_ids == (1,) for s in streams])
+            ray.kill(actor, no_restart=False)
+            for s in streams:
+                with pytest.raises(WorkerUnavailableError, match="decode worker decode-0 is unavailable"):
+                    async for _ in s:
+                        pass
+            again = RequestSpec("again", (1,), SamplingParams(max_tokens=3))
+            return [ev async for ev in workers.decode("decode-0", again, None)]
+
+        events = asyncio.run(main())
+        assert [ev.token_ids for ev in events] == [(1,), (2,), (3,)] and events[-1].finished
+    finally:
+        ray.kill(actor)
+
+
+@ray.remote
+class StreamingRouter:
+    """A router's part in a Ray actor of its own: endless streams from a decode worker, read on."""
+
+    def __init__(self, decode: ray.actor.ActorHandle, channel_ttl_s: float) -> None:
+        self.workers = RayWorkers({}, {"decode-0": decode}, channel_ttl_s)
+        self.seen = 0
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def start(self, n: int) -> None:
+        self.tasks = [asyncio.ensure_future(self._read(f"r{i}")) for i in range(n)]
+
+    async def _read(self, rid: str) -> None:
+        async for _ in self.workers.decode("decode-0", RequestSpec(rid, (1,), SamplingParams(max_tokens=10**6)), None):
+            self.seen += 1
+
+    async def events_seen(self) -> int:
+        return self.seen
+
+
+def test_a_router_that_dies_mid_stream_has_its_requests_ended_on_the_decode_worker() -> None:
+    """Ray does not end an actor's tasks when their caller dies: a router killed while it streams
+    would leave its requests decoding to max_tokens. The decode worker ends them once the router's
+    event channel goes unrenewed for its ttl, and closes the channel."""
+    shared_ray()
+    decode = SteppingDecode.remote()
+    router = StreamingRouter.remote(decode, 1.0)
+    try:
+        ray.get(router.start.remote(3), timeout=60)
+        assert wait_until(lambda: ray.get(router.events_seen.remote(), timeout=30) >= 30, timeout=60)
+        assert ray.get(decode.requests_running.remote(), timeout=30) == 3
+        # Renewed while the router lives: its requests run on past three ttls (1,500 ticks of >= 2 ms).
+        seen = ray.get(router.events_seen.remote(), timeout=30)
+        assert wait_until(lambda: ray.get(router.events_seen.remote(), timeout=30) > seen + 4500, timeout=60)
+        assert ray.get(decode.requests_running.remote(), timeout=30) == 3
+        ray.kill(router, no_restart=True)
+        assert wait_until(lambda: ray.get(decode.requests_running.remote(), timeout=30) == 0, timeout=30)
+        assert ray.get(decode.counts.remote(), timeout=30)[2] == 0  # the channel is closed
+    finally:
+        ray.kill(router)
+        ray.kill(decode)
