@@ -96,3 +96,14 @@ class TextStream:
         keep = 0 if final else min(self.hold, len(self.pending))
         out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
         return out
+
+
+def text_tokens(token_ids: Sequence[int], finished: bool, finish_reason: str | None) -> Sequence[int]:
+    """The tokens of a step whose text is output: all of them, but the last of a step that
+    finishes the request with reason "stop". The engine stops a request only on a stop token (EOS,
+    one of ``stop_token_ids``, the EOS that completes a structured-output constraint), and that
+    token ends the text without being part of it, as in vLLM; its id stays in the token ids and
+    in the counts."""
+    if finished and finish_reason == "stop" and token_ids:
+        return token_ids[:-1]
+    return token_ids

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from pdserve.engine.detokenizer import TextStream
+from pdserve.engine.detokenizer import TextStream, text_tokens
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 
@@ -124,7 +124,8 @@ class LLM:
                         o.logprobs = (o.logprobs or []) + step_out.logprobs
                     o.num_cached_tokens = step_out.num_cached_tokens
                     text = texts[o.request_id]
-                    o.text += text.push(step_out.new_token_ids, final=step_out.finished)
+                    shown = text_tokens(step_out.new_token_ids, step_out.finished, step_out.finish_reason)
+                    o.text += text.push(shown, final=step_out.finished)
                     if text.stopped is not None:  # a stop string: the text ends before it
                         o.finish_reason, o.stop_reason = "stop", text.stopped
                         engine.abort(o.request_id)

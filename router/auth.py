@@ -20,7 +20,7 @@ import grpc
 from pdserve.router.http_limits import EdgeState
 
 # HTTP paths that answer without the key: load balancers' probes and Prometheus carry none.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # /ping: /health by vLLM's other name
 # gRPC services that answer without the key (health checking, as /health).
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/",)
 

@@ -1,15 +1,17 @@
 """The OpenAI-compatible HTTP edge (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, vLLM's
-/tokenize, /detokenize and /version, /health (and /metrics).
+/tokenize, /detokenize, /version and /ping, /health (and /metrics).
 
 Like the gRPC edge it converts at the edge and iterates the router core (``stream_output``);
 neither edge knows the other. A request with ``n`` choices (or several prompts) runs as that many
-router requests, merged into one response. Errors are OpenAI error objects: 400 bad input, 404
-an unknown model, 408 a body that does not arrive in time, 413 a body over ``max_request_bytes``,
-429 overload, 503 draining, no worker, or the edge's own limits (``router/http_limits.py``,
-``router/body_limit.py``). A client that disconnects cancels its requests (streaming or not):
-their KV is released at once. Every refusal writes an access-log line; repeated error logs are
-rate-limited (``pdserve.ratelog``). With an API key every path but /health and /metrics needs
-``Authorization: Bearer KEY`` (``router/auth.py``: 401 otherwise).
+router requests, merged into one response (each body and chunk names the served model, and one
+``created`` time per request). Errors are OpenAI error objects: 400 bad input (also a POST body
+not declared ``application/json``, as vLLM answers it), 404 an unknown model, 408 a body that does
+not arrive in time, 413 a body over ``max_request_bytes``, 429 overload, 503 draining, no worker,
+or the edge's own limits (``router/http_limits.py``, ``router/body_limit.py``). A client that
+disconnects cancels its requests (streaming or not): their KV is released at once. Every refusal
+writes an access-log line; repeated error logs are rate-limited (``pdserve.ratelog``). With an API
+key every path but /health and /metrics needs ``Authorization: Bearer KEY`` (``router/auth.py``:
+401 otherwise).
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ import importlib.metadata
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -51,6 +53,7 @@ from pdserve.router.openai_protocol import (
 from pdserve.router.openai_responses import (
     ChoiceState,
     LogprobFormat,
+    ResponseHead,
     chat_body,
     chat_chunk,
     completion_body,
@@ -79,6 +82,35 @@ def _error(status: int, message: str, type_: str, code: int | str | None = None,
 _FIELD = re.compile(r"^([A-Za-z_\\][\w.\[\]\\]*)(?::| must | has )")  # \ of a key named escaped
 
 
+# vLLM's answer to a POST body that is not declared JSON (a 400, as vLLM sends it).
+JSON_ONLY = "Unsupported Media Type: Only 'application/json' is allowed"
+
+
+async def _json_body(request: Request) -> None:
+    """A request body's ``Content-Type`` is ``application/json`` (parameters such as ``charset``
+    aside), as vLLM requires; InvalidRequest (400) otherwise, before the body is validated."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise InvalidRequest(JSON_ONLY)
+
+
+def _validation_error(errors: Sequence[Any]) -> Response:
+    """The 400 of a body FastAPI could not take: its first error, ``param`` the field it names (a
+    check of the whole body names its field first in its message; JSON that does not parse
+    names none, and says where in the message)."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        where = [p for p in first.get("loc", ()) if p != "body"]
+        why = (first.get("ctx") or {}).get("error", "")
+        at = f" at character {where[0]}" if where else ""
+        return _error(400, f"The body is not valid JSON{at}: {why or first.get('msg')}", "invalid_request_error", 400)
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    if not loc:  # a check of the whole body: its message starts with the field
+        return _bad_request(str(first.get("msg", "invalid request")))
+    return _error(400, f"{loc}: {first.get('msg', 'invalid request')}", "invalid_request_error", 400,
+                  loc)  # not FastAPI's 422  # fmt: skip
+
+
 def _bad_request(message: str) -> Response:
     field = _FIELD.match(message)
     return _error(400, message, "invalid_request_error", 400, field.group(1) if field else None)
@@ -97,6 +129,9 @@ def _error_for(exc: BaseException) -> Response:
     ref = new_id("err")
     logger.error("request failed (%s)", ref, exc_info=exc)
     return _error(500, f"internal error ({ref}; the server log has the details)", "internal_error", 500)
+
+
+JSON_ONLY_BODY = Depends(_json_body)
 
 
 @dataclass(frozen=True)
@@ -246,15 +281,16 @@ class OpenAIServer:
         except InvalidRequest as e:
             return _error_for(e)
         http.scope[CORE_HAS_IT] = True  # from here the core writes each request's access-log line
-        rid = new_id("chatcmpl" if chat else "cmpl")
+        # The served name, whichever alias the request used (as vLLM answers); one time for every chunk.
+        head = ResponseHead(new_id("chatcmpl" if chat else "cmpl"), self.model.name)
         leaders = [None if i % req.n == 0 else i - i % req.n for i in range(len(specs))]
         merged = _merged([stream_output(self.core, s, self.tokenizer) for s in specs], leaders)
         states = [ChoiceState(keep=not req.stream) for _ in specs]
         if req.stream:
-            return await self._stream(req, http, rid, merged, states, logprobs is not None, chat)
-        return await self._collect(req, http, rid, merged, states, logprobs is not None, chat)
+            return await self._stream(req, http, head, merged, states, logprobs is not None, chat)
+        return await self._collect(req, http, head, merged, states, logprobs is not None, chat)
 
-    async def _collect(self, req: _Common, http: Request, rid: str, merged: AsyncIterator[tuple[int, Chunk]],
+    async def _collect(self, req: _Common, http: Request, head: ResponseHead, merged: AsyncIterator[tuple[int, Chunk]],
                        states: list[ChoiceState], logprobs: bool, chat: bool) -> Response:  # fmt: skip
         async def run() -> None:
             async with contextlib.aclosing(merged):  # type: ignore[type-var]
@@ -269,9 +305,9 @@ class OpenAIServer:
             return _error_for(e)
         # Off the event loop: a body of many choices with logprobs takes a while to build and encode.
         build = chat_body if chat else completion_body
-        return await asyncio.to_thread(lambda: JSONResponse(build(rid, req.model, states, req.n, self.fmt, logprobs)))
+        return await asyncio.to_thread(lambda: JSONResponse(build(head, states, req.n, self.fmt, logprobs)))
 
-    async def _stream(self, req: _Common, http: Request, rid: str, merged: AsyncIterator[tuple[int, Chunk]],
+    async def _stream(self, req: _Common, http: Request, head: ResponseHead, merged: AsyncIterator[tuple[int, Chunk]],
                       states: list[ChoiceState], logprobs: bool, chat: bool) -> Response:  # fmt: skip
         # The first chunk decides the status: a request refused before it started (overload,
         # no worker) gets a proper 4xx/5xx, not a 200 stream that carries an error.
@@ -295,18 +331,17 @@ class OpenAIServer:
                         i, chunk = item
                         if chat and not states[i].started:  # the role alone, then the text
                             states[i].started = True
-                            yield _sse(role_chunk(rid, req.model, i, usage_body([chunk.usage], 0) if continuous
-                                                  else None))  # fmt: skip
+                            yield _sse(role_chunk(head, i, usage_body([chunk.usage], 0) if continuous else None))
                         states[i].add(chunk)
                         if continuous and chunk.token_ids:  # vLLM's: this choice's usage so far
-                            body = make(rid, req.model, i, states[i], chunk, self.fmt, logprobs)
+                            body = make(head, i, states[i], chunk, self.fmt, logprobs)
                             yield _sse({**body, "usage": usage_body([chunk.usage], chunk.usage.completion_tokens)})
                         elif chunk.text or chunk.finished or chunk.logprobs:
-                            yield _sse(make(rid, req.model, i, states[i], chunk, self.fmt, logprobs))
+                            yield _sse(make(head, i, states[i], chunk, self.fmt, logprobs))
                     if req.include_usage:
-                        yield _sse(usage_chunk(rid, req.model, obj, request_usage(states, req.n)))
+                        yield _sse(usage_chunk(head, obj, request_usage(states, req.n)))
                 except Exception as e:  # noqa: BLE001 - the status is sent: report it in the stream
-                    logger.warning("stream %s failed: %s", rid, e)
+                    logger.warning("stream %s failed: %s", head.id, e)
                     yield _sse(json.loads(_error_for(e).body))
             yield "data: [DONE]\n\n"
 
@@ -361,13 +396,11 @@ def build_app(server: OpenAIServer, state: EdgeState, metrics: Callable[[], Awai
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> Response:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        if not loc:  # a check of the whole body: its message starts with the field
-            return _bad_request(str(first.get("msg", "invalid request")))
-        return _error(400, f"{loc}: {first.get('msg', 'invalid request')}", "invalid_request_error", 400,
-                      loc)  # not FastAPI's 422  # fmt: skip
+        return _validation_error(exc.errors())
+
+    @app.exception_handler(InvalidRequest)
+    async def refused(_request: Request, exc: InvalidRequest) -> Response:  # a dependency's: _json_body
+        return _error_for(exc)
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> Response:  # unknown route, wrong method
@@ -379,7 +412,9 @@ def build_app(server: OpenAIServer, state: EdgeState, metrics: Callable[[], Awai
     async def internal(_request: Request, exc: Exception) -> Response:
         return _error_for(exc)
 
+    # vLLM's /ping (GET and POST) is /health under another name.
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])
     async def health() -> Response:
         return Response(status_code=200 if server.is_serving() else 503)
 
@@ -390,11 +425,11 @@ def build_app(server: OpenAIServer, state: EdgeState, metrics: Callable[[], Awai
     async def models() -> dict:
         return await server.models()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[JSON_ONLY_BODY])
     async def completions(req: CompletionRequest, http: Request) -> Response:
         return await server.completions(req, http)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[JSON_ONLY_BODY])
     async def chat(req: ChatCompletionRequest, http: Request) -> Response:
         return await server.chat(req, http)
 
@@ -409,11 +444,11 @@ def _add_vllm_routes(app: FastAPI, server: OpenAIServer) -> None:
     """vLLM's routes beside the OpenAI API: /tokenize, /detokenize, /version."""
     version = {"version": package_version()}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=[JSON_ONLY_BODY])
     async def tokenize_route(req: TokenizeRequest) -> Response:
         return await server.tokenize(req)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=[JSON_ONLY_BODY])
     async def detokenize_route(req: DetokenizeRequest) -> Response:
         return await server.detokenize(req)
 

@@ -9,7 +9,8 @@ is built and checked with the grammar library here (``_Common.constraint``), so 
 server cannot honour are refused by name (400) when set to anything but their neutral value
 (``UNSUPPORTED``); fields it does not know at all are ignored, as OpenAI's clients send more over
 time. Every string of a body, known field or not, must be valid Unicode (JSON's escapes can spell
-a lone surrogate): 400 naming where, before anything else reads it.
+a lone surrogate): 400 naming where, before anything else reads it. Chat messages reach the
+model's template as vLLM passes them, tool-call history included (``ChatMessage.template_dict``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pydantic_core import PydanticCustomError
 
 from pdserve.engine.chat_template import reserved_variable
-from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.engine.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from pdserve.engine.structured import ConstraintError, StructuredOutputsParams
 from pdserve.engine.structured.request_fields import GUIDED_FIELDS, from_request
 from pdserve.router.requests import InvalidRequest, Prompt, sampling_params
@@ -54,7 +55,20 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "guided_whitespace_pattern": (None,),
     "truncate_prompt_tokens": (None,),
+    "truncation_side": (None,),
+    "echo": (None, False),  # chat's (completions declares it and refuses it itself)
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "return_tokens_as_token_ids": (None, False),
+    "logprob_token_ids": (None, []),
+    "spaces_between_special_tokens": (None, True),
+    "reasoning_effort": (None,),
 }
+# Assistant tool calls (with their parsed arguments) nest at most this deep in a message.
+MAX_TOOL_CALLS_DEPTH = 16
+CONTINUE_FINAL_MESSAGE = "continue_final_message: not supported by this server (leave it out or send False)"
 
 
 def _invalid_unicode_at(data: Any) -> str | None:
@@ -143,6 +157,15 @@ class _Common(_Body):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_options_need_stream(cls, data: Any) -> Any:
+        """vLLM's rule: ``stream_options`` (set to anything but empty) only with ``stream: true``."""
+        if isinstance(data, dict) and data.get("stream_options") and data.get("stream") is not True:
+            raise PydanticCustomError("stream_options", "{message}", {
+                "message": "stream_options: stream options can only be defined when stream=True"})  # fmt: skip
+        return data
+
     def _refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
         for name, neutral in UNSUPPORTED.items():
@@ -151,7 +174,7 @@ class _Common(_Body):
 
     def params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
         """The sampling parameters of choice ``choice`` (of ``n``): with a seed, choice i samples
-        with seed + i, so the n choices differ and each is reproducible."""
+        with ``choice_seed(seed, i)``, so the n choices differ and each is reproducible."""
         self._refuse_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return sampling_params(
@@ -159,7 +182,7 @@ class _Common(_Body):
             temperature=OPENAI_TEMPERATURE if self.temperature is None else self.temperature,
             top_p=self.top_p,
             top_k=0 if self.top_k == -1 else self.top_k,  # -1: vLLM's "off"
-            seed=None if self.seed is None else self.seed + choice,
+            seed=None if self.seed is None else choice_seed(self.seed, choice),
             stop=tuple(stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
@@ -184,6 +207,14 @@ class _Common(_Body):
     @property
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """Choice ``choice``'s seed: ``seed + choice``, wrapped past the top of the seed range (a
+    64-bit integer) to its unsigned bottom, so a seed near the top still serves every choice. A
+    seed outside the range is returned as it is, for the sampling parameters to refuse by value."""
+    top = SEED_RANGE[1]
+    return seed + choice - top if seed < top <= seed + choice else seed + choice
 
 
 class CompletionRequest(_Common):
@@ -226,10 +257,32 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """A chat message: its text, and the tool-call history the model's template may render
+    (an assistant's ``tool_calls``, a tool's ``tool_call_id``, any message's ``name``)."""
+
     model_config = ConfigDict(extra="ignore")
 
     role: StrictStr
     content: StrictStr | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None
+    name: StrictStr | None = None
+
+    def template_dict(self, i: int) -> dict[str, Any]:
+        """The message as the chat template gets it, as vLLM passes it: ``role``, ``content``
+        (text), ``name`` when given, an assistant's non-empty ``tool_calls`` (each function's
+        ``arguments`` parsed to an object: templates expect one) and a tool's ``tool_call_id``.
+        InvalidRequest names a refused part."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text(i)}
+        if self.role == "assistant" and self.tool_calls:
+            out["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(self.tool_calls)]
+            if _depth(out["tool_calls"]) > MAX_TOOL_CALLS_DEPTH:
+                raise InvalidRequest(f"messages[{i}].tool_calls: nested deeper than {MAX_TOOL_CALLS_DEPTH}")
+        if self.role == "tool" and self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self, i: int) -> str:
         """The content as one string: text parts are joined; other parts (images...) are refused."""
@@ -245,6 +298,22 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
 
+def _tool_call(call: dict[str, Any], where: str) -> dict[str, Any]:
+    """An assistant's tool call for the template: a function call whose ``arguments`` (OpenAI's
+    JSON text) are an object; arguments that are not a JSON object read as ``{}``, as vLLM reads
+    them (a malformed call in the history must not fail every later turn)."""
+    function = call.get("function")
+    if call.get("type", "function") != "function" or not isinstance(function, dict):
+        raise InvalidRequest(f"{where}: only tool calls of type 'function' (with a function object) are supported")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments else {}
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+            arguments = {}
+    return {**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}}
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_tokens: StrictInt | None = Field(None, ge=1)
@@ -252,15 +321,21 @@ class ChatCompletionRequest(_Common):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool | None = None
     tools: list[Any] | None = None
     chat_template: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def prompt(self) -> Prompt:
+        """The chat as /tokenize renders it for the same fields: ``add_special_tokens`` as there
+        (the template's special tokens only, unless true), ``continue_final_message`` refused."""
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs: true")
+        if self.continue_final_message:
+            raise InvalidRequest(CONTINUE_FINAL_MESSAGE)
         return chat_prompt(self.messages, self.add_generation_prompt, self.chat_template, self.chat_template_kwargs,
-                           self.tools)  # fmt: skip
+                           self.tools, add_special_tokens=bool(self.add_special_tokens))  # fmt: skip
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -284,7 +359,7 @@ def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool, chat_t
         # refuses it unless the operator trusts every client).
         raise InvalidRequest("chat_template: per-request chat templates are not supported by this server (the "
                              "model's template is used; set its variables with chat_template_kwargs)")  # fmt: skip
-    texts = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+    texts = [m.template_dict(i) for i, m in enumerate(messages)]
     return Prompt(messages=texts, add_generation_prompt=add_generation_prompt, add_special_tokens=add_special_tokens,
                   chat_template_kwargs=template_kwargs(chat_template_kwargs))  # fmt: skip
 
@@ -348,7 +423,7 @@ class TokenizeRequest(_Body):
         if self.prompt is not None:
             return Prompt(text=self.prompt, add_special_tokens=self.add_special_tokens is not False)
         if self.continue_final_message:
-            raise InvalidRequest("continue_final_message: not supported by this server (leave it out or send False)")
+            raise InvalidRequest(CONTINUE_FINAL_MESSAGE)
         assert self.messages is not None
         return chat_prompt(self.messages, self.add_generation_prompt, self.chat_template, self.chat_template_kwargs,
                            self.tools, add_special_tokens=bool(self.add_special_tokens))  # fmt: skip

@@ -26,6 +26,19 @@ def now() -> int:
     return int(time.time())
 
 
+@dataclass(frozen=True)
+class ResponseHead:
+    """What every body and chunk of one response repeats: its ``id``, the served ``model`` name
+    and ``created``, taken once per request (as vLLM does: every chunk of a stream has the same)."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=now)
+
+    def fields(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
 def error_body(message: str, type_: str, code: int | str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -123,17 +136,16 @@ def request_usage(choices: Sequence[ChoiceState], n: int) -> dict:
     return usage_body(per_prompt, sum(c.usage.completion_tokens for c in choices))
 
 
-def completion_body(rid: str, model: str, choices: Sequence[ChoiceState], n: int, fmt: LogprobFormat,
+def completion_body(head: ResponseHead, choices: Sequence[ChoiceState], n: int, fmt: LogprobFormat,
                     logprobs: bool) -> dict:  # fmt: skip
     out = []
     for i, c in enumerate(choices):
         lp = fmt.completion(c.logprobs, 0)[0] if logprobs else None
         out.append({"index": i, "text": "".join(c.text), "logprobs": lp, "finish_reason": c.finish_reason})
-    return {"id": rid, "object": "text_completion", "created": now(), "model": model, "choices": out,
-            "usage": request_usage(choices, n)}  # fmt: skip
+    return {**head.fields("text_completion"), "choices": out, "usage": request_usage(choices, n)}
 
 
-def chat_body(rid: str, model: str, choices: Sequence[ChoiceState], n: int, fmt: LogprobFormat,
+def chat_body(head: ResponseHead, choices: Sequence[ChoiceState], n: int, fmt: LogprobFormat,
               logprobs: bool) -> dict:  # fmt: skip
     out = []
     for i, c in enumerate(choices):
@@ -143,21 +155,20 @@ def chat_body(rid: str, model: str, choices: Sequence[ChoiceState], n: int, fmt:
             "logprobs": fmt.chat(c.logprobs) if logprobs else None,
             "finish_reason": c.finish_reason,
         })  # fmt: skip
-    return {"id": rid, "object": "chat.completion", "created": now(), "model": model, "choices": out,
-            "usage": request_usage(choices, n)}  # fmt: skip
+    return {**head.fields("chat.completion"), "choices": out, "usage": request_usage(choices, n)}
 
 
-def completion_chunk(rid: str, model: str, index: int, state: ChoiceState, chunk: Chunk, fmt: LogprobFormat,
+def completion_chunk(head: ResponseHead, index: int, state: ChoiceState, chunk: Chunk, fmt: LogprobFormat,
                      logprobs: bool) -> dict:  # fmt: skip
     lp = None
     if logprobs and chunk.logprobs:
         lp, state.offset = fmt.completion(chunk.logprobs, state.offset)
     choice = {"index": index, "text": chunk.text, "logprobs": lp,
               "finish_reason": chunk.finish_reason if chunk.finished else None}  # fmt: skip
-    return {"id": rid, "object": "text_completion", "created": now(), "model": model, "choices": [choice]}
+    return {**head.fields("text_completion"), "choices": [choice]}
 
 
-def chat_chunk(rid: str, model: str, index: int, state: ChoiceState, chunk: Chunk, fmt: LogprobFormat,
+def chat_chunk(head: ResponseHead, index: int, state: ChoiceState, chunk: Chunk, fmt: LogprobFormat,
                logprobs: bool) -> dict:  # fmt: skip
     """A choice's text (and logprobs, finish reason) as it streams; its role went in ``role_chunk``."""
     delta: dict[str, Any] = {"content": chunk.text} if chunk.text else {}
@@ -167,16 +178,16 @@ def chat_chunk(rid: str, model: str, index: int, state: ChoiceState, chunk: Chun
         "logprobs": fmt.chat(chunk.logprobs) if logprobs and chunk.logprobs else None,
         "finish_reason": chunk.finish_reason if chunk.finished else None,
     }
-    return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [choice]}
+    return {**head.fields("chat.completion.chunk"), "choices": [choice]}
 
 
-def role_chunk(rid: str, model: str, index: int, usage: dict | None = None) -> dict:
+def role_chunk(head: ResponseHead, index: int, usage: dict | None = None) -> dict:
     """The first chunk of a streamed chat choice, as OpenAI and vLLM send it: the role and an
     empty content, nothing else (``usage``: vLLM's continuous usage, nothing generated yet)."""
     choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    body = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [choice]}
+    body = {**head.fields("chat.completion.chunk"), "choices": [choice]}
     return body if usage is None else {**body, "usage": usage}
 
 
-def usage_chunk(rid: str, model: str, obj: str, usage: dict) -> dict:
-    return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [], "usage": usage}
+def usage_chunk(head: ResponseHead, obj: str, usage: dict) -> dict:
+    return {**head.fields(obj), "choices": [], "usage": usage}

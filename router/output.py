@@ -2,7 +2,10 @@
 
 Both edges iterate ``stream_output``; it detokenizes incrementally, applies the request's stop
 strings (the request ends when one appears, as vLLM does: the text stops before it, finish reason
-"stop") and counts the generated tokens for ``usage``.
+"stop") and counts the generated tokens for ``usage``. A request that a worker ends with finish
+reason "stop" ended on a stop token (EOS, one of its ``stop_token_ids``, or the EOS that completes
+a structured-output constraint): as in vLLM, that token's text is not part of the output, while its
+id stays in ``token_ids`` and in ``usage``.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pdserve.engine.detokenizer import TextStream, TokenDecoder
+from pdserve.engine.detokenizer import TextStream, TokenDecoder, text_tokens
 from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.router.core import Outcome, RouterCore
 from pdserve.worker.messages import RequestSpec
@@ -53,7 +56,7 @@ async def stream_output(core: RouterCore, spec: RequestSpec, tokenizer: TokenDec
     async with contextlib.aclosing(core.generate(spec, outcome)) as events:
         async for ev in events:
             completion += len(ev.token_ids)
-            delta = text.push(ev.token_ids, final=ev.finished)
+            delta = text.push(text_tokens(ev.token_ids, ev.finished, ev.finish_reason), final=ev.finished)
             stopped = text.stopped is not None
             usage = Usage(
                 ev.usage.get("prompt_tokens", len(spec.prompt_token_ids)), completion,
@@ -66,3 +69,4 @@ async def stream_output(core: RouterCore, spec: RequestSpec, tokenizer: TokenDec
             yield Chunk(list(ev.token_ids), delta, finished, reason, usage, ev.ttft_ms, ev.logprobs)
             if finished:
                 return
+

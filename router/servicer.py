@@ -111,6 +111,8 @@ def _constraint(text: str, tokenizer: ModelTokenizer) -> StructuredOutputsParams
         obj = json.loads(text)
     except ValueError as e:
         raise InvalidRequest(f"sampling.structured_outputs: not JSON ({e})") from None
+    except RecursionError:  # the client's nesting, past the parser's recursion: its error, not the server's
+        raise InvalidRequest("sampling.structured_outputs: not valid JSON here (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise InvalidRequest("sampling.structured_outputs: must be a JSON object, e.g. {\"regex\": \"[0-9]+\"}")
     try:

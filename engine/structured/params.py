@@ -61,7 +61,10 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.json, Mapping):
-            object.__setattr__(self, "json", _json.dumps(dict(self.json), ensure_ascii=False))
+            try:
+                object.__setattr__(self, "json", _json.dumps(dict(self.json), ensure_ascii=False))
+            except RecursionError:  # nested past what the encoder's recursion takes
+                raise ConstraintError("json", "nested too deeply") from None
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
         for flag in ("json_object", "disable_any_whitespace"):
@@ -106,10 +109,14 @@ class StructuredOutputsParams:
 
 
 def _check_schema_text(text: str) -> None:
+    """The schema text parses to a JSON object; ConstraintError (kind ``json``) otherwise, also
+    for text nested past the parser's recursion (a client's, so a 400, not a server error)."""
     try:
         schema = _json.loads(text)
     except ValueError as e:
         raise ConstraintError("json", f"not valid JSON ({e})") from None
+    except RecursionError:
+        raise ConstraintError("json", "not valid JSON here (nested too deeply)") from None
     if not isinstance(schema, dict):
         raise ConstraintError("json", f"a JSON schema must be an object, got {type(schema).__name__}")
 

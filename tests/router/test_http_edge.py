@@ -129,12 +129,15 @@ def test_nulls_read_as_defaults_wrong_types_refused_and_405_says_allow(tiny_mode
     name = Path(tiny_model).name
     chat = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
     nulls = {"n": None, "stream": None, "logprobs": None, "ignore_eos": None, "add_generation_prompt": None,
-             "stream_options": {"include_usage": None}, "temperature": None, "max_tokens": None}  # fmt: skip
+             "temperature": None, "max_tokens": None}  # fmt: skip
 
     async def test(_router: Router, address: str) -> None:
         async with httpx.AsyncClient(timeout=60) as client:
             r = await client.post(f"http://{address}/v1/chat/completions", json={**chat, **nulls})
             assert r.status_code == 503 and "decode worker" in r.json()["error"]["message"], r.text
+            r = await client.post(f"http://{address}/v1/chat/completions",
+                                  json={**chat, "stream": True, "stream_options": {"include_usage": None}})  # fmt: skip
+            assert r.status_code == 503, r.text
             r = await client.post(f"http://{address}/v1/completions",
                                   json={"model": name, "prompt": "hi", "echo": None, "n": None})  # fmt: skip
             assert r.status_code == 503, r.text

@@ -25,7 +25,7 @@ from pdserve.kvindex.config import IndexConfig
 from pdserve.router.actor import Router
 from pdserve.router.auth import bearer_matches
 from pdserve.router.config import RouterConfig
-from pdserve.router.openai_responses import ChoiceState, LogprobFormat, chat_chunk, role_chunk, usage_body
+from pdserve.router.openai_responses import ChoiceState, LogprobFormat, ResponseHead, chat_chunk, role_chunk, usage_body
 from pdserve.router.output import Chunk, Usage
 from pdserve.v1 import router_pb2 as pb
 from pdserve.v1 import router_pb2_grpc as pb_grpc
@@ -127,20 +127,20 @@ def test_tokenize_refusals_are_openai_error_objects(tiny_model: str) -> None:
 
 def test_the_chat_stream_opens_each_choice_with_the_role_alone() -> None:
     """OpenAI's and vLLM's shape: ``{"role": "assistant", "content": ""}``, then the text."""
-    rid, model = "chatcmpl-1", "m"
+    head = ResponseHead("chatcmpl-1", "m")
     usage = Usage(prompt_tokens=7, completion_tokens=1)
-    first = role_chunk(rid, model, 2)
+    first = role_chunk(head, 2)
     parsed = ChatCompletionChunk.model_validate(first)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert parsed.choices[0].index == 2 and parsed.choices[0].finish_reason is None and parsed.usage is None
-    with_usage = ChatCompletionChunk.model_validate(role_chunk(rid, model, 0, usage_body([usage], 0)))
+    with_usage = ChatCompletionChunk.model_validate(role_chunk(head, 0, usage_body([usage], 0)))
     assert with_usage.usage is not None
     assert (with_usage.usage.prompt_tokens, with_usage.usage.completion_tokens) == (7, 0)
     state = ChoiceState(started=True)
     fmt = LogprobFormat(None)  # type: ignore[arg-type]  # no logprobs asked
-    text = chat_chunk(rid, model, 0, state, Chunk([5], "Hi", False, None, usage), fmt, False)
+    text = chat_chunk(head, 0, state, Chunk([5], "Hi", False, None, usage), fmt, False)
     assert text["choices"][0]["delta"] == {"content": "Hi"}
-    last = ChatCompletionChunk.model_validate(chat_chunk(rid, model, 0, state, Chunk([6], "", True, "length", usage),
+    last = ChatCompletionChunk.model_validate(chat_chunk(head, 0, state, Chunk([6], "", True, "length", usage),
                                                          fmt, False))  # fmt: skip
     assert last.choices[0].delta.role is None and last.choices[0].finish_reason == "length"
 
@@ -181,6 +181,7 @@ def test_the_api_key_guards_both_edges_but_not_health_or_metrics(tiny_model: str
                     assert r.headers["www-authenticate"] == "Bearer"
                     assert r.json()["error"]["code"] == "invalid_api_key" and KEY not in r.text
             assert (await client.get("/health")).status_code == 200
+            assert (await client.get("/ping")).status_code == (await client.post("/ping")).status_code == 200
             assert (await client.get("/metrics")).status_code == 200
             ok = {"Authorization": f"Bearer {KEY}"}
             assert (await client.get("/v1/models", headers=ok)).json()["data"][0]["id"] == name
