@@ -19,15 +19,12 @@ gets :class:`ChannelBroken` and the channel stays broken; the caller opens a new
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 from typing import Any
 
 import ray
 
 from pdserve.worker.messages import DecodeEvent
-
-logger = logging.getLogger(__name__)
 
 
 class ChannelBroken:

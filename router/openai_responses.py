@@ -111,6 +111,7 @@ class ChoiceState:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     usage: Usage = field(default_factory=Usage)
     offset: int = 0  # legacy logprobs: text offset of the next token
     started: bool = False  # chat streams: the role chunk was sent
@@ -122,7 +123,7 @@ class ChoiceState:
             if chunk.logprobs:
                 self.logprobs.extend(chunk.logprobs)
         if chunk.finished:
-            self.finish_reason = chunk.finish_reason
+            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
         self.usage = chunk.usage
 
 
@@ -141,7 +142,8 @@ def completion_body(head: ResponseHead, choices: Sequence[ChoiceState], n: int, 
     out = []
     for i, c in enumerate(choices):
         lp = fmt.completion(c.logprobs, 0)[0] if logprobs else None
-        out.append({"index": i, "text": "".join(c.text), "logprobs": lp, "finish_reason": c.finish_reason})
+        out.append({"index": i, "text": "".join(c.text), "logprobs": lp, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason})  # fmt: skip
     return {**head.fields("text_completion"), "choices": out, "usage": request_usage(choices, n)}
 
 
@@ -154,6 +156,7 @@ def chat_body(head: ResponseHead, choices: Sequence[ChoiceState], n: int, fmt: L
             "message": {"role": "assistant", "content": "".join(c.text)},
             "logprobs": fmt.chat(c.logprobs) if logprobs else None,
             "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
         })  # fmt: skip
     return {**head.fields("chat.completion"), "choices": out, "usage": request_usage(choices, n)}
 
@@ -164,7 +167,8 @@ def completion_chunk(head: ResponseHead, index: int, state: ChoiceState, chunk: 
     if logprobs and chunk.logprobs:
         lp, state.offset = fmt.completion(chunk.logprobs, state.offset)
     choice = {"index": index, "text": chunk.text, "logprobs": lp,
-              "finish_reason": chunk.finish_reason if chunk.finished else None}  # fmt: skip
+              "finish_reason": chunk.finish_reason if chunk.finished else None,
+              "stop_reason": chunk.stop_reason if chunk.finished else None}  # fmt: skip
     return {**head.fields("text_completion"), "choices": [choice]}
 
 
@@ -177,6 +181,7 @@ def chat_chunk(head: ResponseHead, index: int, state: ChoiceState, chunk: Chunk,
         "delta": delta,
         "logprobs": fmt.chat(chunk.logprobs) if logprobs and chunk.logprobs else None,
         "finish_reason": chunk.finish_reason if chunk.finished else None,
+        "stop_reason": chunk.stop_reason if chunk.finished else None,
     }
     return {**head.fields("chat.completion.chunk"), "choices": [choice]}
 

@@ -44,6 +44,9 @@ class Chunk:
     usage: Usage
     ttft_ms: float | None = None
     logprobs: list[TokenLogprobs] | None = field(default=None)
+    # vLLM's stop_reason, on the finishing chunk: the stop string or the stop token id (one of the
+    # request's stop_token_ids) that ended it; None otherwise (EOS, length).
+    stop_reason: str | int | None = None
 
 
 async def stream_output(core: RouterCore, spec: RequestSpec, tokenizer: TokenDecoder) -> AsyncIterator[Chunk]:
@@ -66,7 +69,11 @@ async def stream_output(core: RouterCore, spec: RequestSpec, tokenizer: TokenDec
             reason = "stop" if stopped else ev.finish_reason
             if stopped:
                 outcome.finish_reason = "stop"  # the core's stream is closed next: not an abort
-            yield Chunk(list(ev.token_ids), delta, finished, reason, usage, ev.ttft_ms, ev.logprobs)
+            stop_reason: str | int | None = text.stopped
+            if not stopped and ev.finished and reason == "stop" and ev.token_ids[-1:]:
+                last = ev.token_ids[-1]
+                stop_reason = last if last in spec.params.stop_token_ids else None
+            yield Chunk(list(ev.token_ids), delta, finished, reason, usage, ev.ttft_ms, ev.logprobs, stop_reason)
             if finished:
                 return
 

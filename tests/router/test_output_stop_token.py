@@ -74,11 +74,11 @@ def test_the_stop_tokens_text_is_not_output(redis_server, tiny_model: str) -> No
     tok = load_tokenizer(tiny_model)
     hi, bang = tok.encode("Hi", False, False), tok.encode("!", False, False)[0]
     name = Path(tiny_model).name
-    cases = [  # (tokens, finish reason, stop_token_ids, text): "!" ends the request, its text not output
-        (hi + [bang], "stop", [bang], "Hi"),
-        (hi + [tok.eos_token_id], "stop", [], "Hi"),
-        ([bang], "stop", [bang], ""),  # the first token stops it
-        (hi + [bang], "length", [], "Hi!"),  # max_tokens: every token's text
+    cases = [  # (tokens, finish reason, stop_token_ids, text, stop_reason): "!" ends it, its text not output
+        (hi + [bang], "stop", [bang], "Hi", bang),
+        (hi + [tok.eos_token_id], "stop", [], "Hi", None),  # EOS: no stop_reason, as in vLLM
+        ([bang], "stop", [bang], "", bang),  # the first token stops it
+        (hi + [bang], "length", [], "Hi!", None),  # max_tokens: every token's text
     ]
 
     async def run(router: Router, http: str, address: str) -> None:
@@ -86,13 +86,14 @@ def test_the_stop_tokens_text_is_not_output(redis_server, tiny_model: str) -> No
         stub = pb_grpc.RouterStub(channel)
         try:
             async with httpx.AsyncClient(base_url=f"http://{http}", timeout=60) as client:
-                for tokens, reason, stop_ids, text in cases:
+                for tokens, reason, stop_ids, text, stop_reason in cases:
                     router.core.workers = ScriptedWorkers(tokens, reason)
                     body = {"model": name, "prompt": "hello", "max_tokens": len(tokens), "stop_token_ids": stop_ids}
                     r = await client.post("/v1/completions", json=body)
                     assert r.status_code == 200, r.text
                     choice, usage = r.json()["choices"][0], r.json()["usage"]
                     assert (choice["text"], choice["finish_reason"]) == (text, reason), (tokens, r.text)
+                    assert choice["stop_reason"] == stop_reason, r.text
                     assert usage["completion_tokens"] == len(tokens)
                     streaming = {**body, "stream": True, "stream_options": {"include_usage": True}}
                     r = await client.post("/v1/completions", json=streaming)
@@ -102,11 +103,20 @@ def test_the_stop_tokens_text_is_not_output(redis_server, tiny_model: str) -> No
                         "model": name, "messages": [{"role": "user", "content": "hello"}], "max_tokens": len(tokens),
                         "stop_token_ids": stop_ids})  # fmt: skip
                     assert r.json()["choices"][0]["message"]["content"] == text, r.text
+                    assert r.json()["choices"][0]["stop_reason"] == stop_reason, r.text
                     request = pb.GenerateRequest(text="hello", sampling=pb.SamplingOptions(
                         max_tokens=len(tokens), stop_token_ids=stop_ids))  # fmt: skip
                     out = [m async for m in stub.Generate(request)]
                     assert [t for m in out for t in m.token_ids] == tokens  # gRPC's ids: every token
                     assert "".join(m.text for m in out) == text and out[-1].finish_reason == reason
+                # A stop string: the text ends before it, and it is the stop_reason.
+                router.core.workers = ScriptedWorkers(hi + [bang], "length")
+                body = {"model": name, "prompt": "hello", "max_tokens": 3, "stop": ["i"], "stream": True}
+                events = [json.loads(x[6:]) for x in (await client.post("/v1/completions", json=body)).text.splitlines()
+                          if x.startswith("data: {")]  # fmt: skip
+                last = events[-1]["choices"][0]
+                assert (last["finish_reason"], last["stop_reason"]) == ("stop", "i"), events
+                assert "".join(e["choices"][0]["text"] for e in events) == "H"
         finally:
             await channel.close()
 
