@@ -17,8 +17,21 @@ from tests.support.polling import wait_until, wait_until_async
 from tests.support.service import shared_ray
 
 
+class ChannelWorker:
+    """A decode actor's event channel, as ``DecodeWorker`` serves it (``decode_worker/outbox.py``)."""
+
+    outboxes: Outboxes
+
+    async def events(self, channel: str, ttl_s: float):  # noqa: ANN201 - a Ray stream
+        async for batch in self.outboxes.serve(channel, ttl_s):
+            yield batch
+
+    async def renew(self, channel: str) -> bool:
+        return self.outboxes.renew(channel)
+
+
 @ray.remote
-class CountingDecode:
+class CountingDecode(ChannelWorker):
     """A decode actor whose streams run to ``max_tokens`` unless cancelled; it records the drops and
     prefetches it gets."""
 
@@ -33,13 +46,6 @@ class CountingDecode:
 
     async def prefetches(self) -> list[str]:
         return list(self.prefetched)
-
-    async def events(self, channel: str, ttl_s: float):  # noqa: ANN201 - a Ray stream
-        async for batch in self.outboxes.serve(channel, ttl_s):
-            yield batch
-
-    async def renew(self, channel: str) -> bool:
-        return self.outboxes.renew(channel)
 
     async def run(self, spec: RequestSpec, prefill: object, channel: str) -> int:
         async def generate():  # noqa: ANN202
@@ -144,7 +150,7 @@ def test_a_cancelled_prefill_is_dropped_by_id_with_its_prefetch_and_released_onc
 
 
 @ray.remote
-class FailingWorker:
+class FailingWorker(ChannelWorker):
     """A prefill that refuses its request, and a decode stream that fails after one event."""
 
     def __init__(self) -> None:
@@ -152,13 +158,6 @@ class FailingWorker:
 
     async def prefill(self, spec: RequestSpec) -> PrefillResult:
         raise ValueError("max_tokens: the request needs 40 KV blocks, the pool has 8")
-
-    async def events(self, channel: str, ttl_s: float):  # noqa: ANN201 - a Ray stream
-        async for batch in self.outboxes.serve(channel, ttl_s):
-            yield batch
-
-    async def renew(self, channel: str) -> bool:
-        return self.outboxes.renew(channel)
 
     async def run(self, spec: RequestSpec, prefill: object, channel: str) -> int:
         async def generate():  # noqa: ANN202
@@ -198,7 +197,7 @@ def test_a_workers_error_reaches_the_router_without_its_host_or_traceback() -> N
 
 
 @ray.remote(max_restarts=1)
-class SteppingDecode:
+class SteppingDecode(ChannelWorker):
     """A decode actor whose streams all advance together, one token per tick (as an engine's steps
     advance every running request); it counts the messages and events it sent on its channels.
     The request "dropped" is dropped after two tokens (``run`` returns, unfinished)."""
@@ -214,9 +213,6 @@ class SteppingDecode:
             await asyncio.sleep(0.002)
             self.tick.set()
             self.tick = asyncio.Event()
-
-    async def renew(self, channel: str) -> bool:
-        return self.outboxes.renew(channel)
 
     async def events(self, channel: str, ttl_s: float):  # noqa: ANN201 - a Ray stream
         if self.ticker is None:
