@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-json", action="store_true", default=None, help="log one JSON object per line")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="clients of the HTTP and gRPC APIs must send 'Authorization: Bearer KEY' (default "
-                        "$PDSERVE_API_KEY, which keeps it out of ps; /health and /metrics stay open)")  # fmt: skip
+                        "$PDSERVE_API_KEY, which keeps it out of ps; /health, /ping and /metrics stay open)")  # fmt: skip
     p.add_argument("--config", default=None, help="service config file (JSON); flags override it")
 
     p = sub.add_parser("generate", help="generate via a running router or offline with --model")

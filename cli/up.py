@@ -160,7 +160,7 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"state in {state} (pdserve stats reads the Redis URL there)", flush=True)
         if config.router.api_key:  # never the key itself, here or in the state file
             print("API key required: HTTP 'Authorization: Bearer KEY', gRPC metadata 'authorization: Bearer KEY' "
-                  "(/health and /metrics open)", flush=True)  # fmt: skip
+                  "(/health, /ping and /metrics open)", flush=True)  # fmt: skip
         while not stop.wait(SUPERVISE_INTERVAL_S):
             for note in service.supervise():
                 print(note, flush=True)

@@ -73,7 +73,7 @@ class RouterConfig:
     # router that died: Ray does not end a dead caller's tasks).
     decode_channel_ttl_s: float = 30.0
     # The key every client of the HTTP API (``Authorization: Bearer KEY``) and of the gRPC API
-    # (metadata ``authorization: Bearer KEY``) must present; /health and /metrics stay open, and
+    # (metadata ``authorization: Bearer KEY``) must present; /health, /ping and /metrics stay open, and
     # so does gRPC health checking. None: open to anyone who reaches the ports. Default
     # ``PDSERVE_API_KEY``; never logged (no repr), never in the state file.
     api_key: str | None = field(default_factory=envs.api_key, repr=False)

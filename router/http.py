@@ -10,8 +10,8 @@ not arrive in time, 413 a body over ``max_request_bytes``, 429 overload, 503 dra
 or the edge's own limits (``router/http_limits.py``, ``router/body_limit.py``). A client that
 disconnects cancels its requests (streaming or not): their KV is released at once. Every refusal
 writes an access-log line; repeated error logs are rate-limited (``pdserve.ratelog``). With an API
-key every path but /health and /metrics needs ``Authorization: Bearer KEY`` (``router/auth.py``:
-401 otherwise).
+key every path but /health, /ping and /metrics needs ``Authorization: Bearer KEY``
+(``router/auth.py``: 401 otherwise).
 """
 
 from __future__ import annotations
@@ -390,7 +390,7 @@ def build_app(server: OpenAIServer, state: EdgeState, metrics: Callable[[], Awai
               api_key: str | None = None) -> FastAPI:  # fmt: skip
     """The HTTP API, within ``state``'s limits on request bodies (``BodyLimit``), writing an
     access-log line for each refusal; with ``metrics`` (the Prometheus exposition of the cluster)
-    also ``GET /metrics``; with ``api_key`` every path but /health and /metrics needs it
+    also ``GET /metrics``; with ``api_key`` every path but /health, /ping and /metrics needs it
     (``ApiKeyAuth``, checked before the body is read)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
 
