@@ -47,9 +47,6 @@ class Outbox:
         self._items.append((request_id, event))
         self._ready.set()
 
-    def __len__(self) -> int:
-        return len(self._items)
-
     async def batches(self) -> AsyncIterator[Batch]:
         """The next non-empty batch, each as it comes, until the outbox expires (not renewed for
         ``ttl_s``). A step's outputs reach their streams as callbacks queued together, and each

@@ -9,6 +9,7 @@ import os
 import tempfile
 from typing import Protocol
 
+import psutil
 import torch
 import xxhash
 
@@ -42,16 +43,12 @@ class SlotStorage(Protocol):
 
 
 def host_memory_available() -> int | None:
-    """The host's ``MemAvailable`` (``/proc/meminfo``) in bytes: what it can give without swapping;
-    None where that is not known."""
+    """What the host can give without swapping (``MemAvailable``), in bytes; None where that is not
+    known."""
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError, AttributeError):
         return None
-    return None
 
 
 class HostSlots:

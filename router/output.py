@@ -70,9 +70,9 @@ async def stream_output(core: RouterCore, spec: RequestSpec, tokenizer: TokenDec
             if stopped:
                 outcome.finish_reason = "stop"  # the core's stream is closed next: not an abort
             stop_reason: str | int | None = text.stopped
-            if not stopped and ev.finished and reason == "stop" and ev.token_ids[-1:]:
-                last = ev.token_ids[-1]
-                stop_reason = last if last in spec.params.stop_token_ids else None
+            last = ev.token_ids[-1] if ev.token_ids else None
+            if stop_reason is None and reason == "stop" and last in spec.params.stop_token_ids:
+                stop_reason = last
             yield Chunk(list(ev.token_ids), delta, finished, reason, usage, ev.ttft_ms, ev.logprobs, stop_reason)
             if finished:
                 return
