@@ -42,6 +42,8 @@ def _log(msg: str) -> None:
 
 
 GCS_TASK_EVENTS = 10_000  # task records a local Ray's GCS keeps (Ray's default: 100,000)
+LOCAL_RAY_STARTS = 3  # tries of a local Ray's start before its error is raised
+LOCAL_RAY_RETRY_PAUSE_S = 2.0  # pause between them
 GCS_PORT_WAIT_S = 60  # seconds a local Ray's GCS may take to bind its port (Ray's default: 30)
 
 
@@ -161,16 +163,17 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 
 def _init_local_ray(cpus: int, log_options: dict, progress: Callable[[str], None]) -> None:
-    """Start a local Ray on loopback (``_ray_on_loopback``), trying twice.
+    """Start a local Ray on loopback (``_ray_on_loopback``), trying up to ``LOCAL_RAY_STARTS`` times.
 
     On a loaded machine a local Ray's start has been seen to fail now and then (about once in 30
-    starts beside two CPU-bound processes): a GCS that never binds its port nor writes a line of its
-    log, or a raylet that never registers while the dashboard process ends on SIGABRT before its log
-    exists. A second start then comes up. A failed ``ray.init`` leaves the processes it started to
-    nobody (``ray.shutdown`` knows only a Ray that came up), so the children of this process that
-    the attempt started are killed here, and the second failure is raised as it is.
+    starts beside two CPU-bound processes, and twice in a row once in a CI run): a GCS that never
+    binds its port nor writes a line of its log, or a raylet that never registers while the dashboard
+    process ends on SIGABRT before its log exists. A later start then comes up. A failed ``ray.init``
+    leaves the processes it started to nobody (``ray.shutdown`` knows only a Ray that came up), so the
+    children of this process that the attempt started are killed here; after a short pause (a burst
+    of load may pass) the next start begins, and the last failure is raised as it is.
     """
-    for attempt in (1, 2):
+    for attempt in range(1, LOCAL_RAY_STARTS + 1):
         before = child_pids(os.getpid())
         try:
             with _ray_on_loopback(), _own_signal_handlers():
@@ -181,9 +184,11 @@ def _init_local_ray(cpus: int, log_options: dict, progress: Callable[[str], None
             for pid in child_pids(os.getpid()) - before:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)  # our unreaped child: its pid is not reused
-            if attempt == 2 or not isinstance(e, Exception):
+            if attempt == LOCAL_RAY_STARTS or not isinstance(e, Exception):
                 raise
-            progress(f"ray: the local Ray did not start ({_last_line(str(e))}); starting it again")
+            progress(f"ray: the local Ray did not start ({_last_line(str(e))}); starting it again "
+                     f"(start {attempt + 1} of {LOCAL_RAY_STARTS})")  # fmt: skip
+            time.sleep(LOCAL_RAY_RETRY_PAUSE_S)
 
 
 def start_local_ray(cpus: int, log_options: dict | None = None, progress: Callable[[str], None] = _log) -> None:

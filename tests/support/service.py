@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 
 import grpc
 import ray
@@ -22,7 +23,8 @@ def shared_ray() -> None:
     actors and leaves the Ray running. tests/conftest.py shuts the Ray down before a module that
     does not import this function; a test of Ray's start itself calls ``ray.shutdown()`` first."""
     if not ray.is_initialized():
-        start_local_ray(SHARED_RAY_CPUS, progress=lambda _m: None)
+        # A failed start tried again is printed: pytest shows it beside a test that fails later.
+        start_local_ray(SHARED_RAY_CPUS, progress=lambda m: print(m, file=sys.stderr))
 
 
 def stub_for(address: str) -> tuple[grpc.Channel, pb_grpc.RouterStub]:
