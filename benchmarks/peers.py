@@ -113,10 +113,11 @@ def default_model(side: VLLMSide) -> str:
     return str(out)
 
 
-def workload(vocab: int, prompts: int, seed: int = 0) -> list[list[int]]:
+def workload(vocab: int, prompts: int, seed: int = 0, prefix_tokens: int = 221) -> list[list[int]]:
+    """``prompts`` prompts of random ids: one shared prefix of ``prefix_tokens``, then 44-64 of their own."""
     rng = random.Random(seed)
     low = min(1000, vocab // 2)  # clear of the special tokens at the start of the vocabulary
-    prefix = [rng.randrange(low, vocab) for _ in range(221)]
+    prefix = [rng.randrange(low, vocab) for _ in range(prefix_tokens)]
     return [prefix + [rng.randrange(low, vocab) for _ in range(rng.randint(44, 64))] for _ in range(prompts)]
 
 

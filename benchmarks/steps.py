@@ -1,6 +1,7 @@
 """Where a decode step's time goes: the engine's host work against the model's compute.
 
-``--prompts`` prompts (a 221-token shared prefix and their own tails, as in ``bench peers``) are
+``--prompts`` prompts (a 221-token shared prefix, or ``--prefix-tokens``, and their own tails of 44-64
+tokens, as in ``bench peers``) are
 prefilled (after a warm-up that caches the prefix, so that their decodes share its blocks, read
 once per layer by cascade attention unless ``--disable-cascade-attn``), then every decode step of ``--max-tokens`` greedy tokens is timed part by part (means
 over the steps, so that the parts add up to the step): the
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prefix-tokens", type=int, default=221, help="the prompts' shared prefix (long contexts)")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 8 tokens")
     ap.add_argument("--disable-cascade-attn", action="store_true",
                     help="every decode gathers the shared prefix itself (the engine option of that name)")
@@ -169,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.prompts, args.max_tokens = 4, 8
     model = args.model or smollm2()
-    prompts = workload(ModelConfig.from_path(model).vocab_size, args.prompts + args.joins)
+    if args.prefix_tokens < 1:
+        ap.error("--prefix-tokens must be at least 1")
+    prompts = workload(ModelConfig.from_path(model).vocab_size, args.prompts + args.joins,
+                       prefix_tokens=args.prefix_tokens)  # fmt: skip
     prompts, joining = prompts[: args.prompts], prompts[args.prompts :]
     longest = max(len(p) for p in prompts) + max(args.max_tokens, join_decode_tokens(args.joins))
     llm = LLM(model, dtype=args.dtype, num_blocks=(len(prompts) + 1) * (-(-longest // 16)) + 16,

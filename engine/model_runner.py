@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.block_tables import BlockTables
 from pdserve.engine.kernels import cpu_decode, plan_attention
 from pdserve.engine.kernels.metadata import AttentionMetadata
 from pdserve.engine.kv_tensor import KVTensor
@@ -36,6 +37,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv_tensor.device
         self.sampler = Sampler()
+        self.block_tables = BlockTables(self.device)  # rows kept across steps
         self.ranks = ranks
         # CPU decodes read K/V in place (engine/kernels/cpu_decode.py) where its kernel builds here.
         self.fused_decode = self.device.type == "cpu" and cpu_decode.supports_model(
@@ -63,13 +65,11 @@ class ModelRunner:
             qsl.append(qsl[-1] + sr.num_new_tokens)
             if sr.samples:
                 sample_rows.append(qsl[-1] - 1)
-        max_blocks = max(len(b) for b in block_ids)
-        # Null blocks (-1: slid out of the window) and padding point at block 0: never read.
-        table = [[max(i, 0) for i in b] + [0] * (max_blocks - len(b)) for b in block_ids]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
+            # Null blocks (-1: slid out of the window) and padding point at block 0: never read.
+            block_tables=self.block_tables.table([sr.request.request_id for sr in scheduled], block_ids),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             max_query_len=max(s.num_new_tokens for s in scheduled),

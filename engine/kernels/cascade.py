@@ -37,18 +37,15 @@ class CascadePrefix:
     rows: torch.Tensor  # int64 [B]: the decode rows, ascending
 
 
-def common_prefix_blocks(table_rows: list[list[int]], lens: list[int], block_size: int) -> int:
-    """How many leading block ids all ``table_rows`` (each a decode sequence's block table,
-    ``lens`` its length) share, counting only blocks every sequence has filled before its last:
-    each sequence then keeps at least one position (its query's own) for its suffix."""
-    if not table_rows:
+def common_prefix_blocks(table: torch.Tensor, lens: list[int], block_size: int) -> int:
+    """How many leading block ids all rows of ``table`` (``[n, width]``, each a decode sequence's
+    block table, ``lens`` its length) share, counting only blocks every sequence has filled before
+    its last: each sequence then keeps at least one position (its query's own) for its suffix."""
+    if table.shape[0] == 0:
         return 0
-    limit = min((n - 1) // block_size for n in lens)
-    first = table_rows[0]
-    count = 0
-    while count < limit and all(row[count] == first[count] for row in table_rows[1:]):
-        count += 1
-    return count
+    limit = min(min((n - 1) // block_size for n in lens), table.shape[1])
+    same = (table[:, :limit] == table[:1, :limit]).all(0)
+    return limit if bool(same.all()) else int(same.to(torch.int8).argmin())  # the first block not shared
 
 
 def plan_prefix(block_tables: torch.Tensor, lens: list[int], decode: list[int], starts: list[int],
@@ -56,14 +53,15 @@ def plan_prefix(block_tables: torch.Tensor, lens: list[int], decode: list[int], 
     """The step's shared prefix when a cascade pays (enough sequences, enough shared tokens), else None."""
     if not AVAILABLE or len(decode) < MIN_SEQS:
         return None
-    width = min(-(-lens[s] // block_size) for s in decode)
-    rows = block_tables[decode, :width].tolist()
+    # common_prefix_blocks reads no further than the blocks every sequence has filled before its last.
+    width = min((lens[s] - 1) // block_size for s in decode)
+    rows = block_tables[decode, :width]
     shared = common_prefix_blocks(rows, [lens[s] for s in decode], block_size)
     if shared * block_size < MIN_PREFIX_TOKENS:
         return None
     device = block_tables.device
     return CascadePrefix(
-        block_index=torch.tensor(rows[0][:shared], dtype=torch.int64, device=device),
+        block_index=rows[0, :shared].to(torch.int64),
         num_tokens=shared * block_size,
         rows=torch.tensor(sorted(starts[s] for s in decode), dtype=torch.int64, device=device),
     )

@@ -159,10 +159,8 @@ def plan_attention(
         group.sort()  # batch order = row order, so a single all-decode group needs no row shuffle
         padded_blocks = -(-max(spans[s] for s in group) // block_size)
         padded = padded_blocks * block_size
-        table = []
-        for s in group:
-            ids = block_tables[s, first[s] : -(-lens[s] // block_size)].tolist()
-            table.append(ids + [0] * (padded_blocks - len(ids)))
+        table = _group_blocks(block_tables, group, [first[s] for s in group],
+                              [-(-lens[s] // block_size) - first[s] for s in group], padded_blocks)  # fmt: skip
         gspans = torch.tensor([spans[s] for s in group], device=device)
         # Gathered position p is logical position first*block_size + p; the query sits at len-1.
         gstarts = None if sliding_window is None else (gspans - sliding_window).clamp_(min=0)
@@ -170,7 +168,7 @@ def plan_attention(
         row_t = torch.tensor(rows, dtype=torch.int64, device=device)
         found = DecodeGroup(
             rows=row_t,
-            block_index=torch.tensor(table, dtype=torch.int64, device=device).view(-1),
+            block_index=table.view(-1),
             pad_rows=torch.empty(0, dtype=torch.int64, device=device),
             mask=torch.empty(0, dtype=torch.bool, device=device),
             padded_len=padded,
@@ -181,9 +179,9 @@ def plan_attention(
             found.spans = gspans
             found.starts = torch.zeros_like(gspans) if gstarts is None else gstarts
         else:
-            pad = [b * padded + p for b, s in enumerate(group) for p in range(spans[s], padded)]
-            found.pad_rows = torch.tensor(pad, dtype=torch.int64, device=device)
             pos = torch.arange(padded, device=device)[None, :]
+            # Gathered rows b * padded + p with p past sequence b's span, ascending.
+            found.pad_rows = (pos >= gspans[:, None]).view(-1).nonzero().view(-1)
             visible = pos < gspans[:, None]
             if gstarts is not None:
                 visible &= pos >= gstarts[:, None]
@@ -191,6 +189,19 @@ def plan_attention(
         groups.append(found)
     prefills = [(s, starts[s], lens[s]) for s in range(num_seqs) if q_lens[s] > 1]
     return TorchAttentionPlan(block_size, groups, prefills, starts, sliding_window, shared, fused)
+
+
+def _group_blocks(block_tables: torch.Tensor, group: list[int], first: list[int], count: list[int],
+                  width: int) -> torch.Tensor:  # fmt: skip
+    """int64 ``[len(group), width]``: row ``b`` holds the ``count[b]`` block ids of sequence
+    ``group[b]`` from its block ``first[b]`` on, then zeros; one gather for the group (no per-sequence
+    Python work, whose cost grows with every sequence's blocks)."""
+    device = block_tables.device
+    cols = torch.arange(width, device=device)[None, :]
+    index = (torch.tensor(first, device=device)[:, None] + cols).clamp_(max=max(block_tables.shape[1] - 1, 0))
+    seqs = torch.tensor(group, dtype=torch.int64, device=device)[:, None]
+    table = block_tables[seqs, index].to(torch.int64)
+    return table.masked_fill_(cols >= torch.tensor(count, device=device)[:, None], 0)
 
 
 def _gather(cache: torch.Tensor, group: DecodeGroup, which: int) -> torch.Tensor:

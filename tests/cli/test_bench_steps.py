@@ -9,10 +9,12 @@ import sys
 
 from tests.support import REPO
 
+PREFIX = 300  # the prompts' shared prefix (--prefix-tokens): its last block partial, as the default 221's
+
 
 def test_steps_bench_parts_add_up_to_the_step(tiny_model: str) -> None:
     r = subprocess.run([sys.executable, "-m", "pdserve.benchmarks.steps", "--quick", "--joins", "2", "--json",
-                        "--model", tiny_model],
+                        "--model", tiny_model, "--prefix-tokens", str(PREFIX)],
                        capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
@@ -24,4 +26,10 @@ def test_steps_bench_parts_add_up_to_the_step(tiny_model: str) -> None:
     join = out["join"]  # two prompts joined three decoding sequences, each prefilled past the shared prefix
     assert join["decoding"] == 3 and join["joins"] == 2 and join["join_step_ms"] > 0 and join["decode_step_ms"] > 0
     # Uncached: the prompt's own 44-64 tokens and the prefix's partial last block (16-token blocks).
-    assert 221 % 16 + 44 <= join["join_uncached_tokens"] <= 221 % 16 + 64
+    assert PREFIX % 16 + 44 <= join["join_uncached_tokens"] <= PREFIX % 16 + 64
+
+
+def test_a_prefix_of_no_tokens_is_refused(tiny_model: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "pdserve.benchmarks.steps", "--quick", "--model", tiny_model,
+                        "--prefix-tokens", "0"], capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert r.returncode == 2 and "--prefix-tokens must be at least 1" in r.stderr

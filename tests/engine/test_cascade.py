@@ -66,12 +66,13 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_the_common_prefix_stops_before_any_sequence_s_last_block() -> None:
-    rows = [[4, 7, 9, 1], [4, 7, 9, 2], [4, 7, 3, 5]]
+    rows = torch.tensor([[4, 7, 9, 1], [4, 7, 9, 2], [4, 7, 3, 5]], dtype=torch.int32)
     assert common_prefix_blocks(rows, [64, 64, 64], 16) == 2
     assert common_prefix_blocks(rows[:2], [64, 64], 16) == 3
     assert common_prefix_blocks(rows[:2], [48, 64], 16) == 2  # the first sequence's third block is its last
-    assert common_prefix_blocks([[1, 2], [1, 2]], [17, 32], 16) == 1
-    assert common_prefix_blocks([], [], 16) == 0
+    assert common_prefix_blocks(torch.tensor([[1, 2], [1, 2]]), [17, 32], 16) == 1
+    assert common_prefix_blocks(torch.tensor([[5, 2], [6, 2]]), [64, 64], 16) == 0  # the first block differs
+    assert common_prefix_blocks(torch.zeros((0, 4), dtype=torch.int32), [], 16) == 0
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2),
