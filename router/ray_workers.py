@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import ray
 from prometheus_client.metrics_core import Metric
 from ray.exceptions import RayActorError, RayTaskError
 
+from pdserve.decode_worker.outbox import ChannelClosedError
 from pdserve.router.core import WorkerUnavailableError
 from pdserve.router.decode_channel import DecodeChannel
 from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
@@ -136,47 +138,71 @@ class RayWorkers:
     ) -> AsyncIterator[DecodeEvent]:
         """The request's events, read from the worker's event channel while its ``run`` call owns it
         there (``router/decode_channel.py``). The stream ends after the finished event, or early
-        when the worker dropped the request (``run`` returned, every event it sent was read)."""
+        when the worker dropped the request (``run`` returned, every event it sent was read).
+
+        A ``run`` refused because the worker does not have the channel open (it restarted, or the
+        channel expired, before this side's reader learned of it) ran nothing of the request: the
+        channel is replaced and the request sent once more."""
         handle = self.decode_handles[worker_id]
-        try:
-            channel = await self._channel(worker_id, handle)
-        except RayActorError as exc:
-            raise WorkerUnavailableError(f"decode worker {worker_id} is unavailable") from exc
-        queue = channel.register(spec.request_id)
-        ref = handle.run.remote(spec, prefill, channel.id)
-        watch = asyncio.ensure_future(_report_end(ref, queue))
         finished = dead = False
-        received, sent = 0, None
+        ref: ray.ObjectRef | None = None
+        watch: asyncio.Future[None] | None = None
+        channel: DecodeChannel | None = None
         try:
-            while sent is None or received < sent:
-                item = await queue.get()
-                if isinstance(item, DecodeEvent):
-                    received += 1
-                    finished = item.finished
-                    yield item
-                    if finished:
-                        return
-                elif isinstance(item, _RunEnded):
-                    if item.error is not None:
-                        raise item.error
-                    sent = item.sent
-                else:  # the channel broke: the worker died or restarted
-                    raise WorkerUnavailableError(f"decode worker {worker_id} is unavailable") from item.error
+            for attempt in (1, 2):
+                channel = await self._channel(worker_id, handle)
+                queue = channel.register(spec.request_id)
+                ref = handle.run.remote(spec, prefill, channel.id)
+                watch = asyncio.ensure_future(_report_end(ref, queue))
+                try:
+                    async with contextlib.aclosing(self._events(worker_id, queue)) as events:
+                        async for item in events:
+                            finished = item.finished
+                            yield item
+                    return
+                except RayTaskError as exc:
+                    if attempt == 2 or not isinstance(exc.cause, ChannelClosedError):
+                        raise
+                    channel.close()  # stale here: the next attempt opens a new one
+                    channel.unregister(spec.request_id)
+                    watch.cancel()
         except RayActorError as exc:
             dead = True
-            channel.close()  # the worker died: its stream is dead too, and the next request needs a new one
+            if channel is not None:
+                channel.close()  # the worker died: its stream is dead too, and the next request needs a new one
             raise WorkerUnavailableError(f"decode worker {worker_id} is unavailable") from exc
         except RayTaskError as exc:
             raise _worker_error("decode", worker_id, exc) from exc
         finally:
-            channel.unregister(spec.request_id)
-            watch.cancel()
-            if not finished:
+            if channel is not None:
+                channel.unregister(spec.request_id)
+            if watch is not None:
+                watch.cancel()
+            if ref is not None and not finished:
                 ray.cancel(ref)
                 # Ray loses a cancel that comes while the actor is starting the task, and the request
                 # would run to max_tokens unread: the drop ends it by id, begun or not.
                 if not dead:
                     handle.drop.remote(spec.request_id)  # not awaited: idempotent
+
+    @staticmethod
+    async def _events(worker_id: str, queue: asyncio.Queue[object]) -> AsyncIterator[DecodeEvent]:
+        """One ``run`` call's events from its queue, up to the finished one or every event it sent;
+        its error raised, a broken channel as WorkerUnavailableError."""
+        received, sent = 0, None
+        while sent is None or received < sent:
+            item = await queue.get()
+            if isinstance(item, DecodeEvent):
+                received += 1
+                yield item
+                if item.finished:
+                    return
+            elif isinstance(item, _RunEnded):
+                if item.error is not None:
+                    raise item.error
+                sent = item.sent
+            else:  # the channel broke: the worker died or restarted
+                raise WorkerUnavailableError(f"decode worker {worker_id} is unavailable") from item.error
 
     async def _channel(self, worker_id: str, handle: ray.actor.ActorHandle) -> DecodeChannel:
         """This loop's open channel to ``worker_id``, opened now where there is none (one opening at

@@ -62,6 +62,21 @@ class CountingDecode(ChannelWorker):
     async def drops(self) -> list[str]:
         return list(self.dropped)
 
+    async def forget_channels(self) -> None:
+        """Have no channel open, as after a restart, while the streams already served go on."""
+        self.outboxes = Outboxes()
+
+    async def refuse_every_channel(self) -> None:
+        self.outboxes = Outboxes()
+        self.outboxes.serve = _serve_nothing  # type: ignore[method-assign] - a channel never opens here
+
+
+async def _serve_nothing(channel: str, ttl_s: float):  # noqa: ANN202
+    """An event channel confirmed open (its first, empty batch) that the worker never registers:
+    its ``run`` calls are refused."""
+    yield []
+    await asyncio.Event().wait()
+
 
 def _read(workers: RayWorkers, spec: RequestSpec, n: int) -> list[DecodeEvent]:
     async def run() -> list[DecodeEvent]:
@@ -88,6 +103,34 @@ def test_an_unfinished_decode_stream_is_dropped_by_id_beside_its_cancel() -> Non
         left = _read(workers, RequestSpec("left", (1, 2), SamplingParams(max_tokens=10**6)), 2)
         assert [ev.token_ids for ev in left] == [(1,), (2,)]
         assert wait_until(lambda: ray.get(actor.drops.remote(), timeout=30) == ["left"], timeout=30)
+    finally:
+        ray.kill(actor)
+
+
+def test_a_run_refused_for_a_channel_the_worker_does_not_have_open_is_sent_again_on_a_new_one() -> None:
+    """The worker lost its channels (a restart, an expiry) before the router's reader learned it:
+    the refused request ran nothing, so it is sent once more on a new channel and decodes whole.
+    A worker that refuses the new channel too fails the request, after that one more try."""
+    shared_ray()
+    actor = CountingDecode.remote()
+    try:
+        workers = RayWorkers({}, {"decode-0": actor})
+
+        async def decode(rid: str, n: int) -> list[DecodeEvent]:
+            spec = RequestSpec(rid, (1,), SamplingParams(max_tokens=n))
+            return [ev async for ev in workers.decode("decode-0", spec, None)]
+
+        async def main() -> None:  # one loop: its channel to the worker is kept between requests
+            assert (await decode("first", 2))[-1].finished
+            await actor.forget_channels.remote()
+            again, more = await decode("again", 3), await decode("more", 2)
+            assert [ev.token_ids for ev in again] == [(1,), (2,), (3,)] and again[-1].finished
+            assert [ev.token_ids for ev in more] == [(1,), (2,)] and more[-1].finished
+            await actor.refuse_every_channel.remote()
+            with pytest.raises(WorkerFailedError, match=r"decode worker decode-0 failed \(ChannelClosedError\)"):
+                await decode("refused", 2)
+
+        asyncio.run(main())
     finally:
         ray.kill(actor)
 
