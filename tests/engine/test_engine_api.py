@@ -251,11 +251,12 @@ def test_small_token_budget_caps_the_running_set(tmp_path) -> None:
 
 def test_a_stop_tokens_text_is_not_in_the_output(llm: LLM) -> None:
     """As in vLLM (and pdserve's router): the request ends on the stop token, whose id is output
-    and whose text is not."""
+    and is its stop_reason, and whose text is not."""
     free = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     stop = free.token_ids[2]
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True, stop_token_ids=(stop,)))[0]
     cut = free.token_ids.index(stop) + 1
-    assert out.token_ids == free.token_ids[:cut] and out.finish_reason == "stop"
+    assert out.token_ids == free.token_ids[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
+    assert free.stop_reason is None and free.finish_reason == "length"
     assert out.text == llm.tokenizer.decode(free.token_ids[: cut - 1], skip_special_tokens=True)
     assert llm.tokenizer.decode([stop], skip_special_tokens=True)  # the token has text that was left out
