@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import math
 import os
@@ -162,6 +163,26 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise ValueError(f"no Ray at {address}: {reason} (is `ray start --head` running there?)") from None
 
 
+@contextmanager
+def _one_local_start_at_a_time() -> Iterator[None]:
+    """Hold this user's lock on starting a local Ray. Ray's driver picks free ports for the
+    processes it starts before they bind them, so two local Rays starting at once on one machine
+    (two ``pdserve up``, test processes) may pick the same port and one of them fail."""
+    path = Path(tempfile.gettempdir()) / f"pdserve-ray-start-{os.getuid()}.lock"
+    fd: int | None = None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:  # another user's file, a link: start unserialized, as without the lock
+        _log(f"ray: no start lock at {path} ({e}); starting without it")
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # and the lock with it
+
+
 def _init_local_ray(cpus: int, log_options: dict, progress: Callable[[str], None]) -> None:
     """Start a local Ray on loopback (``_ray_on_loopback``), trying up to ``LOCAL_RAY_STARTS`` times.
 
@@ -206,7 +227,8 @@ def start_local_ray(cpus: int, log_options: dict | None = None, progress: Callab
     # is given up and tried again (_init_local_ray).
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
     ensure_private_ray_token()  # before Ray writes one world-readable
-    _init_local_ray(cpus, log_options or {}, progress)
+    with _one_local_start_at_a_time():
+        _init_local_ray(cpus, log_options or {}, progress)
     ensure_private_ray_token()  # one Ray wrote anyway (another Ray version, a race)
 
 

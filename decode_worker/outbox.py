@@ -20,13 +20,11 @@ import contextlib
 import math
 from collections.abc import AsyncIterator
 
-from pdserve.worker.messages import DecodeEvent
+from pdserve.worker.messages import ChannelClosedError, DecodeEvent
+
+__all__ = ["Batch", "ChannelClosedError", "Outbox", "Outboxes"]
 
 Batch = list[tuple[str, DecodeEvent]]  # (request id, event), in the order they were put
-
-
-class ChannelClosedError(RuntimeError):
-    """A request came for a channel that is not open: its reader stopped reading it."""
 
 
 class Outbox:
@@ -58,7 +56,7 @@ class Outbox:
                 return
             try:
                 await asyncio.wait_for(self._ready.wait(), left)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not TimeoutError before Python 3.11
                 continue
             await asyncio.sleep(0)
             items, self._items = self._items, []

@@ -10,10 +10,9 @@ import ray
 from prometheus_client.metrics_core import Metric
 from ray.exceptions import RayActorError, RayTaskError
 
-from pdserve.decode_worker.outbox import ChannelClosedError
 from pdserve.router.core import WorkerUnavailableError
 from pdserve.router.decode_channel import DecodeChannel
-from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
+from pdserve.worker.messages import ChannelClosedError, DecodeEvent, PrefillResult, RequestSpec
 
 
 class WorkerFailedError(RuntimeError):
@@ -32,6 +31,11 @@ def _worker_error(role: str, worker_id: str, exc: RayTaskError) -> Exception:
     return WorkerFailedError(f"{role} worker {worker_id} failed ({type(cause).__name__})")
 
 
+# How long a request whose channel broke before its first event waits for its run's end (a refusal
+# comes at once; a dead worker's run fails as soon as Ray knows).
+RUN_END_WAIT_S = 2.0
+
+
 class _RunEnded:
     """Queued when a request's ``run`` call ended: the events it sent, or its error."""
 
@@ -46,6 +50,20 @@ async def _report_end(ref: ray.ObjectRef, queue: asyncio.Queue[object]) -> None:
         raise
     except Exception as exc:  # noqa: BLE001 - the reader raises it
         queue.put_nowait(_RunEnded(error=exc))
+
+
+async def _run_end(queue: asyncio.Queue[object], timeout_s: float) -> _RunEnded | None:
+    """The run's end from ``queue`` (other items skipped), or None after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (left := deadline - loop.time()) > 0:
+        try:
+            item = await asyncio.wait_for(queue.get(), left)
+        except asyncio.TimeoutError:
+            return None
+        if isinstance(item, _RunEnded):
+            return item
+    return None
 
 
 async def _settled(ref: ray.ObjectRef) -> None:
@@ -145,14 +163,18 @@ class RayWorkers:
         channel is replaced and the request sent once more."""
         handle = self.decode_handles[worker_id]
         finished = dead = False
-        ref: ray.ObjectRef | None = None
-        watch: asyncio.Future[None] | None = None
         channel: DecodeChannel | None = None
+        ref: ray.ObjectRef | None = None  # the run call that owns the request on the worker
+        watch: asyncio.Future[None] | None = None
         try:
             for attempt in (1, 2):
                 channel = await self._channel(worker_id, handle)
                 queue = channel.register(spec.request_id)
-                ref = handle.run.remote(spec, prefill, channel.id)
+                try:
+                    ref = handle.run.remote(spec, prefill, channel.id)
+                except BaseException:
+                    channel.unregister(spec.request_id)
+                    raise
                 watch = asyncio.ensure_future(_report_end(ref, queue))
                 try:
                     async with contextlib.aclosing(self._events(worker_id, queue)) as events:
@@ -163,9 +185,10 @@ class RayWorkers:
                 except RayTaskError as exc:
                     if attempt == 2 or not isinstance(exc.cause, ChannelClosedError):
                         raise
-                    channel.close()  # stale here: the next attempt opens a new one
+                    channel.close()  # stale on this side: the next attempt opens a new one
                     channel.unregister(spec.request_id)
                     watch.cancel()
+                    ref = None  # refused: nothing of it runs, nothing to cancel or drop
         except RayActorError as exc:
             dead = True
             if channel is not None:
@@ -174,21 +197,23 @@ class RayWorkers:
         except RayTaskError as exc:
             raise _worker_error("decode", worker_id, exc) from exc
         finally:
-            if channel is not None:
+            if ref is not None:  # registered, and its run sent
+                assert channel is not None and watch is not None
                 channel.unregister(spec.request_id)
-            if watch is not None:
                 watch.cancel()
-            if ref is not None and not finished:
-                ray.cancel(ref)
-                # Ray loses a cancel that comes while the actor is starting the task, and the request
-                # would run to max_tokens unread: the drop ends it by id, begun or not.
-                if not dead:
-                    handle.drop.remote(spec.request_id)  # not awaited: idempotent
+                if not finished:
+                    ray.cancel(ref)
+                    # Ray loses a cancel that comes while the actor is starting the task, and the
+                    # request would run to max_tokens unread: the drop ends it by id, begun or not.
+                    if not dead:
+                        handle.drop.remote(spec.request_id)  # not awaited: idempotent
 
     @staticmethod
     async def _events(worker_id: str, queue: asyncio.Queue[object]) -> AsyncIterator[DecodeEvent]:
         """One ``run`` call's events from its queue, up to the finished one or every event it sent;
-        its error raised, a broken channel as WorkerUnavailableError."""
+        its error raised, a broken channel as WorkerUnavailableError. A channel that breaks before
+        any event came (it ended on the worker as the run was refused for it, or the worker died)
+        waits up to ``RUN_END_WAIT_S`` for the run's own end: a refusal is raised as such."""
         received, sent = 0, None
         while sent is None or received < sent:
             item = await queue.get()
@@ -201,7 +226,11 @@ class RayWorkers:
                 if item.error is not None:
                     raise item.error
                 sent = item.sent
-            else:  # the channel broke: the worker died or restarted
+            else:  # the channel broke: the worker died or restarted, or the channel expired
+                end = await _run_end(queue, RUN_END_WAIT_S) if received == 0 else None
+                if end is not None and isinstance(end.error, RayTaskError) and isinstance(end.error.cause,
+                                                                                        ChannelClosedError):
+                    raise end.error
                 raise WorkerUnavailableError(f"decode worker {worker_id} is unavailable") from item.error
 
     async def _channel(self, worker_id: str, handle: ray.actor.ActorHandle) -> DecodeChannel:

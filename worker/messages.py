@@ -44,3 +44,8 @@ class DecodeEvent:
     num_recomputed_tokens: int = 0  # prompt tokens recomputed after a failed pull
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token, when the params ask for them
     pull_bytes: int = 0  # KV bytes pulled for this request (the router's cost model fits its link on it)
+
+
+class ChannelClosedError(RuntimeError):
+    """A decode worker's refusal of a request sent for an event channel it does not have open (its
+    reader stopped reading it, or the worker restarted): nothing of the request ran."""

@@ -12,7 +12,7 @@ from pdserve import SamplingParams
 from pdserve.decode_worker.outbox import Outboxes
 from pdserve.router.core import WorkerUnavailableError
 from pdserve.router.ray_workers import RayWorkers, WorkerFailedError
-from pdserve.worker.messages import DecodeEvent, PrefillResult, RequestSpec
+from pdserve.worker.messages import ChannelClosedError, DecodeEvent, PrefillResult, RequestSpec
 from tests.support.polling import wait_until, wait_until_async
 from tests.support.service import shared_ray
 
@@ -131,6 +131,68 @@ def test_a_run_refused_for_a_channel_the_worker_does_not_have_open_is_sent_again
                 await decode("refused", 2)
 
         asyncio.run(main())
+    finally:
+        ray.kill(actor)
+
+
+@ray.remote
+class ExpiringDecode(ChannelWorker):
+    """A decode actor whose first channel ends, as an expiry ends one, when the first request comes
+    for it, and which refuses that request (the channel is not open any more); later channels serve."""
+
+    def __init__(self) -> None:
+        self.outboxes = Outboxes()
+        self.opened = 0
+        self.end_first = asyncio.Event()  # set: the first channel's stream ends
+        self.first_ended = asyncio.Event()
+
+    async def events(self, channel: str, ttl_s: float):  # noqa: ANN201 - a Ray stream
+        self.opened += 1
+        if self.opened > 1:
+            async for batch in self.outboxes.serve(channel, ttl_s):
+                yield batch
+            return
+        try:
+            yield []
+            await self.end_first.wait()
+        finally:
+            self.first_ended.set()
+
+    async def run(self, spec: RequestSpec, prefill: object, channel: str) -> int:
+        if self.opened == 1:
+            self.end_first.set()  # the channel's stream ends now, before this refusal is answered
+            await self.first_ended.wait()
+            raise ChannelClosedError(f"decode event channel {channel!r} is not open")
+
+        async def generate():  # noqa: ANN202
+            for n in range(1, spec.params.max_tokens + 1):
+                yield DecodeEvent(spec.request_id, (n,), n == spec.params.max_tokens, "length")
+
+        return await self.outboxes.send(channel, spec.request_id, generate())
+
+    async def drop(self, request_id: str) -> bool:
+        return False
+
+    async def channels_opened(self) -> int:
+        return self.opened
+
+
+def test_a_channel_that_ends_as_its_request_is_refused_sends_the_request_again() -> None:
+    """The channel's end reaches the router before (or after) the refusal of the request sent for
+    it: either way the refusal is what the router acts on, and the request decodes on a new channel
+    of the same worker, which is not taken for dead."""
+    shared_ray()
+    actor = ExpiringDecode.remote()
+    try:
+        workers = RayWorkers({}, {"decode-0": actor})
+
+        async def main() -> list[DecodeEvent]:
+            return [ev async for ev in workers.decode("decode-0", RequestSpec("r", (1,), SamplingParams(max_tokens=3)),
+                                                      None)]  # fmt: skip
+
+        events = asyncio.run(main())
+        assert [ev.token_ids for ev in events] == [(1,), (2,), (3,)] and events[-1].finished
+        assert ray.get(actor.channels_opened.remote(), timeout=30) == 2
     finally:
         ray.kill(actor)
 
@@ -334,6 +396,15 @@ def test_a_worker_that_dies_fails_its_streams_and_a_new_channel_serves_after_its
                 with pytest.raises(WorkerUnavailableError, match="decode worker decode-0 is unavailable"):
                     async for _ in s:
                         pass
+            restarted = False
+            for _ in range(600):  # up to 60 s: a loaded machine restarts an actor slowly
+                try:
+                    await actor.requests_running.remote()
+                    restarted = True
+                    break
+                except ray.exceptions.RayActorError:  # still restarting
+                    await asyncio.sleep(0.1)
+            assert restarted
             again = RequestSpec("again", (1,), SamplingParams(max_tokens=3))
             return [ev async for ev in workers.decode("decode-0", again, None)]
 

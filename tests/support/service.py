@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import socket
 import sys
-import tempfile
-from pathlib import Path
 
 import grpc
 import ray
@@ -26,12 +23,8 @@ def shared_ray() -> None:
     actors and leaves the Ray running. tests/conftest.py shuts the Ray down before a module that
     does not import this function; a test of Ray's start itself calls ``ray.shutdown()`` first."""
     if not ray.is_initialized():
-        # One start at a time on the machine: the pytest-xdist workers each start their own Ray, and
-        # Ray's driver picks free ports before its processes bind them (two starts at once may collide).
-        with open(Path(tempfile.gettempdir()) / "pdserve-tests-ray-start.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            # A failed start tried again is printed: pytest shows it beside a test that fails later.
-            start_local_ray(SHARED_RAY_CPUS, progress=lambda m: print(m, file=sys.stderr))
+        # A failed start tried again is printed: pytest shows it beside a test that fails later.
+        start_local_ray(SHARED_RAY_CPUS, progress=lambda m: print(m, file=sys.stderr))
 
 
 def stub_for(address: str) -> tuple[grpc.Channel, pb_grpc.RouterStub]:
