@@ -22,8 +22,6 @@ from collections.abc import AsyncIterator
 
 from pdserve.worker.messages import ChannelClosedError, DecodeEvent
 
-__all__ = ["Batch", "ChannelClosedError", "Outbox", "Outboxes"]
-
 Batch = list[tuple[str, DecodeEvent]]  # (request id, event), in the order they were put
 
 

@@ -107,3 +107,10 @@ def text_tokens(token_ids: Sequence[int], finished: bool, finish_reason: str | N
     if finished and finish_reason == "stop" and token_ids:
         return token_ids[:-1]
     return token_ids
+
+
+def stop_token(token_ids: Sequence[int], finish_reason: str | None, stop_token_ids: Sequence[int]) -> int | None:
+    """vLLM's ``stop_reason`` for a request the engine stopped: the stop token id that ended it (its
+    last token, one of ``stop_token_ids``); None otherwise (EOS also ends a request as "stop")."""
+    last = token_ids[-1] if token_ids else None
+    return last if finish_reason == "stop" and last in stop_token_ids else None

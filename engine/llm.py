@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from pdserve.engine.detokenizer import TextStream, text_tokens
+from pdserve.engine.detokenizer import TextStream, stop_token, text_tokens
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 
@@ -29,13 +29,6 @@ class CompletionOutput:
     # vLLM's stop_reason: the stop string or the stop token id that ended it (None for EOS, length, abort).
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the params asked for them
-
-
-def _stop_token(token_ids: list[int], finish_reason: str | None, params: SamplingParams) -> int | None:
-    """The stop token id that ended a request (its last token, one of ``stop_token_ids``), else None:
-    EOS ends one as "stop" too and is no stop_reason, as in vLLM and the router's responses."""
-    last = token_ids[-1] if token_ids else None
-    return last if finish_reason == "stop" and last in params.stop_token_ids else None
 
 
 def build_engine_config(model: str, **options: Any) -> EngineConfig:
@@ -116,8 +109,8 @@ class LLM:
         id_lists = [self.encode(p) if isinstance(p, str) else p for p in prompts]
         reqs = [engine.make_request(ids, p, cache_salt=cache_salt) for ids, p in zip(id_lists, plist)]
         outputs = {r.request_id: CompletionOutput(r.request_id, r.prompt_token_ids) for r in reqs}
-        engine_params = {r.request_id: r.sampling_params for r in reqs}
         texts = {r.request_id: TextStream(self.tokenizer, r.sampling_params.stop) for r in reqs}
+        stop_ids = {r.request_id: r.sampling_params.stop_token_ids for r in reqs}
         for r in reqs:
             engine.enqueue(r)
         try:
@@ -140,7 +133,7 @@ class LLM:
                         engine.abort(o.request_id)
                     elif step_out.finished:
                         o.finish_reason = step_out.finish_reason
-                        o.stop_reason = _stop_token(o.token_ids, o.finish_reason, engine_params[o.request_id])
+                        o.stop_reason = stop_token(o.token_ids, o.finish_reason, stop_ids[o.request_id])
                 # Aborted elsewhere (engine.abort from another thread): no output will come.
                 for rid, o in outputs.items():
                     if o.finish_reason is None and rid not in engine.requests:

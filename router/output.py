@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pdserve.engine.detokenizer import TextStream, TokenDecoder, text_tokens
+from pdserve.engine.detokenizer import TextStream, TokenDecoder, stop_token, text_tokens
 from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.router.core import Outcome, RouterCore
 from pdserve.worker.messages import RequestSpec
@@ -69,11 +69,7 @@ async def stream_output(core: RouterCore, spec: RequestSpec, tokenizer: TokenDec
             reason = "stop" if stopped else ev.finish_reason
             if stopped:
                 outcome.finish_reason = "stop"  # the core's stream is closed next: not an abort
-            stop_reason: str | int | None = text.stopped
-            last = ev.token_ids[-1] if ev.token_ids else None
-            if stop_reason is None and reason == "stop" and last in spec.params.stop_token_ids:
-                stop_reason = last
+            stop_reason = text.stopped if stopped else stop_token(ev.token_ids, reason, spec.params.stop_token_ids)
             yield Chunk(list(ev.token_ids), delta, finished, reason, usage, ev.ttft_ms, ev.logprobs, stop_reason)
             if finished:
                 return
-

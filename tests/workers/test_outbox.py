@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from pdserve.decode_worker.outbox import Batch, ChannelClosedError, Outboxes
-from pdserve.worker.messages import DecodeEvent
+from pdserve.decode_worker.outbox import Batch, Outboxes
+from pdserve.worker.messages import ChannelClosedError, DecodeEvent
 
 
 def _event(rid: str, token: int, finished: bool = False) -> DecodeEvent:
