@@ -9,15 +9,24 @@
  *   out    [rows, n] float32, contiguous; rows >= 1.
  *
  * Each work item is one panel against a chunk of input rows. It walks the panel once, front to back
- * (one sequential stream, which the hardware prefetchers follow at the memory's full read speed),
+ * (one sequential stream),
  * and for each c multiplies the PANEL weights (PANEL / W vectors) by x[r][c] broadcast, for GROUP
  * input rows at a time: the GROUP * PANEL / W sums stay in registers and no horizontal sum is needed.
  * PANEL and GROUP follow the vector registers the build has (AVX-512, else AVX2's 16).
- * A few rows (a decode step) read every weight once at about the memory's speed; many rows (a
- * prefill) reread a panel from L2 once per group, and the products run at about the FMA units'
- * speed. Items are handed out dynamically, so a thread that loses its core to another process for a
- * while does not hold the others up beyond the item it is on. Sums run over c in order, in float32:
- * results agree with BLAS to rounding. */
+ * Up to two groups (a small decode step), each group is one pass over the panel, the second reading it
+ * from L2; from two rows on, a pass fetches the panel AHEAD inputs ahead into L2 itself, because the
+ * hardware's prefetchers alone kept too few reads in flight to reach the memory's speed once each input
+ * took a few FMAs. More rows go through the panel in blocks of KBLOCK inputs: every group of the item runs over a block
+ * (which stays in L1) while the next block is fetched into L2, shared out among the groups, the partial
+ * sums kept in a small buffer between blocks; the last block fetches the first of the panel this
+ * thread will likely take next. The panel is then read from memory once, beside the item's products
+ * (a panel read whole by its first group and then again from L2 by the others left the FMA units idle
+ * while the first read). There the broadcast of x is a load (`splat`), which leaves the FMA ports to
+ * the FMAs. Items are handed out dynamically, so a thread that loses its core to another process for a
+ * while does not hold the others up beyond the item it is on. Every sum runs over c in order from zero,
+ * in float32, whichever path: a row's results are bit for bit the same in any batch, and agree with
+ * BLAS to rounding. */
+#include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
@@ -33,12 +42,25 @@
 #endif
 #define NV (PANEL / W)
 #define CHUNK (8 * GROUP)   /* input rows per work item */
+#define LINES (PANEL * (int)sizeof(float) / 64) /* cache lines per input of a panel */
+#define AHEAD 48            /* inputs ahead that a one-group pass fetches into L2 */
+#define KBLOCK 64           /* inputs per block of an item of more than two groups: 64 * PANEL floats, 16 KiB with AVX-512 */
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 
 int pdserve_gemm_panel(void) { return PANEL; }
 
 static inline vf ld(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
+/* x in every lane: a broadcast straight from memory (a load), where `(vf){0} + x` added on the FMA ports. */
+static inline vf splat(float x) {
+#ifdef __AVX512F__
+    return (vf)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+    return (vf)_mm256_set1_ps(x);
+#else
+    return (vf){0} + x;
+#endif
+}
 
 /* Input rows [0, R) of x against panel p; their outputs' columns [p * PANEL, + cols). */
 #define DEFINE_GROUP(R)                                                                                  \
@@ -51,6 +73,8 @@ static void group_##R(const float *restrict x, int64_t xs, const float *restrict
     for (int64_t c = 0; c < k; c++) {                                                                    \
         vf wv[NV];                                                                                       \
         for (int v = 0; v < NV; v++) wv[v] = ld(panel + c * PANEL + v * W);                              \
+        if (R > 1 && c + AHEAD < k)                                                                      \
+            for (int l = 0; l < LINES; l++) __builtin_prefetch(panel + (c + AHEAD) * PANEL + l * 16, 0, 2);   \
         for (int r = 0; r < R; r++) {                                                                    \
             const vf xb = (vf){0} + x[r * xs + c];                                                       \
             for (int v = 0; v < NV; v++) acc[r][v] += wv[v] * xb;                                        \
@@ -79,6 +103,63 @@ static const group_fn GROUPS[GROUP + 1] = {0, group_1, group_2, group_3, group_4
 static const group_fn GROUPS[GROUP + 1] = {0, group_1, group_2};
 #endif
 
+/* Input rows [0, R) of x over inputs [c0, c1) of one panel, their partial sums in sums ([R][PANEL],
+ * read back unless c0 is 0). */
+#define DEFINE_BLOCK(R)                                                                                  \
+static void block_##R(const float *restrict x, int64_t xs, const float *restrict panel, float *restrict sums, \
+                      int64_t c0, int64_t c1, const float *next, int first_line, int line_step) {        \
+    vf acc[R][NV];                                                                                       \
+    for (int r = 0; r < R; r++)                                                                          \
+        for (int v = 0; v < NV; v++) acc[r][v] = c0 ? ld(sums + r * PANEL + v * W) : (vf){0};            \
+    for (int64_t c = c0; c < c1; c++) {                                                                  \
+        vf wv[NV];                                                                                       \
+        for (int v = 0; v < NV; v++) wv[v] = ld(panel + c * PANEL + v * W);                              \
+        if (next)                                                                                        \
+            for (int l = first_line; l < LINES; l += line_step)                                          \
+                __builtin_prefetch(next + (c - c0) * PANEL + l * (64 / sizeof(float)), 0, 2);           \
+        for (int r = 0; r < R; r++) {                                                                    \
+            const vf xb = splat(x[r * xs + c]);                                                         \
+            for (int v = 0; v < NV; v++) acc[r][v] += wv[v] * xb;                                        \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int r = 0; r < R; r++)                                                                          \
+        for (int v = 0; v < NV; v++) st(sums + r * PANEL + v * W, acc[r][v]);                            \
+}
+typedef void (*block_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t, const float *, int, int);
+DEFINE_BLOCK(1)
+DEFINE_BLOCK(2)
+#if GROUP == 6
+DEFINE_BLOCK(3)
+DEFINE_BLOCK(4)
+DEFINE_BLOCK(5)
+DEFINE_BLOCK(6)
+static const block_fn BLOCKS[GROUP + 1] = {0, block_1, block_2, block_3, block_4, block_5, block_6};
+#else
+static const block_fn BLOCKS[GROUP + 1] = {0, block_1, block_2};
+#endif
+
+/* Rows [r0, r1) (more than two groups) against panel p, block by block; then bias and the columns that exist.
+ * During the last block, the first of `after` (the panel this thread will likely take next, or NULL) is fetched. */
+static void item_blocked(const float *x, int64_t xs, const float *panel, const float *bias, float *out, int64_t n,
+                         int64_t k, int64_t r0, int64_t r1, int64_t col0, int64_t cols, const float *after) {
+    float sums[CHUNK * PANEL] __attribute__((aligned(64)));
+    const int groups = (int)((r1 - r0 + GROUP - 1) / GROUP);
+    for (int64_t c0 = 0; c0 < k; c0 += KBLOCK) {
+        const int64_t c1 = c0 + KBLOCK < k ? c0 + KBLOCK : k;
+        /* The next block's lines are fetched into L2 while this one computes, shared out among the groups. */
+        const float *next = c1 < k ? panel + c1 * PANEL : after;
+        for (int64_t g = r0; g < r1; g += GROUP) {
+            const int64_t size = r1 - g < GROUP ? r1 - g : GROUP;
+            BLOCKS[size](x + g * xs, xs, panel, sums + (g - r0) * PANEL, c0, c1, next, (int)((g - r0) / GROUP), groups);
+        }
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        const float *s = sums + (r - r0) * PANEL;
+        float *o = out + r * n + col0;
+        for (int64_t i = 0; i < cols; i++) o[i] = bias ? s[i] + bias[col0 + i] : s[i];
+    }
+}
+
 int pdserve_gemm_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *out,
                      int64_t rows, int64_t n, int64_t k, int num_threads) {
     if (rows < 1 || n < 1 || k < 1) return -1;
@@ -88,6 +169,14 @@ int pdserve_gemm_f32(const float *x, int64_t x_stride, const float *panels, cons
         const int64_t p = item % npanels, r0 = item / npanels * CHUNK;
         const int64_t r1 = r0 + CHUNK < rows ? r0 + CHUNK : rows;
         const int64_t col0 = p * PANEL, cols = n - col0 < PANEL ? n - col0 : PANEL;
+        if (r1 - r0 > 2 * GROUP) {
+            /* Items go out in order, one at a time, to whichever thread is free: with every thread busy,
+             * this one's next is most often num_threads further on. */
+            const int64_t guess = item + num_threads;
+            const float *after = guess < npanels * nchunks ? panels + guess % npanels * k * PANEL : NULL;
+            item_blocked(x, x_stride, panels + p * k * PANEL, bias, out, n, k, r0, r1, col0, cols, after);
+            continue;
+        }
         for (int64_t g = r0; g < r1; g += GROUP) {
             const int64_t size = r1 - g < GROUP ? r1 - g : GROUP;
             GROUPS[size](x + g * x_stride, x_stride, panels + p * k * PANEL, bias, out + g * n, n, k, col0, cols);

@@ -5,8 +5,9 @@ bound by how fast the weights stream from memory; a prefill's products are bound
 torch's BLAS and oneDNN reach a fraction of either on a weight in its plain ``[out, in]`` layout at
 these shapes (measured in ``pdserve bench projections``). :class:`PanelWeights` keeps a copy of a
 weight reordered once into panels of ``panel()`` output rows, transposed, so that the kernel reads
-it as one sequential stream and keeps every sum in registers, for any number of input rows, on
-torch's intra-op threads.
+it from memory once, as one sequential stream, keeping its sums in registers (and, past two groups of
+rows, in a buffer in L1 between blocks of inputs), for any number of input rows, on torch's intra-op
+threads.
 
 :func:`available` says whether the library is built here (float32 CPU weights only); where it is
 not, callers keep torch's products.
