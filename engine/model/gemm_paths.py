@@ -30,9 +30,11 @@ from pdserve.engine.config import CPU_FP32_GEMM_CHOICES as GEMM_CHOICES
 logger = logging.getLogger(__name__)
 
 # Row-count classes (first, last; None: no bound) and the row count each is timed at. Decode batches
-# fall in the first four, prefill chunks in the last.
-ROW_CLASSES: tuple[tuple[int, int | None], ...] = ((1, 1), (2, 7), (8, 31), (32, 127), (128, None))
-CLASS_ROWS = (1, 4, 16, 64, 256)
+# fall in the first five, prefill chunks in the last. A decode batch of about 32 has a class of its own:
+# timed at 64 rows, where the paths tie on some machines, it took torch's product in some loads although
+# the kernel ran its projections 1.25x faster (README, "Reads in flight in the panel kernel").
+ROW_CLASSES: tuple[tuple[int, int | None], ...] = ((1, 1), (2, 7), (8, 23), (24, 47), (48, 127), (128, None))
+CLASS_ROWS = (1, 4, 16, 32, 64, 256)
 MARGIN = 0.05  # torch's path is taken only where it is at least this much faster
 SAMPLES = 3  # timed samples per path and class (the fastest counts: a busy machine only adds time)
 SAMPLE_S = 0.001  # a sample repeats the call until it lasts about this long

@@ -17,14 +17,14 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 
 def test_row_classes_cover_every_row_count_once() -> None:
-    assert [row_class(r) for r in (1, 2, 7, 8, 31, 32, 127, 128, 10**6)] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert [row_class(r) for r in (1, 2, 7, 8, 23, 24, 47, 48, 127, 128, 10**6)] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     assert [row_class(r) for r in CLASS_ROWS] == list(range(len(ROW_CLASSES)))
 
 
 def test_row_paths() -> None:
-    paths = RowPaths((True, False, False, True, True))
-    assert [paths.use_torch(r) for r in (1, 4, 16, 64, 500)] == [True, False, False, True, True]
-    assert paths.describe() == "torch at 1, 32+ rows; packed at 2-31"
+    paths = RowPaths((True, False, False, False, True, True))
+    assert [paths.use_torch(r) for r in (1, 4, 16, 32, 64, 500)] == [True, False, False, False, True, True]
+    assert paths.describe() == "torch at 1, 48+ rows; packed at 2-47"
     assert RowPaths.every(False).describe() == "torch at none rows; packed at 1+"
     with pytest.raises(ValueError, match="classes"):
         RowPaths((True,))
