@@ -8,24 +8,26 @@
  *   bias   [n] float32 or NULL;
  *   out    [rows, n] float32, contiguous; rows >= 1.
  *
- * Each work item is one panel against a chunk of input rows. It walks the panel once, front to back
- * (one sequential stream),
- * and for each c multiplies the PANEL weights (PANEL / W vectors) by x[r][c] broadcast, for GROUP
- * input rows at a time: the GROUP * PANEL / W sums stay in registers and no horizontal sum is needed.
- * PANEL and GROUP follow the vector registers the build has (AVX-512, else AVX2's 16).
+ * Each work item is one panel against a chunk of input rows. It walks the panel front to back (one
+ * sequential stream), and for each c multiplies the PANEL weights (PANEL / W vectors) by x[r][c]
+ * broadcast, for GROUP input rows at a time: the GROUP * PANEL / W sums stay in registers and no
+ * horizontal sum is needed. PANEL and GROUP follow the vector registers the build has (AVX-512, else
+ * AVX2's 16).
+ *
  * Up to two groups (a small decode step), each group is one pass over the panel, the second reading it
- * from L2; from two rows on, a pass fetches the panel AHEAD inputs ahead into L2 itself, because the
- * hardware's prefetchers alone kept too few reads in flight to reach the memory's speed once each input
- * took a few FMAs. More rows go through the panel in blocks of KBLOCK inputs: every group of the item runs over a block
- * (which stays in L1) while the next block is fetched into L2, shared out among the groups, the partial
- * sums kept in a small buffer between blocks; the last block fetches the first of the panel this
- * thread will likely take next. The panel is then read from memory once, beside the item's products
- * (a panel read whole by its first group and then again from L2 by the others left the FMA units idle
- * while the first read). There the broadcast of x is a load (`splat`), which leaves the FMA ports to
- * the FMAs. Items are handed out dynamically, so a thread that loses its core to another process for a
- * while does not hold the others up beyond the item it is on. Every sum runs over c in order from zero,
- * in float32, whichever path: a row's results are bit for bit the same in any batch, and agree with
- * BLAS to rounding. */
+ * from L2. From two rows on, a pass fetches the panel AHEAD inputs ahead into L2 itself: the hardware's
+ * prefetchers alone kept too few reads in flight to reach the memory's speed once each input took a few
+ * FMAs. More rows go through the panel in blocks of KBLOCK inputs: every group runs over a block (which
+ * stays in L1) while the next block is fetched into L2, the fetches shared out among the groups, and the
+ * partial sums wait in a small buffer between blocks; the last block fetches the start of the panel this
+ * thread will likely take next. The panel is then read from memory once, beside the item's products (a
+ * panel read whole by the first group, then again from L2 by the others, left the FMA units idle while
+ * the first read). There x is broadcast by a load (`splat`), leaving the FMA ports to the FMAs; in a
+ * one-group pass, bound by its reads, the add form measured faster.
+ *
+ * Items are handed out dynamically, so a thread that loses its core to another process for a while does
+ * not hold the others up beyond the item it is on. Every sum runs over c in order from zero, in float32,
+ * whichever path: a row's results are bit for bit the same in any batch, and agree with BLAS to rounding. */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -42,9 +44,10 @@
 #endif
 #define NV (PANEL / W)
 #define CHUNK (8 * GROUP)   /* input rows per work item */
-#define LINES (PANEL * (int)sizeof(float) / 64) /* cache lines per input of a panel */
+#define LINE_FLOATS 16      /* floats in a 64-byte cache line */
+#define LINES (PANEL / LINE_FLOATS) /* cache lines per input of a panel */
 #define AHEAD 48            /* inputs ahead that a one-group pass fetches into L2 */
-#define KBLOCK 64           /* inputs per block of an item of more than two groups: 64 * PANEL floats, 16 KiB with AVX-512 */
+#define KBLOCK 64           /* inputs per block past two groups: 64 * PANEL floats, 16 KiB with AVX-512 */
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 
 int pdserve_gemm_panel(void) { return PANEL; }
@@ -74,7 +77,7 @@ static void group_##R(const float *restrict x, int64_t xs, const float *restrict
         vf wv[NV];                                                                                       \
         for (int v = 0; v < NV; v++) wv[v] = ld(panel + c * PANEL + v * W);                              \
         if (R > 1 && c + AHEAD < k)                                                                      \
-            for (int l = 0; l < LINES; l++) __builtin_prefetch(panel + (c + AHEAD) * PANEL + l * 16, 0, 2);   \
+            for (int l = 0; l < LINES; l++) __builtin_prefetch(panel + (c + AHEAD) * PANEL + l * LINE_FLOATS, 0, 2); \
         for (int r = 0; r < R; r++) {                                                                    \
             const vf xb = (vf){0} + x[r * xs + c];                                                       \
             for (int v = 0; v < NV; v++) acc[r][v] += wv[v] * xb;                                        \
@@ -116,7 +119,7 @@ static void block_##R(const float *restrict x, int64_t xs, const float *restrict
         for (int v = 0; v < NV; v++) wv[v] = ld(panel + c * PANEL + v * W);                              \
         if (next)                                                                                        \
             for (int l = first_line; l < LINES; l += line_step)                                          \
-                __builtin_prefetch(next + (c - c0) * PANEL + l * (64 / sizeof(float)), 0, 2);           \
+                __builtin_prefetch(next + (c - c0) * PANEL + l * LINE_FLOATS, 0, 2);                    \
         for (int r = 0; r < R; r++) {                                                                    \
             const vf xb = splat(x[r * xs + c]);                                                         \
             for (int v = 0; v < NV; v++) acc[r][v] += wv[v] * xb;                                        \
