@@ -94,17 +94,6 @@ static void group_##R(const float *restrict x, int64_t xs, const float *restrict
 }
 typedef void (*group_fn)(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t,
                          int64_t, int64_t);
-DEFINE_GROUP(1)
-DEFINE_GROUP(2)
-#if GROUP == 6
-DEFINE_GROUP(3)
-DEFINE_GROUP(4)
-DEFINE_GROUP(5)
-DEFINE_GROUP(6)
-static const group_fn GROUPS[GROUP + 1] = {0, group_1, group_2, group_3, group_4, group_5, group_6};
-#else
-static const group_fn GROUPS[GROUP + 1] = {0, group_1, group_2};
-#endif
 
 /* Input rows [0, R) of x over inputs [c0, c1) of one panel, their partial sums in sums ([R][PANEL],
  * read back unless c0 is 0). */
@@ -129,17 +118,22 @@ static void block_##R(const float *restrict x, int64_t xs, const float *restrict
         for (int v = 0; v < NV; v++) st(sums + r * PANEL + v * W, acc[r][v]);                            \
 }
 typedef void (*block_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t, const float *, int, int);
-DEFINE_BLOCK(1)
-DEFINE_BLOCK(2)
+
+/* Both forms for every group size 1..GROUP, indexed by the size. */
+#define DEFINE_ROWS(R) DEFINE_GROUP(R) DEFINE_BLOCK(R)
+DEFINE_ROWS(1)
+DEFINE_ROWS(2)
 #if GROUP == 6
-DEFINE_BLOCK(3)
-DEFINE_BLOCK(4)
-DEFINE_BLOCK(5)
-DEFINE_BLOCK(6)
-static const block_fn BLOCKS[GROUP + 1] = {0, block_1, block_2, block_3, block_4, block_5, block_6};
+DEFINE_ROWS(3)
+DEFINE_ROWS(4)
+DEFINE_ROWS(5)
+DEFINE_ROWS(6)
+#define ROWS_TABLE(f) {0, f##_1, f##_2, f##_3, f##_4, f##_5, f##_6}
 #else
-static const block_fn BLOCKS[GROUP + 1] = {0, block_1, block_2};
+#define ROWS_TABLE(f) {0, f##_1, f##_2}
 #endif
+static const group_fn GROUPS[GROUP + 1] = ROWS_TABLE(group);
+static const block_fn BLOCKS[GROUP + 1] = ROWS_TABLE(block);
 
 /* Rows [r0, r1) (more than two groups) against panel p, block by block; then bias and the columns that exist.
  * During the last block, the first of `after` (the panel this thread will likely take next, or NULL) is fetched. */
