@@ -66,6 +66,11 @@ async def _run_end(queue: asyncio.Queue[object], timeout_s: float) -> _RunEnded 
     return None
 
 
+def _refused(exc: BaseException) -> bool:
+    """A ``run`` the worker refused for a channel it does not have open (nothing of it ran)."""
+    return isinstance(exc, RayTaskError) and isinstance(exc.cause, ChannelClosedError)
+
+
 async def _settled(ref: ray.ObjectRef) -> None:
     """Wait until the task behind ``ref`` is over, however it ended."""
     try:
@@ -183,7 +188,7 @@ class RayWorkers:
                             yield item
                     return
                 except RayTaskError as exc:
-                    if attempt == 2 or not isinstance(exc.cause, ChannelClosedError):
+                    if attempt == 2 or not _refused(exc):
                         raise
                     channel.close()  # stale on this side: the next attempt opens a new one
                     channel.unregister(spec.request_id)
@@ -228,8 +233,7 @@ class RayWorkers:
                 sent = item.sent
             else:  # the channel broke: the worker died or restarted, or the channel expired
                 end = await _run_end(queue, RUN_END_WAIT_S) if received == 0 else None
-                if end is not None and isinstance(end.error, RayTaskError) and isinstance(end.error.cause,
-                                                                                        ChannelClosedError):
+                if end is not None and end.error is not None and _refused(end.error):
                     raise end.error
                 raise WorkerUnavailableError(f"decode worker {worker_id} is unavailable") from item.error
 

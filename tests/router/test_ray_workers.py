@@ -17,6 +17,12 @@ from tests.support.polling import wait_until, wait_until_async
 from tests.support.service import shared_ray
 
 
+async def _decode(workers: RayWorkers, rid: str, n: int) -> list[DecodeEvent]:
+    """Every event of a request for ``n`` tokens on ``decode-0``."""
+    spec = RequestSpec(rid, (1,), SamplingParams(max_tokens=n))
+    return [ev async for ev in workers.decode("decode-0", spec, None)]
+
+
 class ChannelWorker:
     """A decode actor's event channel, as ``DecodeWorker`` serves it (``decode_worker/outbox.py``)."""
 
@@ -116,19 +122,15 @@ def test_a_run_refused_for_a_channel_the_worker_does_not_have_open_is_sent_again
     try:
         workers = RayWorkers({}, {"decode-0": actor})
 
-        async def decode(rid: str, n: int) -> list[DecodeEvent]:
-            spec = RequestSpec(rid, (1,), SamplingParams(max_tokens=n))
-            return [ev async for ev in workers.decode("decode-0", spec, None)]
-
         async def main() -> None:  # one loop: its channel to the worker is kept between requests
-            assert (await decode("first", 2))[-1].finished
+            assert (await _decode(workers, "first", 2))[-1].finished
             await actor.forget_channels.remote()
-            again, more = await decode("again", 3), await decode("more", 2)
+            again, more = await _decode(workers, "again", 3), await _decode(workers, "more", 2)
             assert [ev.token_ids for ev in again] == [(1,), (2,), (3,)] and again[-1].finished
             assert [ev.token_ids for ev in more] == [(1,), (2,)] and more[-1].finished
             await actor.refuse_every_channel.remote()
             with pytest.raises(WorkerFailedError, match=r"decode worker decode-0 failed \(ChannelClosedError\)"):
-                await decode("refused", 2)
+                await _decode(workers, "refused", 2)
 
         asyncio.run(main())
     finally:
@@ -359,13 +361,9 @@ def test_concurrent_streams_share_one_message_per_step() -> None:
     try:
         workers = RayWorkers({}, {"decode-0": actor})
 
-        async def read(rid: str, n: int) -> list[DecodeEvent]:
-            spec = RequestSpec(rid, (1,), SamplingParams(max_tokens=n))
-            return [ev async for ev in workers.decode("decode-0", spec, None)]
-
         async def main() -> list[list[DecodeEvent]]:
-            streams = await asyncio.gather(*(read(f"r{i}", 20) for i in range(8)))
-            dropped = await read("dropped", 20)
+            streams = await asyncio.gather(*(_decode(workers, f"r{i}", 20) for i in range(8)))
+            dropped = await _decode(workers, "dropped", 20)
             workers.close()
             return [*streams, dropped]
 
