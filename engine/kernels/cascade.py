@@ -35,6 +35,18 @@ class CascadePrefix:
     block_index: torch.Tensor  # int64 [num_blocks]: the shared physical blocks, in order
     num_tokens: int  # block_index.numel() * block_size
     rows: torch.Tensor  # int64 [B]: the decode rows, ascending
+    # Every layer's K and V of these blocks, [layers, planes, num_tokens, Hkv, D], when gather_layers
+    # took them for the whole step at once (else each layer gathers its own).
+    kv: torch.Tensor | None = None
+
+
+def gather_layers(prefix: CascadePrefix, kv_cache: torch.Tensor, heads: slice) -> None:
+    """Set ``prefix.kv`` from ``kv_cache [num_blocks, layers, planes, block_size, Hkv, D]``, the KV heads
+    ``heads`` of it (a tensor-parallel rank's; all of them on one device), in one gather for every layer.
+    Call it before the step's layers run (it reads the prefix blocks, which are full: the step writes
+    only past them)."""
+    blocks = kv_cache[..., heads, :].permute(1, 2, 0, 3, 4, 5)  # [layers, planes, blocks, block_size, H, D]
+    prefix.kv = torch.index_select(blocks, 2, prefix.block_index).flatten(2, 3)
 
 
 def common_prefix_blocks(table: torch.Tensor, lens: list[int], block_size: int) -> int:

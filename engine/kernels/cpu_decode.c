@@ -1,15 +1,20 @@
 /* Paged decode attention on the CPU, reading K/V in place from the cache blocks.
  *
  * Contract (checked by engine/kernels/cpu_decode.py before every call):
- *   q      [batch, num_kv_heads * group, head_dim], contiguous, of the cache's element type;
+ *   q      [batch, num_kv_heads * group, head_dim] of the cache's element type, a sequence's rows q_stride
+ *          elements apart, its heads' rows adjacent;
  *   k, v   caches addressed as base + block * block_stride + offset * token_stride + head * head_stride,
  *          each head's head_dim elements contiguous;
  *   blocks [batch, max_blocks] int64: sequence b's position p lives in block blocks[b][p / block_size];
  *   positions starts[b] <= p < spans[b] are attended (a window or a cascade's suffix starts past 0);
- *   out    [batch, num_kv_heads * group, head_dim] float32, lse [batch, num_kv_heads * group] float32
- *          (natural log-sum-exp of the scaled scores; -inf and a zero row where no position is read);
- *   init_out, init_lse: NULL, or the same rows' attention over other keys (a cascade's shared prefix), laid
- *          out as out and lse: the result is then over the union of both key sets (the two merged exactly).
+ *   out    [batch, num_kv_heads * group, head_dim] of the cache's element type (bfloat16 rounded to
+ *          nearest even), lse [batch, num_kv_heads * group] float32 (natural log-sum-exp of the scaled
+ *          scores; -inf and a zero row where no position is read);
+ *   init_out, init_lse: NULL, or the same rows' attention over other keys (a cascade's shared prefix):
+ *          query head g of KV head h of sequence b at init_out + b * is[0] + h * is[1] + g * is[2] (head_dim
+ *          contiguous values, float32 where init_f32, else of the cache's type) and its log-sum-exp at
+ *          init_lse + b * ls[0] + h * ls[1] + g * ls[2]; the result is then over the union of both key sets
+ *          (the two merged exactly). Strides let a caller pass the prefix part where it lies.
  * group <= MAX_GROUP, and head_dim one of the sizes HEAD_SIZES instantiates (pdserve_supports_head_dim);
  * the entry points return -1 without reading anything otherwise, 0 when done.
  *
@@ -57,6 +62,10 @@ static inline vf ld_bf16(const uint16_t *p) {
     vf v; memcpy(&v, &u, sizeof v); return v;
 }
 #endif
+#include "cpu_bf16.h" /* vbf16: the output's rounding */
+static inline void st_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline void st_bf16(uint16_t *p, vf v) { const vh h = vbf16(v); memcpy(p, &h, sizeof h); }
+
 static inline vf vmax(vf a, vf b) { vi m = a > b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 
 #if W == 16
@@ -170,12 +179,13 @@ static inline float tile_softmax(vf sc, int64_t n, float *m, float *l, float *p)
  * K row is loaded once for the head's G query heads and its G dot products left as vectors that
  * reduce() sums W at a time; the V rows are loaded once, then each query head's accumulator takes
  * the whole tile in registers. */
-#define DEFINE_DECODE(NAME, T, LD, DC)                                                                   \
-static void NAME(const T *q, const T *k, const T *v, int64_t block_stride, int64_t token_stride,        \
-                 int64_t head_stride, const int64_t *blocks, int64_t max_blocks, const int64_t *starts,  \
-                 const int64_t *spans, int64_t batch, int64_t num_kv_heads, int64_t group,               \
-                 int64_t block_size, float scale, const float *init_out, const float *init_lse,          \
-                 float *out, float *lse, int num_threads, int64_t heads_per_item) {                      \
+#define DEFINE_DECODE(NAME, T, LD, ST, DC)                                                               \
+static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, int64_t block_stride,            \
+                 int64_t token_stride, int64_t head_stride, const int64_t *blocks, int64_t max_blocks,   \
+                 const int64_t *starts, const int64_t *spans, int64_t batch, int64_t num_kv_heads,       \
+                 int64_t group, int64_t block_size, float scale, const void *init_out, int init_f32,     \
+                 const int64_t *is, const float *init_lse, const int64_t *ls, T *out, float *lse,        \
+                 int num_threads, int64_t heads_per_item) {                                              \
     const int64_t runs = (num_kv_heads + heads_per_item - 1) / heads_per_item;                           \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                            \
     for (int64_t item = 0; item < batch * runs; item++) {                                                \
@@ -186,19 +196,23 @@ static void NAME(const T *q, const T *k, const T *v, int64_t block_stride, int64
         vb qb[MAX_ITEM_HEADS][(DC + 1) / 2]; /* the queries as bfloat16 pairs (pairs: scores scaled after) */ \
         const int pairs = BF16_PAIRS && sizeof(T) == 2 && DC % 2 == 0;                                   \
         float p[MAX_GROUP][TILE] __attribute__((aligned(64))), m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];     \
-        const T *qrow = q + (b * num_kv_heads + h0) * G * DC * W;                                        \
+        const T *qrow = q + b * q_stride + h0 * G * DC * W;                                              \
         for (int64_t j = 0; j < Q; j++) {                                                                \
-            const int64_t r = (b * num_kv_heads + h0) * G + j;                                           \
+            const int64_t h = h0 + j / G, g = j % G;                                                     \
             /* A partial result over other keys (a cascade's prefix) is where the online softmax starts:  \
              * its mass e^lse is e^m * l with m = lse, l = 1, and its normalised output the accumulator. */ \
-            const int start = init_lse && init_lse[r] > -INFINITY;                                       \
+            const float lse0 = init_lse ? init_lse[b * ls[0] + h * ls[1] + g * ls[2]] : -INFINITY;       \
+            const int start = lse0 > -INFINITY;                                                          \
+            const int64_t io = init_lse ? b * is[0] + h * is[1] + g * is[2] : 0;                         \
             for (int c = 0; pairs && c < DC / 2; c++)                                                    \
                 qb[j][c] = ld_pairs((const uint16_t *)qrow + (j * DC + 2 * c) * W);                      \
             for (int c = 0; c < DC; c++) {                                                               \
                 qv[j][c] = pairs ? splat(0.f) : LD(qrow + (j * DC + c) * W) * splat(scale);              \
-                acc[j][c] = start ? ld_f32(init_out + r * DC * W + c * W) : splat(0.f);                   \
+                acc[j][c] = !start ? splat(0.f)                                                          \
+                          : init_f32 ? ld_f32((const float *)init_out + io + c * W)                      \
+                                     : LD((const T *)init_out + io + c * W);                             \
             }                                                                                            \
-            m[j] = start ? init_lse[r] : -INFINITY;                                                      \
+            m[j] = start ? lse0 : -INFINITY;                                                             \
             l[j] = start ? 1.f : 0.f;                                                                    \
         }                                                                                                \
         const int64_t *row = blocks + b * max_blocks;                                                    \
@@ -259,10 +273,7 @@ static void NAME(const T *q, const T *k, const T *v, int64_t block_stride, int64
         for (int64_t j = 0; j < Q; j++) {                                                                \
             const int64_t r = (b * num_kv_heads + h0) * G + j;                                           \
             const vf inv = splat(l[j] > 0.f ? 1.f / l[j] : 0.f);                                         \
-            for (int c = 0; c < DC; c++) {                                                               \
-                const vf o = acc[j][c] * inv;                                                            \
-                memcpy(out + r * DC * W + c * W, &o, sizeof o);                                          \
-            }                                                                                            \
+            for (int c = 0; c < DC; c++) ST(out + r * DC * W + c * W, acc[j][c] * inv);                  \
             lse[r] = l[j] > 0.f ? m[j] + logf(l[j]) : -INFINITY;                                         \
         }                                                                                                \
     }                                                                                                    \
@@ -285,13 +296,13 @@ static int64_t heads_per_item(int64_t batch, int64_t num_kv_heads, int64_t group
 #define HEAD_SIZES(X, SUFFIX, T, LD) X(SUFFIX, T, LD, 2) X(SUFFIX, T, LD, 4) X(SUFFIX, T, LD, 8) X(SUFFIX, T, LD, 10) \
     X(SUFFIX, T, LD, 12) X(SUFFIX, T, LD, 16) X(SUFFIX, T, LD, 32)
 #endif
-#define INSTANCE(SUFFIX, T, LD, DC) DEFINE_DECODE(decode_##SUFFIX##_##DC, T, LD, DC)
+#define INSTANCE(SUFFIX, T, LD, DC) DEFINE_DECODE(decode_##SUFFIX##_##DC, T, LD, st_##SUFFIX, DC)
 #define CASE(SUFFIX, T, LD, DC)                                                                           \
     case DC:                                                                                              \
-        decode_##SUFFIX##_##DC(q, k, v, block_stride, token_stride, head_stride, blocks, max_blocks, starts, \
-                               spans, batch, num_kv_heads, group, block_size, scale, init_out, init_lse, out, lse, \
-                               num_threads,                                                                       \
-                               heads_per_item(batch, num_kv_heads, group, num_threads));        \
+        decode_##SUFFIX##_##DC(q, q_stride, k, v, block_stride, token_stride, head_stride, blocks, max_blocks,  \
+                               starts, spans, batch, num_kv_heads, group, block_size, scale, init_out, init_f32,  \
+                               is, init_lse, ls, out, lse, num_threads,                                           \
+                               heads_per_item(batch, num_kv_heads, group, num_threads));                          \
         return 0;
 #define SIZE(SUFFIX, T, LD, DC) case DC:
 
@@ -306,13 +317,14 @@ int pdserve_supports_head_dim(int64_t head_dim) {
 
 #define DEFINE_ENTRY(SUFFIX, T, LD)                                                                       \
     HEAD_SIZES(INSTANCE, SUFFIX, T, LD)                                                                   \
-    int pdserve_paged_decode_##SUFFIX(const T *q, const T *k, const T *v, int64_t block_stride,           \
-                                      int64_t token_stride, int64_t head_stride, const int64_t *blocks,   \
-                                      int64_t max_blocks, const int64_t *starts, const int64_t *spans,    \
-                                      int64_t batch, int64_t num_kv_heads, int64_t group,                 \
-                                      int64_t head_dim, int64_t block_size, float scale,                  \
-                                      const float *init_out, const float *init_lse, float *out,           \
-                                      float *lse, int num_threads) {                                      \
+    int pdserve_paged_decode_##SUFFIX(const T *q, int64_t q_stride, const T *k, const T *v,               \
+                                      int64_t block_stride, int64_t token_stride, int64_t head_stride,    \
+                                      const int64_t *blocks, int64_t max_blocks, const int64_t *starts,   \
+                                      const int64_t *spans, int64_t batch, int64_t num_kv_heads,          \
+                                      int64_t group, int64_t head_dim, int64_t block_size, float scale,   \
+                                      const void *init_out, int init_f32, const int64_t *is,              \
+                                      const float *init_lse, const int64_t *ls, T *out, float *lse,       \
+                                      int num_threads) {                                                  \
         if (head_dim % W || group < 1 || group > MAX_GROUP) return -1;                                    \
         switch (head_dim / W) {                                                                           \
             HEAD_SIZES(CASE, SUFFIX, T, LD)                                                               \

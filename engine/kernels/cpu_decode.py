@@ -25,7 +25,8 @@ _SOURCE = Path(__file__).with_name("cpu_decode.c")
 _DTYPES = {torch.float32: "pdserve_paged_decode_f32", torch.bfloat16: "pdserve_paged_decode_bf16"}
 PROFILER_LABEL = "pdserve::cpu_decode_attention"  # what torch.profiler calls a kernel call
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_ARGTYPES = [_P, _P, _P, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, ctypes.c_int]
+_ARGTYPES = [_P, _I, _P, _P, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float,
+             _P, ctypes.c_int, _P, _P, _P, _P, _P, ctypes.c_int]
 
 
 class _Kernel:
@@ -67,15 +68,18 @@ def decode_attention(
     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query row's attention over its positions ``[starts[b], spans[b])``, and over other keys
-    whose partial result ``prefix`` gives (a cascade's shared prefix: ``(out, lse)`` of any float
-    dtype, viewable as ``[B, Hq, D]`` and ``[B, Hq]``), merged exactly in the kernel.
+    whose partial result ``prefix`` gives (a cascade's shared prefix), merged exactly in the kernel.
 
-    ``q [B, Hq, D]`` (one query per sequence); ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]``
-    with each head's ``D`` values contiguous (a tensor-parallel rank's head slice is fine);
-    ``blocks [B, max_blocks]`` int64: position ``p`` of row ``b`` is in block ``blocks[b, p // block_size]``;
-    ``starts``/``spans`` int64 ``[B]``. Every block id named for a read position must be in range
-    (the caller's guarantee: the kernel does not check). Returns ``(out [B, Hq, D], lse [B, Hq])``,
-    both float32. Requires :func:`supports` for these shapes and dtypes.
+    ``q [B, Hq, D]`` (one query per sequence; a row stride is fine, each row's heads adjacent);
+    ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]`` with each head's ``D`` values contiguous (a
+    tensor-parallel rank's head slice is fine); ``blocks [B, max_blocks]`` int64: position ``p`` of row
+    ``b`` is in block ``blocks[b, p // block_size]``; ``starts``/``spans`` int64 ``[B]``. ``prefix``:
+    ``(out, lse)`` viewable as ``[B, Hkv, G, D]`` and ``[B, Hkv, G]`` (G = Hq / Hkv), ``out`` of ``q``'s
+    dtype or float32 and ``lse`` float32 are read where they lie (any strides, ``D`` contiguous), other
+    float dtypes after a copy. Every block id named for a read position must be in range (the caller's
+    guarantee: the kernel does not check). Returns ``(out [B, Hq, D]`` in ``q``'s dtype (a bfloat16
+    result rounded once from the float32 sums), ``lse [B, Hq]`` float32). Requires :func:`supports`
+    for these shapes and dtypes.
     """
     kernel = _get()
     batch, num_heads, head_dim = q.shape
@@ -87,25 +91,43 @@ def decode_attention(
     for name, t in (("blocks", blocks), ("starts", starts), ("spans", spans)):
         if t.dtype != torch.int64 or not t.is_contiguous() or t.shape[0] != batch:
             raise ValueError(f"{name} must be a contiguous int64 tensor with {batch} rows")
-    q = q.contiguous()
-    out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype)
     lse = torch.empty(batch, num_heads, dtype=torch.float32)
-    init_out = init_lse = None
-    if prefix is not None:  # float32 and contiguous, each in one copy
-        init_out, init_lse = torch.empty_like(out), torch.empty_like(lse)
-        init_out.view(prefix[0].shape).copy_(prefix[0])
-        init_lse.view(prefix[1].shape).copy_(prefix[1])
+    init = _prefix_args(prefix, q.dtype, (batch, num_kv_heads, num_heads // num_kv_heads, head_dim))
     with labels.label(PROFILER_LABEL):
         failed = kernel.fns[q.dtype](
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), blocks.data_ptr(), blocks.shape[1], starts.data_ptr(), spans.data_ptr(), batch,
-            num_kv_heads, num_heads // num_kv_heads, head_dim, k_cache.shape[1], scale,
-            None if init_out is None else init_out.data_ptr(), None if init_lse is None else init_lse.data_ptr(),
-            out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
+            num_kv_heads, num_heads // num_kv_heads, head_dim, k_cache.shape[1], scale, *init, out.data_ptr(),
+            lse.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
     if failed:  # not reached: supports() above checks what the kernel refuses
         raise ValueError(f"the decode kernel refused head_dim={head_dim}, group={num_heads // num_kv_heads}")
     return out, lse
+
+
+def _prefix_args(prefix: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype,
+                 shape: tuple[int, int, int, int]) -> tuple:  # fmt: skip
+    """The kernel's ``init_out, init_f32, is, init_lse, ls`` for ``prefix`` (``decode_attention``):
+    the tensors themselves where the kernel reads them in place, else float32 copies; the stride
+    arrays hold the tensors they describe, so the caller keeps them alive by keeping the tuple."""
+    if prefix is None:
+        return (None, 0, None, None, None)
+    out, lse = prefix[0].view(shape), prefix[1].view(shape[:3])
+    if out.dtype not in (dtype, torch.float32) or out.stride(3) != 1:
+        out = out.float().contiguous()
+    if lse.dtype != torch.float32:
+        lse = lse.float()
+    return (out.data_ptr(), int(out.dtype == torch.float32), _strides(out), lse.data_ptr(), _strides(lse))
+
+
+def _strides(t: torch.Tensor) -> ctypes.Array:
+    """``t``'s first three strides as the kernel's ``int64_t[3]``, holding ``t``."""
+    arr = (ctypes.c_int64 * 3)(*t.stride()[:3])
+    arr._tensor = t  # type: ignore[attr-defined]
+    return arr
 
 
 def supports_model(config: object, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:

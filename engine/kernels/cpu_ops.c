@@ -43,24 +43,12 @@ static inline void vst_f32(float *p, vf v, int64_t n) {
     if (n == W) memcpy(p, &v, sizeof v); else memcpy(p, &v, n * sizeof *p);
 }
 static inline vf vround_f32(vf v) { return v; }
-/* AVX-512 widens and narrows 16 lanes in one instruction; GCC lowers __builtin_convertvector between
- * 16-bit and 32-bit lanes as two 256-bit halves. */
-#ifdef __AVX512F__
-static inline vf widen(vh h) { return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16); }
-static inline vh narrow(vu u) { return (vh)_mm512_cvtepi32_epi16((__m512i)u); }
-#else
-static inline vf widen(vh h) { return (vf)(__builtin_convertvector(h, vu) << 16); }
-static inline vh narrow(vu u) { return __builtin_convertvector(u, vh); }
-#endif
+#include "cpu_bf16.h" /* widen, narrow, vbf16 */
+
 static inline vf vld_bf16(const uint16_t *p, int64_t n) {
     vh h = {};
     if (n == W) memcpy(&h, p, sizeof h); else memcpy(&h, p, n * sizeof *p);
     return widen(h);
-}
-static inline vh vbf16(vf v) {
-    const vu u = (vu)v;
-    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
-    return narrow(((u + 0x7fffu + ((u >> 16) & 1u)) >> 16 & ~nan) | ((u >> 16 | 0x40u) & nan));
 }
 static inline void vst_bf16(uint16_t *p, vf v, int64_t n) {
     const vh h = vbf16(v);

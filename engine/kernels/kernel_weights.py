@@ -54,7 +54,7 @@ class KernelWeights:
         ``F.linear`` up to the dtype's rounding (a different summation order). ``x``: 2-D, of the
         dtype, on the CPU, ``in_features`` columns; a row stride is fine, a column stride is copied
         first. Raises ValueError for anything else."""
-        if x.dim() != 2 or x.dtype != self.dtype or x.device.type != "cpu" or x.shape[1] != self.in_features:
+        if x.dim() != 2 or x.dtype != self.dtype or not x.is_cpu or x.shape[1] != self.in_features:
             dtype = str(self.dtype).removeprefix("torch.")
             raise ValueError(f"{self.name}: x must be a {dtype} CPU [rows, {self.in_features}] tensor, got "
                              f"{tuple(x.shape)} {x.dtype} on {x.device}")  # fmt: skip

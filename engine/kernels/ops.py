@@ -20,6 +20,7 @@ import math
 import torch
 
 from pdserve import envs
+from pdserve.engine.kernels.cascade import gather_layers
 from pdserve.engine.kernels.quant import is_fp8
 from pdserve.engine.kernels.reference import paged_attention_ref, write_kv_ref
 from pdserve.engine.kernels.torch_paged import TorchAttentionPlan, paged_attention_torch, write_kv_torch
@@ -180,6 +181,7 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    layer: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a flattened mixed batch (prefill, chunked prefill, decode).
 
@@ -205,6 +207,9 @@ def paged_attention(
         sliding_window: if set (>= 1), a query at position ``p`` attends only to
             ``(p - sliding_window, p]`` (Mistral); None is full causal attention.
         k_scale, v_scale: the FP8 cache's scales (1.0 for a float cache).
+        layer: the layer of the KV tensor these caches are, where :func:`gather_shared_prefix`
+            took the step's cascade prefix for every layer at once (the torch backend reads it
+            from the plan then); None: this call gathers it.
 
     Returns:
         A new contiguous ``[num_tokens, num_heads, head_dim]`` tensor in ``q.dtype``;
@@ -276,9 +281,18 @@ def paged_attention(
     if backend == "torch":
         return paged_attention_torch(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), plan, sliding_window,
-            float(k_scale), float(v_scale),
+            float(k_scale), float(v_scale), layer,
         )  # fmt: skip
     return paged_attention_ref(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), sliding_window,
         float(k_scale), float(v_scale),
     )  # fmt: skip
+
+
+def gather_shared_prefix(plan: object | None, kv_cache: torch.Tensor, kv_heads: slice) -> None:
+    """Before a step's layers: where ``plan`` (``AttentionMetadata.torch_plan``) has a cascade, take its
+    shared prefix's K and V for every layer of ``kv_cache`` (``[num_blocks, layers, 2, block_size, Hkv,
+    D]``; ``kv_heads``: the heads the layers read) in one gather, which each layer's
+    :func:`paged_attention` then reads (``layer=``) instead of gathering its own. No-op otherwise."""
+    if isinstance(plan, TorchAttentionPlan) and plan.cascade is not None and plan.cascade.kv is None:
+        gather_layers(plan.cascade, kv_cache, kv_heads)

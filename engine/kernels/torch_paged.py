@@ -242,8 +242,7 @@ def _decode_group(
     num_kv_heads = k_cache.shape[2]
     if group.spans is not None and group.starts is not None:
         blocks = group.block_index.view(batch, -1)
-        out, _ = cpu_decode.decode_attention(q, k_cache, v_cache, blocks, group.starts, group.spans, scale, prefix)
-        return out.to(q.dtype)
+        return cpu_decode.decode_attention(q, k_cache, v_cache, blocks, group.starts, group.spans, scale, prefix)[0]
     k = _read(_gather(k_cache, group, 0), q.dtype, k_scale).transpose(1, 2)  # [B, Hkv, L, D]
     v = _read(_gather(v_cache, group, 1), q.dtype, v_scale).transpose(1, 2)
     # Query heads h*group .. h*group+group-1 share KV head h: fold them into q_len.
@@ -257,15 +256,20 @@ def _decode_group(
 
 
 def _prefix_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix: CascadePrefix, scale: float,
-                 k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 k_scale: float, v_scale: float, layer: int | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Every decode row's attention over the shared prefix, in one call: ``([B, Hkv, group, D],
-    float32 log-sum-exp [B, Hkv, group])``, B in ``prefix.rows`` order."""
+    float32 log-sum-exp [B, Hkv, group])``, B in ``prefix.rows`` order. The prefix's K/V come from
+    ``prefix.kv[layer]`` where the step gathered them (``cascade.gather_layers``), else from the caches."""
     rows = q if prefix.rows.numel() == q.shape[0] else q[prefix.rows]
     batch, num_heads, head_dim = rows.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    k = _read(k_cache.index_select(0, prefix.block_index), q.dtype, k_scale).view(1, -1, num_kv_heads, head_dim)
-    v = _read(v_cache.index_select(0, prefix.block_index), q.dtype, v_scale).view(1, -1, num_kv_heads, head_dim)
+    if prefix.kv is not None and layer is not None:
+        k, v = prefix.kv[layer]
+    else:
+        k, v = (c.index_select(0, prefix.block_index) for c in (k_cache, v_cache))
+    k = _read(k, q.dtype, k_scale).view(1, -1, num_kv_heads, head_dim)
+    v = _read(v, q.dtype, v_scale).view(1, -1, num_kv_heads, head_dim)
     # Every sequence's query heads of KV head h read the same keys: one query axis of B * group rows.
     qa = rows.view(batch, num_kv_heads, group, head_dim).transpose(0, 1).reshape(1, num_kv_heads, batch * group,
                                                                                  head_dim)  # fmt: skip
@@ -328,11 +332,13 @@ def paged_attention_torch(
     sliding_window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    layer: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed batch; see ``reference.paged_attention_ref``.
 
     ``plan`` must come from :func:`plan_attention` over these same metadata tensors and
-    this ``sliding_window``.
+    this ``sliding_window``; ``layer`` is the caches' layer, where the plan's cascade holds
+    every layer's prefix K/V (``cascade.gather_layers``).
     Returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``; rows owned by no
     sequence are zero.
     """
@@ -345,7 +351,8 @@ def paged_attention_torch(
     if q.shape[0] == 0 or not plan.starts[-1]:
         return torch.zeros_like(q, memory_format=torch.contiguous_format)
     groups = plan.decode_groups
-    shared = None if plan.cascade is None else _prefix_part(q, k_cache, v_cache, plan.cascade, scale, k_scale, v_scale)
+    shared = (None if plan.cascade is None
+              else _prefix_part(q, k_cache, v_cache, plan.cascade, scale, k_scale, v_scale, layer))  # fmt: skip
     if len(groups) == 1 and groups[0].all_rows and q.shape[0] == plan.starts[-1]:
         # Hot path: one decode group covering every row.
         return _decode_group(q, k_cache, v_cache, groups[0], scale, k_scale, v_scale, shared)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.kernels import cpu_ops, paged_attention, write_kv
+from pdserve.engine.kernels import cpu_ops, gather_shared_prefix, paged_attention, write_kv
 from pdserve.engine.kernels.metadata import AttentionMetadata
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.gemm_paths import GEMM_CHOICES, Projection, RowPaths, choose
@@ -75,10 +75,11 @@ class Attention(nn.Module):
     partial outputs over the ranks (its bias, if any, is held by rank 0 alone).
     """
 
-    def __init__(self, config: ModelConfig, comm: TPComm | None = None) -> None:
+    def __init__(self, config: ModelConfig, comm: TPComm | None = None, layer_idx: int = 0) -> None:
         super().__init__()
         shard = comm.shard if comm is not None else TPShard()
         self.comm = comm
+        self.layer_idx = layer_idx  # which layer of the KV tensor its caches are
         _, self.num_heads = shard.split(config.num_attention_heads)
         kv_start, self.num_kv_heads = shard.kv_heads(config.num_key_value_heads)
         # The cache's head slice this rank owns (None: all of them, the single-device path).
@@ -118,7 +119,7 @@ class Attention(nn.Module):
         out = paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.scale, meta.max_query_len, meta.max_seq_len, plan=meta.torch_plan,
-            sliding_window=self.sliding_window, k_scale=self.k_scale, v_scale=self.v_scale,
+            sliding_window=self.sliding_window, k_scale=self.k_scale, v_scale=self.v_scale, layer=self.layer_idx,
         )
         out = self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
         return out if self.comm is None else self.comm.all_reduce(out)
@@ -154,24 +155,33 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int = 0, comm: TPComm | None = None) -> None:
         super().__init__()
         self.comm = comm  # read by make_attention / make_mlp
+        self.layer_idx = layer_idx  # read by make_attention
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = self.make_attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = self.make_mlp(config, layer_idx)
 
     def make_attention(self, config: ModelConfig) -> nn.Module:
-        return Attention(config, self.comm)
+        return Attention(config, self.comm, self.layer_idx)
 
     def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return MLP(config, comm=self.comm)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor, meta: AttentionMetadata,
-    ) -> torch.Tensor:  # fmt: skip
-        """``layer_kv``: this layer's slice of the KV tensor (what its attention reads and writes)."""
-        attn = self.self_attn(self.input_layernorm(h), cos, sin, layer_kv, meta)
-        h, x = self.post_attention_layernorm.add_forward(h, attn)
-        return h + self.mlp(x)
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        layer_kv: torch.Tensor, meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The block on ``residual + h`` (on ``h`` for the first layer, whose ``residual`` is None), as
+        ``(delta, residual)``: its output is their sum, which the next norm adds in its own pass
+        (``RMSNorm.add_forward``) rather than an add of its own per layer; the same rounding.
+        ``layer_kv``: this layer's slice of the KV tensor (what its attention reads and writes)."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            residual, x = self.input_layernorm.add_forward(residual, h)
+        attn = self.self_attn(x, cos, sin, layer_kv, meta)
+        residual, x = self.post_attention_layernorm.add_forward(residual, attn)
+        return self.mlp(x), residual
 
 
 class Embedding(nn.Embedding):
@@ -246,6 +256,12 @@ class LlamaForCausalLM(nn.Module):
         self._shard_sizes = {"qkv_proj": (q, kv, kv), "gate_up_proj": (inter, inter)}
         self._head_packed: PackedWeights | None = None
         self._head_paths: RowPaths | None = None
+        kv_start, kv_count = shard.kv_heads(config.num_key_value_heads)
+        # The KV heads this instance's layers read (its rank's), for the step's one gather of a cascade's
+        # prefix (None: the layers read no cascade, as MLA's do not).
+        self._cascade_heads: slice | None = slice(kv_start, kv_start + kv_count) if shard.size > 1 else slice(None)
+        if config.kv_cache_kind == "mla":
+            self._cascade_heads = None
 
     def forward(
         self,
@@ -271,11 +287,13 @@ class LlamaForCausalLM(nn.Module):
                 f"block_size, {c.kv_cache_heads}, {c.kv_cache_head_dim}]"
             )
         m = self.model
-        h = m.embed_tokens(input_ids)
+        if self._cascade_heads is not None:
+            gather_shared_prefix(attn_meta.torch_plan, kv_cache, self._cascade_heads)
+        h, residual = m.embed_tokens(input_ids), None
         cos, sin = m.rotary_emb.lookup(positions, h.dtype)  # shared by all layers
         for layer, layer_kv in zip(m.layers, kv_cache.unbind(1)):
-            h = layer(h, cos, sin, layer_kv, attn_meta)
-        return m.norm(h)
+            h, residual = layer(h, residual, cos, sin, layer_kv, attn_meta)
+        return m.norm(h) if residual is None else m.norm.add_forward(residual, h)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[n, vocab_size]`` for the given hidden rows (select first). Under tensor

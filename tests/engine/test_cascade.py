@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.kernels import paged_attention_ref
+from pdserve.engine.kernels import gather_shared_prefix, paged_attention_ref
 from pdserve.engine.kernels.cascade import MIN_PREFIX_TOKENS, MIN_SEQS, common_prefix_blocks
 from pdserve.engine.kernels.quant import quantize
 from pdserve.engine.kernels.torch_paged import paged_attention_torch, plan_attention
@@ -102,6 +102,30 @@ def test_the_hot_path_one_group_of_every_row() -> None:
     assert plan.cascade is not None and len(plan.decode_groups) == 1 and plan.decode_groups[0].all_rows
     got = paged_attention_torch(q, k, v, table, lens, qsl, HEAD_DIM**-0.5, plan)
     assert _rel(got, paged_attention_ref(q, k, v, table, lens, qsl, HEAD_DIM**-0.5)) < 1e-5
+
+
+@pytest.mark.parametrize(("cache_heads", "heads"), [(KV_HEADS, slice(None)), (2 * KV_HEADS, slice(KV_HEADS, None))])
+def test_the_step_gathers_every_layer_s_prefix_at_once(cache_heads: int, heads: slice) -> None:
+    """``gather_shared_prefix`` takes the prefix of every layer of a block-major KV tensor (of a
+    tensor-parallel rank's heads, or all of them) in one gather; a layer reading it (``layer=``) gets
+    exactly what it gets gathering its own."""
+    q, k, v, table, lens, qsl = _batch(9, [1, 5, 16, 17, 40, 90, 120, 200], [], torch.float32, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    kv = torch.randn(k.shape[0], 3, 2, BS, cache_heads, HEAD_DIM, generator=gen)  # 3 layers
+    kv[:, 1, 0, :, heads], kv[:, 1, 1, :, heads] = k, v  # layer 1 holds the batch, in the rank's heads
+    layer_k, layer_v = kv[:, 1, 0, :, heads], kv[:, 1, 1, :, heads]
+    plan = plan_attention(table, lens, qsl, BS, cascade=True)
+    assert plan.cascade is not None
+    alone = paged_attention_torch(q, layer_k, layer_v, table, lens, qsl, 0.2, plan, layer=1)
+    gather_shared_prefix(plan, kv, heads)
+    assert plan.cascade.kv is not None and plan.cascade.kv.shape == (3, 2, 9 * BS, KV_HEADS, HEAD_DIM)
+    blocks = plan.cascade.block_index
+    for layer in range(3):
+        for plane in range(2):
+            want = kv[blocks, layer, plane, :, heads].reshape(9 * BS, KV_HEADS, HEAD_DIM)
+            assert torch.equal(plan.cascade.kv[layer, plane], want)
+    assert torch.equal(paged_attention_torch(q, layer_k, layer_v, table, lens, qsl, 0.2, plan, layer=1), alone)
+    assert _rel(alone, paged_attention_ref(q, k, v, table, lens, qsl, 0.2)) < 1e-5
 
 
 def test_no_cascade_for_few_sequences_a_short_prefix_or_a_window() -> None:

@@ -101,6 +101,31 @@ def test_a_partial_result_over_other_keys_is_merged_in(dtype: torch.dtype) -> No
     assert _rel(out, whole) < tol and torch.allclose(lse, whole_lse, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_queries_and_a_prefix_read_where_it_lies(dtype: torch.dtype) -> None:
+    """Queries at a row stride (a view of a q/k/v projection's rows) and a prefix part laid out as the
+    flash operator leaves it (``[Hkv, B, G, D]`` of the queries' dtype, its log-sum-exp ``[B, G, Hkv]``)
+    are read in place: the result is bit for bit that of contiguous float32 copies of them. The output
+    has the queries' dtype."""
+    lens = [40, 100, 17, 64]
+    q, k, v, table, _, _ = _batch(lens, [1] * 4, 8, 2, 64, dtype, seed=7)
+    blocks = table.long().contiguous()
+    spans = torch.tensor(lens, dtype=torch.int64)
+    split = torch.tensor([16, 37, 0, 64], dtype=torch.int64)
+    rows = torch.cat([q, torch.randn(4, 3, 64).to(dtype)], dim=1)  # each row's 8 heads, then 3 heads more
+    strided = rows[:, :8]
+    assert strided.stride(0) == 11 * 64
+    part, part_lse = cpu_decode.decode_attention(q, k, v, blocks, torch.zeros(4, dtype=torch.int64), split, 0.125)
+    assert part.dtype == dtype and part_lse.dtype == torch.float32
+    lying = part.view(4, 2, 4, 64).transpose(0, 1).contiguous().transpose(0, 1)  # [B, Hkv, G, D], B not outermost
+    lse_lying = part_lse.view(4, 2, 4).permute(0, 2, 1).contiguous().permute(0, 2, 1)
+    got = cpu_decode.decode_attention(strided, k, v, blocks, split, spans, 0.125, (lying, lse_lying))
+    want = cpu_decode.decode_attention(q, k, v, blocks, split, spans, 0.125,
+                                       (part.float().contiguous(), part_lse.contiguous()))  # fmt: skip
+    assert got[0].dtype == dtype
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_a_window_a_cascade_and_prefills_in_one_step() -> None:
     """Mixed batch: decodes beside a prefill, under a sliding window; then twelve decodes sharing a
     prefix through the cascade, whose suffixes the kernel reads and merges by log-sum-exp."""

@@ -1,0 +1,21 @@
+/* bfloat16 lanes to and from float32 vectors, for the CPU kernels that include it (cpu_ops.c,
+ * cpu_decode.c). The includer defines W and the vector types vf (W floats), vu (W uint32s) and vh
+ * (W uint16s). The build key of a kernel covers the headers beside its source (cpu_build.py), so a
+ * change here rebuilds both. */
+
+/* AVX-512 widens and narrows 16 lanes in one instruction; GCC lowers __builtin_convertvector between
+ * 16-bit and 32-bit lanes as two 256-bit halves. */
+#ifdef __AVX512F__
+static inline vf widen(vh h) { return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16); }
+static inline vh narrow(vu u) { return (vh)_mm512_cvtepi32_epi16((__m512i)u); }
+#else
+static inline vf widen(vh h) { return (vf)(__builtin_convertvector(h, vu) << 16); }
+static inline vh narrow(vu u) { return __builtin_convertvector(u, vh); }
+#endif
+
+/* float32 lanes rounded to bfloat16, to nearest even as torch rounds; a NaN stays a (quiet) NaN. */
+static inline vh vbf16(vf v) {
+    const vu u = (vu)v;
+    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    return narrow(((u + 0x7fffu + ((u >> 16) & 1u)) >> 16 & ~nan) | ((u >> 16 | 0x40u) & nan));
+}
