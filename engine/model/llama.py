@@ -256,12 +256,10 @@ class LlamaForCausalLM(nn.Module):
         self._shard_sizes = {"qkv_proj": (q, kv, kv), "gate_up_proj": (inter, inter)}
         self._head_packed: PackedWeights | None = None
         self._head_paths: RowPaths | None = None
-        kv_start, kv_count = shard.kv_heads(config.num_key_value_heads)
-        # The KV heads this instance's layers read (its rank's), for the step's one gather of a cascade's
-        # prefix (None: the layers read no cascade, as MLA's do not).
-        self._cascade_heads: slice | None = slice(kv_start, kv_start + kv_count) if shard.size > 1 else slice(None)
-        if config.kv_cache_kind == "mla":
-            self._cascade_heads = None
+        # The KV heads the layers' attention reads (a rank's slice, else all), for the step's one gather of
+        # a cascade's prefix; None where the layers are not this file's Attention (MLA's read no cascade).
+        attn = self.model.layers[0].self_attn if len(self.model.layers) else None
+        self._cascade_heads = (attn.kv_slice or slice(None)) if isinstance(attn, Attention) else None
 
     def forward(
         self,
