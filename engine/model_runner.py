@@ -95,7 +95,7 @@ class ModelRunner:
             hidden = self.model(ids, positions, self.kv_tensor.tensor, meta)
             if not rows:
                 return [], []
-            logits = self.model.compute_logits(hidden[rows])
+            logits = self.model.compute_logits(hidden[rows], widen=False)
         else:
             logits = self._forward_parallel(ids, positions, meta, rows)
             if logits is None:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine.kernels import cpu_ops
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.engine.structured.bitmask import apply_bitmask, new_bitmask
 
@@ -75,10 +76,14 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """``logits`` is float32 ``[n, vocab]``; returns one token id per row, and its log-probs
-        for the rows whose params ask for them (None for the others)."""
-        raw = logits
+        """``logits`` is ``[n, vocab]``, float32 or the model's dtype; returns one token id per row,
+        and its log-probs for the rows whose params ask for them (None for the others). Everything
+        but a greedy row's argmax reads the logits widened to float32 (widening keeps their order,
+        so a greedy row's token is the same either way)."""
         constrained = [i for i, rid in enumerate(request_ids) if rid in self._grammars]
+        if logits.dtype != torch.float32 and (constrained or not all(p.greedy for p in params)):
+            logits = logits.float()
+        raw = logits
         if constrained:
             if any(p.logprobs is not None for p in params):
                 logits = logits.clone()  # the log-probs are read from the unmasked logits
@@ -86,8 +91,7 @@ class Sampler:
             for i in constrained:
                 self._grammars[request_ids[i]].fill(bitmask, i)
             apply_bitmask(logits, bitmask, constrained)
-        # max's indices are argmax's (the first of tied maxima, NaN first), and max runs on every thread
-        greedy = logits.max(dim=-1).indices.tolist()
+        greedy = _argmax(logits)
         out: list[int] = []
         for i, (rid, p) in enumerate(zip(request_ids, params)):
             if p.greedy:
@@ -98,6 +102,14 @@ class Sampler:
             gen = self._generator(rid, p, logits.device)
             out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
         return out, _logprobs(raw, out, params)
+
+
+def _argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax: the first of tied maxima, a NaN first where a row has one."""
+    if cpu_ops.supports(logits):
+        return cpu_ops.argmax_rows(logits).tolist()
+    # max's indices are argmax's (first of ties, NaN first), and max runs on every thread where argmax does not
+    return logits.max(dim=-1).indices.tolist()
 
 
 def _logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprobs | None]:

@@ -1,6 +1,7 @@
 /* A decoder layer's elementwise work on the CPU in one pass each: RMSNorm (with the residual add
- * before it), SwiGLU's silu(gate) * up, and rotary embedding in place; and the KV write, a copy of
- * each token's rows into its cache slot (pdserve_write_kv, at the end).
+ * before it), SwiGLU's silu(gate) * up, and rotary embedding in place; the argmax of each row of a
+ * step's logits (greedy sampling); and the KV write, a copy of each token's rows into its cache slot
+ * (pdserve_write_kv, at the end).
  *
  * At a decode step's few rows each of these is a handful of torch operators over a few kilobytes, and
  * their cost is the operators' dispatch, not the arithmetic; one call replaces them. Each reproduces
@@ -158,6 +159,56 @@ DEFINE_SILU_MUL(bf16, uint16_t, vld_bf16, vst_bf16, vround_bf16)
 DEFINE_ROTARY(f32, float, vld_f32, vst_f32, vround_f32)
 DEFINE_ROTARY(bf16, uint16_t, vld_bf16, vst_bf16, vround_bf16)
 #pragma GCC pop_options
+
+/* out[r] = the index of row r's largest value, the first of tied maxima, and the first NaN where the row
+ * has one: torch's `x.max(dim=-1).indices` (of x widened to float32, which keeps the order). One pass:
+ * each lane keeps its largest value and the first vector that held it (a strict > only moves it on), so
+ * of the lanes holding the row's maximum the lowest index is the first; NaN, rare, is found by a scan. */
+#define DEFINE_ARGMAX(SUFFIX, T, VLD)                                                                     \
+void pdserve_argmax_rows_##SUFFIX(const T *x, int64_t stride, int64_t rows, int64_t cols, int64_t *out, \
+                                  int num_threads) {                                                     \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(rows * cols >= PARALLEL_MIN)") \
+    for (int64_t r = 0; r < rows; r++) {                                                                 \
+        const T *row = x + r * stride;                                                                   \
+        const int64_t body = cols / W * W;                                                               \
+        int64_t best = 0;                                                                                \
+        float top = -INFINITY;                                                                           \
+        vi nan = {};                                                                                     \
+        if (body) {                                                                                      \
+            vf hi = VLD(row, W);                                                                         \
+            vi at = {}, here = {};                                                                       \
+            nan |= (vi)(hi != hi);                                                                       \
+            for (int64_t i = W; i < body; i += W) {                                                      \
+                const vf v = VLD(row + i, W);                                                            \
+                const vi up = (vi)(v > hi);                                                              \
+                here += W;                                                                               \
+                hi = (vf)(((vi)v & up) | ((vi)hi & ~up));                                                \
+                at = (here & up) | (at & ~up);                                                           \
+                nan |= (vi)(v != v);                                                                     \
+            }                                                                                            \
+            best = cols;                                                                                 \
+            for (int j = 0; j < W; j++) top = hi[j] > top ? hi[j] : top;                                 \
+            for (int j = 0; j < W; j++)                                                                  \
+                if (hi[j] == top && at[j] + j < best) best = at[j] + j;                                  \
+        }                                                                                                \
+        for (int64_t i = body; i < cols; i++) {                                                          \
+            const float v = VLD(row + i, 1)[0];                                                          \
+            if (v > top || (i == 0 && !(v != v))) { top = v; best = i; }                                 \
+            if (v != v) nan[0] = 1;                                                                      \
+        }                                                                                                \
+        int any_nan = 0;                                                                                 \
+        for (int j = 0; j < W; j++) any_nan |= nan[j] != 0;                                              \
+        if (any_nan)                                                                                     \
+            for (int64_t i = 0; i < cols; i++) {                                                         \
+                const float v = VLD(row + i, 1)[0];                                                      \
+                if (v != v) { best = i; break; }                                                         \
+            }                                                                                            \
+        out[r] = best;                                                                                   \
+    }                                                                                                    \
+}
+
+DEFINE_ARGMAX(f32, float, vld_f32)
+DEFINE_ARGMAX(bf16, uint16_t, vld_bf16)
 
 /* Each token's K and V rows (row_bytes: its heads, adjacent) copied into slot slots[t] of the caches,
  * block slots[t] / block_size at offset slots[t] % block_size (strides in bytes); a negative slot

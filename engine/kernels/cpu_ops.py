@@ -1,10 +1,12 @@
-"""A decoder layer's elementwise work on the CPU, and its KV write, one call each (``cpu_ops.c``).
+"""A decoder layer's elementwise work on the CPU, its KV write and greedy sampling's argmax, one call
+each (``cpu_ops.c``).
 
 At a decode step's few rows, RMSNorm (with the residual add before it), SwiGLU's activation and the
 rotary embedding are each several torch operators over a few kilobytes, and what they cost is the
 operators' dispatch. These functions do each in one pass, with the rounding of the torch expressions
 they replace (``engine/model/llama.py``, ``engine/model/rope.py``); float32 differs from those only
-in the order of RMSNorm's sum of squares and the last bits of silu's exponential.
+in the order of RMSNorm's sum of squares and the last bits of silu's exponential. The argmax of a
+step's logits (:func:`argmax_rows`) is exact: one pass where torch's reduction takes several.
 
 :func:`supports` says whether a tensor can take them here (float32 or bfloat16 on the CPU, the
 library built, no autograd graph wanted); callers keep the torch expressions otherwise.
@@ -28,11 +30,12 @@ _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 class _Kernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.norm, self.silu_mul, self.rotary = {}, {}, {}
+        self.norm, self.silu_mul, self.rotary, self.argmax = {}, {}, {}, {}
         for dtype, suffix in _SUFFIX.items():
             self.norm[dtype] = _bind(lib, f"pdserve_add_rms_norm_{suffix}", [_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _N])
             self.silu_mul[dtype] = _bind(lib, f"pdserve_silu_mul_{suffix}", [_P, _I, _P, _I, _I, _I, _N])
             self.rotary[dtype] = _bind(lib, f"pdserve_rotary_{suffix}", [_P, _I, _I, _I, _I, _P, _P, _N])
+            self.argmax[dtype] = _bind(lib, f"pdserve_argmax_rows_{suffix}", [_P, _I, _I, _I, _P, _N])
         self.write_kv = _bind(lib, "pdserve_write_kv", [_P, _I, _P, _I, _P, _P, _I, _I, _P, _I, _I, _I])
 
 
@@ -109,6 +112,20 @@ def rotary_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: 
         _get().rotary[x.dtype](  # type: ignore[union-attr]
             x.data_ptr(), x.stride(0), n, heads, head_dim, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
         )
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """int64 ``[n]``: each row's first largest value's index, a NaN's first where the row has one, as
+    ``x.max(dim=-1).indices`` (and of ``x.float()``: widening keeps the order). ``x`` is ``[n, vocab]``
+    and :func:`supports` it. One pass over each row, where torch's reduction makes several."""
+    n, cols = x.shape
+    _check(x.dtype)
+    out = torch.empty(n, dtype=torch.int64)
+    with labels.label(PROFILER_LABEL):
+        _get().argmax[x.dtype](  # type: ignore[union-attr]
+            x.data_ptr(), x.stride(0), n, cols, out.data_ptr(), torch.get_num_threads()
+        )
+    return out
 
 
 def writes_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -293,11 +293,15 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer(h, residual, cos, sin, layer_kv, attn_meta)
         return m.norm(h) if residual is None else m.norm.add_forward(residual, h)[1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[n, vocab_size]`` for the given hidden rows (select first). Under tensor
-        parallelism every rank must call it with the same rows: the ranks' vocab slices are gathered."""
-        local = project(hidden, self._head_weight(), None, self._head_packed, self._head_paths).float()
-        return local if self.comm is None else self.comm.gather_columns(local, self.config.vocab_size)
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """Logits ``[n, vocab_size]`` for the given hidden rows (select first): float32, or with
+        ``widen=False`` the head's own dtype (the sampler widens what it reads; a greedy step reads
+        none). Under tensor parallelism every rank must call it with the same rows: the ranks' vocab
+        slices are gathered, in float32 whatever ``widen``."""
+        local = project(hidden, self._head_weight(), None, self._head_packed, self._head_paths)
+        if self.comm is None:
+            return local.float() if widen else local
+        return self.comm.gather_columns(local.float(), self.config.vocab_size)
 
     def join(self, group: object) -> None:
         """Give a tensor-parallel instance the group its collectives run in (``TPGroup``)."""

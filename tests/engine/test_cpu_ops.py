@@ -137,6 +137,24 @@ def test_write_kv_is_the_reference_write(dtype: torch.dtype) -> None:
                                  torch.zeros(3, 8, 4, 16))  # heads not adjacent  # fmt: skip
 
 
+@pytest.mark.parametrize("cols", [1, 5, 16, 37, 49152, 49157])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torch_max_indices(cols: int, dtype: torch.dtype) -> None:
+    """Random rows, rows of ties (few distinct values), NaNs, a row all -inf, the maximum in a row's
+    tail past its whole vectors, and rows a stride apart: the index torch's max gives, every row."""
+    gen = torch.Generator().manual_seed(cols)
+    for trial in range(12):
+        x = torch.randn(16, cols + 3, generator=gen).to(dtype)[:, :cols]
+        x[1::3] = torch.randint(0, 3, (len(range(1, 16, 3)), cols), generator=gen).to(dtype)
+        x[2, torch.randint(0, cols, (2,), generator=gen)] = float("nan")
+        x[4] = float("-inf")
+        x[5, -1] = 100.0
+        x[6, trial % cols] = float("inf")
+        assert x.stride(0) == cols + 3
+        assert torch.equal(cpu_ops.argmax_rows(x), x.max(dim=-1).indices)
+        assert torch.equal(cpu_ops.argmax_rows(x), x.float().max(dim=-1).indices)
+
+
 def test_refusals() -> None:
     assert not cpu_ops.supports(torch.zeros(2, 4, dtype=torch.float16))
     assert not cpu_ops.supports(torch.zeros(4, 2).t())  # rows not contiguous
@@ -168,3 +186,4 @@ def test_the_avx2_build_agrees_too(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     test_add_rms_norm((7, 37), torch.bfloat16)
     test_silu_mul((3, 21), torch.bfloat16)
     test_rotary_in_place_is_apply_rotary_exactly(5, 3, 80, 300, torch.float32)
+    test_argmax_rows_is_torch_max_indices(37, torch.bfloat16)

@@ -149,3 +149,24 @@ def test_logprobs_are_the_models_raw_distribution() -> None:
     with pytest.raises(ValueError, match="stop"):
         SamplingParams(stop=("",))
     assert SamplingParams(stop="x").stop == ("x",)
+
+
+def test_bfloat16_logits_sample_as_their_float32_widening() -> None:
+    """A step hands the sampler the head's bfloat16 logits: greedy rows take their argmax as read
+    (ties and NaN included), and seeded draws, filters and log-probs are those of the same logits
+    widened to float32, row for row."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 3000, generator=gen) * 3).bfloat16()
+    logits[1, [10, 2000]] = 40.0
+    logits[2, [17, 900]] = float("nan")
+    params = [SamplingParams(logprobs=2), SamplingParams(), SamplingParams(),
+              SamplingParams(temperature=0.8, top_k=20, seed=3), SamplingParams(temperature=1.1, top_p=0.7, seed=4),
+              SamplingParams(temperature=0.9, seed=5, logprobs=1)]  # fmt: skip
+    ids = [f"r{i}" for i in range(6)]
+    got = Sampler().sample(logits, ids, params)
+    want = Sampler().sample(logits.float(), ids, params)
+    assert got[0] == want[0]
+    assert got[0][:3] == [int(logits[0].float().argmax()), 10, 17]
+    assert got[1] == want[1] and got[1][0] is not None and got[1][5] is not None
+    greedy_only = Sampler().sample(logits[:3], ids[:3], [SamplingParams()] * 3)[0]
+    assert greedy_only == logits[:3].float().argmax(dim=-1).tolist()
