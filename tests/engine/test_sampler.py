@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.engine.kernels import cpu_ops
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -52,9 +53,13 @@ def test_greedy_and_degenerate_filters_pick_argmax() -> None:
     assert s.sample(logits, list("ijkl"), [SamplingParams(temperature=1.0, top_p=1e-6, seed=1)] * 4)[0] == want
 
 
-def test_greedy_ties_and_nan_pick_the_first_index_as_argmax_does() -> None:
-    """Greedy picks through ``max``'s indices; on a wide batch (several threads) they are argmax's:
-    the first of tied maxima, a NaN before any number."""
+@pytest.mark.parametrize("kernel", [True, False])
+def test_greedy_ties_and_nan_pick_the_first_index_as_argmax_does(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy picks through the one-pass kernel (``cpu_ops.argmax_rows``) or, where it does not run, through
+    ``max``'s indices; on a wide batch (several threads) both are argmax's: the first of tied maxima, a
+    NaN before any number."""
+    if not kernel:
+        monkeypatch.setattr(cpu_ops, "supports", lambda x: False)
     torch.manual_seed(0)
     logits = torch.randn(48, 49_152)
     logits[1, [7, 900, 40_000]] = 50.0
