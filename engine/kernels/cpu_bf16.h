@@ -14,8 +14,22 @@ static inline vh narrow(vu u) { return __builtin_convertvector(u, vh); }
 #endif
 
 /* float32 lanes rounded to bfloat16, to nearest even as torch rounds; a NaN stays a (quiet) NaN. */
-static inline vh vbf16(vf v) {
+static inline vh vbf16_int(vf v) {
     const vu u = (vu)v;
     const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
     return narrow(((u + 0x7fffu + ((u >> 16) & 1u)) >> 16 & ~nan) | ((u >> 16 | 0x40u) & nan));
 }
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* The CPU's own conversion (vcvtneps2bf16, one instruction for what the integer form takes about ten)
+ * rounds to nearest even and keeps a NaN quiet as vbf16_int does, but reads a denormal as zero: a vector
+ * with a denormal lane (exponent bits all zero, mantissa not) takes the integer form. */
+static inline vh vbf16(vf v) {
+    const __m512i u = (__m512i)v;
+    const __mmask16 denormal = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000))
+                             & _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x007fffff));
+    if (__builtin_expect(denormal != 0, 0)) return vbf16_int(v);
+    return (vh)_mm512_cvtneps_pbh((__m512)v);
+}
+#else
+static inline vh vbf16(vf v) { return vbf16_int(v); }
+#endif

@@ -101,6 +101,25 @@ def test_bfloat16_nan_and_rounding_ties() -> None:
     assert torch.equal(y.view(1, 1, 2), apply_rotary(x.view(1, 1, 2), cos, torch.zeros_like(cos)))
 
 
+def test_bfloat16_denormals_round_as_torch() -> None:
+    """Results below float32's normal range round to bfloat16 as torch rounds them, not to zero (the
+    CPU's conversion instruction reads a denormal as zero; vectors holding one take the exact form)."""
+    gen = torch.Generator().manual_seed(9)
+    x = (torch.randn(3, 64, generator=gen) * 1e-39).to(torch.bfloat16)  # denormals, and a few normals
+    x[0, :4] = torch.tensor([0.0, -0.0, 1.0, float("nan")])
+    cos = torch.full((3, 1, 16), 0.75).to(torch.bfloat16)
+    sin = torch.full((3, 1, 16), -0.3).to(torch.bfloat16)
+    y = x.clone()
+    cpu_ops.rotary_(y, 2, 32, cos, sin)
+    ref = apply_rotary(x.view(3, 2, 32), cos, sin)
+    assert (ref != 0).sum() > 100
+    torch.testing.assert_close(y.view(3, 2, 32), ref, rtol=0, atol=0, equal_nan=True)  # bit for bit
+    h = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    w = torch.full((64,), 1e-39).to(torch.bfloat16)  # the norm's products land below the normal range
+    _, out = cpu_ops.add_rms_norm(h, None, w, 1e-6)
+    assert (out != 0).sum() > 150 and torch.equal(out, _norm_ref(h, w, 1e-6))
+
+
 def test_rmsnorm_module_uses_it_and_keeps_the_torch_path() -> None:
     norm = RMSNorm(64, 1e-5)
     with torch.no_grad():
