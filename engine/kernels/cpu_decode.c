@@ -50,19 +50,8 @@ int pdserve_decode_lanes(void) { return W; }
 
 static inline vf splat(float x) { return (vf){} + x; }
 static inline vf ld_f32(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-#ifdef __AVX512F__
-/* One widening load and a shift (the generic form below is lowered as two 256-bit halves). */
-static inline vf ld_bf16(const uint16_t *p) {
-    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-}
-#else
-static inline vf ld_bf16(const uint16_t *p) {
-    vh h; memcpy(&h, p, sizeof h);
-    vu u = __builtin_convertvector(h, vu) << 16;
-    vf v; memcpy(&v, &u, sizeof v); return v;
-}
-#endif
-#include "cpu_bf16.h" /* vbf16: the output's rounding */
+#include "cpu_bf16.h" /* widen: a K/V row's bfloat16 lanes; vbf16: the output's rounding */
+static inline vf ld_bf16(const uint16_t *p) { vh h; memcpy(&h, p, sizeof h); return widen(h); }
 static inline void st_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline void st_bf16(uint16_t *p, vf v) { const vh h = vbf16(v); memcpy(p, &h, sizeof h); }
 
