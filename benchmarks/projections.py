@@ -19,7 +19,13 @@ each checked against float64 first (the run exits 1 on a mismatch), then timed i
 GFLOP/s (2 x rows x in x out per product) say how close many rows come to the FMA units' limit.
 
 ``read`` is the memory's read speed on the same threads (a sum over a buffer the size of the weights):
-what a pass could reach at best. Without a C compiler (or with ``PDSERVE_CPU_KERNELS=0``), or for
+what a pass could reach at best.
+
+Each row count also times SwiGLU's gate/up over the layers' gate_up weights two ways: ``fused``
+(:class:`engine.kernels.cpu_amx.AMXGluWeights` in bfloat16, :class:`engine.kernels.cpu_gemm.PanelGluWeights`
+in float32, the engine's path: the activation applied from the product's sums in the same pass) and
+``unfused`` (the kernel's product, then ``cpu_ops.silu_mul``), checked bit for bit equal first (exit 1
+otherwise). Without a C compiler (or with ``PDSERVE_CPU_KERNELS=0``), or for
 bfloat16 without AMX-BF16, the kernel does not run here: the run says so and exits 0.
 
 Run: ``python -m pdserve.benchmarks.projections [--rows 1,4,8,16,64,256] [--layers 30] [--dtype bfloat16] [--json]``.
@@ -38,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.benchmarks.common import emit
-from pdserve.engine.kernels import cpu_amx, cpu_gemm
+from pdserve.engine.kernels import cpu_amx, cpu_gemm, cpu_ops
 from pdserve.engine.model.linear import OneDNNWeights
 
 # SmolLM2-135M's projections: (out, in) of qkv, o, gate_up, down.
@@ -60,6 +66,27 @@ def paths(weights: list[torch.Tensor], rows: int, seed: int) -> tuple[dict[str, 
     fns["f_linear"] = lambda: [F.linear(xs[w.shape[1]], w) for w in weights]
     fns["onednn"] = lambda: [p(xs[w.shape[1]]) for p, w in zip(packed, weights)]
     return fns, [xs[w.shape[1]] for w in weights]
+
+
+def swiglu_paths(weights: list[torch.Tensor], rows: int, seed: int) -> dict[str, Callable[[], list]]:
+    """SwiGLU over the gate_up ``weights`` for ``rows`` rows: fused, and the kernel's product then
+    silu_mul; SystemExit where their results differ in a bit."""
+    dtype = weights[0].dtype
+    x = torch.randn(rows, weights[0].shape[1], generator=torch.Generator().manual_seed(seed)).to(dtype)
+    if dtype == torch.bfloat16:
+        fused = [cpu_amx.AMXGluWeights(w) for w in weights]
+        products = [cpu_amx.AMXWeights(w, None) for w in weights]
+    else:
+        fused = [cpu_gemm.PanelGluWeights(w) for w in weights]
+        products = [cpu_gemm.PanelWeights(w, None) for w in weights]
+    fns: dict[str, Callable[[], list]] = {
+        "fused": lambda: [f(x) for f in fused],
+        "unfused": lambda: [cpu_ops.silu_mul(p(x), w.shape[0] // 2) for p, w in zip(products, weights)],
+    }
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    if not torch.equal(fns["fused"]()[0].view(bits), fns["unfused"]()[0].view(bits)):
+        raise SystemExit(f"projections: fused SwiGLU differs from the product then silu_mul at {rows} rows")
+    return fns
 
 
 def check(fns: dict[str, Callable[[], list]], weights: list[torch.Tensor], inputs: list) -> None:
@@ -109,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     flops_per_row = 2 * sum(w.numel() for w in weights)
     buf = torch.ones(nbytes // 4)
     result: dict[str, Any] = {"threads": torch.get_num_threads(), "layers": args.layers, "weight_mb": nbytes >> 20,
-                              "dtype": args.dtype, "panel": cpu_gemm.panel(), "rows": {}}  # fmt: skip
+                              "dtype": args.dtype, "panel": cpu_gemm.panel(), "rows": {}, "swiglu": {}}  # fmt: skip
     with torch.no_grad():
         for rows in rows_list:
             fns, inputs = paths(weights, rows, seed=rows)
@@ -120,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                 | ({} if name == "read" else {"gflops": round(rows * flops_per_row / s / 1e9, 1)})
                 for name, s in secs.items()
             }
+            glu = timed_rounds(swiglu_paths(weights[2 :: len(SHAPES)], rows, seed=rows), args.repeats)
+            result["swiglu"][str(rows)] = {name: round(s * 1e3, 3) for name, s in glu.items()}
     emit(result, args.json, report_rows(result))
     return 0
 
@@ -134,6 +163,9 @@ def report_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         if "kernel" in by:
             text += f"; kernel vs best torch path {best_torch / by['kernel']['ms']:.2f}x"
         out.append((f"{rows} rows", text))
+    for rows, glu in result.get("swiglu", {}).items():
+        out.append((f"{rows} rows SwiGLU", f"fused {glu['fused']} ms, product then silu_mul {glu['unfused']} ms "
+                                           f"({glu['unfused'] / glu['fused']:.2f}x)"))  # fmt: skip
     return out
 
 

@@ -15,7 +15,15 @@
  * multiple of 32; w as cpu_amx.pack lays it out ([ceil(n / 32)][k / 32][2][16][16][2]);
  * bias NULL or n float32; out [rows, n] bfloat16, contiguous. Built without AMX (no -mamx-bf16 from
  * -march=native), the entry points return -1. pdserve_amx_init asks Linux for the tile state once
- * per process (arch_prctl ARCH_REQ_XCOMP_PERM); nothing runs before it returned 0. */
+ * per process (arch_prctl ARCH_REQ_XCOMP_PERM); nothing runs before it returned 0.
+ *
+ * pdserve_amx_glu is SwiGLU's gate/up product with its activation: w packed by cpu_amx.pack_glu (gate
+ * and up rows interleaved 16 at a time, so a panel's two column tiles are 16 gate columns and the same
+ * 16 up columns), out [rows, n] = silu(gate) * up, n = the intermediate size, a multiple of 16. Each
+ * value is rounded as the unfused path rounds it (the product's sums to bfloat16, then silu to
+ * bfloat16, then the product; cpu_ops.c's silu_mul), so the two agree bit for bit; the [rows, 2n]
+ * product is never written. bias must be NULL. */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -28,6 +36,16 @@
 #define XFEATURE_XTILEDATA 18
 
 int pdserve_amx_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+
+#define W 16
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
+static inline vf splat(float x) { return (vf){} + x; }
+#include "cpu_bf16.h" /* widen, vbf16 */
+#include "cpu_vexp.h" /* vsilu */
+static inline vf vround_bf16(vf v) { return widen(vbf16(v)); }
 
 struct tilecfg { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
@@ -56,10 +74,24 @@ static inline __m256i bf16_of(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
 }
 
-int pdserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *out,
-                       int64_t rows, int64_t n, int64_t k, int num_threads) {
-    if (k % 32) return -1;
-    const int64_t panels = (n + 31) / 32, kb = k / 32, chunks = (rows + 31) / 32;
+/* SwiGLU's epilogue of one item: rows [m0, m0 + m) of panel p, whose sums hold 16 gate columns
+ * (buf[i][0..15]) and the same 16 up columns (buf[i][16..31]); out rows are n apart. */
+static void glu_epilogue(float (*buf)[32], uint16_t *out, int64_t m0, int64_t m, int64_t p, int64_t n) {
+    for (int64_t i = 0; i < m; i++) {
+        vf g, u;
+        memcpy(&g, &buf[i][0], sizeof g);
+        memcpy(&u, &buf[i][16], sizeof u);
+        const vh a = vbf16(vround_bf16(vsilu(vround_bf16(g))) * vround_bf16(u));
+        memcpy(out + (m0 + i) * n + p * 16, &a, sizeof a);
+    }
+}
+
+/* The product of pdserve_amx_linear (glu 0: n output columns) or pdserve_amx_glu (glu 1: 2n product
+ * columns, n outputs). */
+static int amx_product(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *out,
+                       int64_t rows, int64_t n, int64_t k, int num_threads, int glu) {
+    if (k % 32 || (glu && (n % 16 || bias))) return -1;
+    const int64_t panels = glu ? n / 16 : (n + 31) / 32, kb = k / 32, chunks = (rows + 31) / 32;
     #pragma omp parallel num_threads(num_threads)
     {
         float buf[32][32] __attribute__((aligned(64)));
@@ -89,6 +121,10 @@ int pdserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *w, c
             _tile_stored(0, &buf[0][0], 128);
             _tile_stored(1, &buf[0][16], 128);
             if (r1) { _tile_stored(2, &buf[16][0], 128); _tile_stored(3, &buf[16][16], 128); }
+            if (glu) {
+                glu_epilogue(buf, out, m0, m, p, n);
+                continue;
+            }
             const int64_t cols = n - p * 32 < 32 ? n - p * 32 : 32;
             for (int64_t h = 0; h < cols; h += 16) {
                 const __mmask16 mask = (__mmask16)((1u << (cols - h < 16 ? cols - h : 16)) - 1u);
@@ -103,11 +139,25 @@ int pdserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *w, c
     return 0;
 }
 
+int pdserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *out,
+                       int64_t rows, int64_t n, int64_t k, int num_threads) {
+    return amx_product(x, x_stride, w, bias, out, rows, n, k, num_threads, 0);
+}
+
+int pdserve_amx_glu(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *out,
+                    int64_t rows, int64_t n, int64_t k, int num_threads) {
+    return amx_product(x, x_stride, w, bias, out, rows, n, k, num_threads, 1);
+}
+
 #else
 int pdserve_amx_init(void) { return -1; }
 int pdserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *out,
                        int64_t rows, int64_t n, int64_t k, int num_threads) {
     (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)rows; (void)n; (void)k; (void)num_threads;
     return -1;
+}
+int pdserve_amx_glu(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *out,
+                    int64_t rows, int64_t n, int64_t k, int num_threads) {
+    return pdserve_amx_linear(x, x_stride, w, bias, out, rows, n, k, num_threads);
 }
 #endif

@@ -6,6 +6,11 @@ here reads each weight packed once in panels of 32 output columns, each one sequ
 keeps a chunk of up to 32 rows' sums on the tile registers while a panel passes
 (``pdserve bench projections --dtype bfloat16`` measures it against oneDNN).
 
+:class:`AMXGluWeights` is SwiGLU's gate/up product and its activation in one call: the panels hold
+16 gate columns beside the same 16 up columns, and each item writes ``silu(gate) * up`` from its sums,
+rounded as the unfused product and ``cpu_ops.silu_mul`` round (bit for bit the same), without writing
+the product's ``[rows, 2 * inter]`` columns and reading them back.
+
 :func:`available` says whether :class:`AMXWeights` can be made of a weight here: a bfloat16 CPU
 weight whose input size is a multiple of 32, on a CPU with AMX-BF16 whose kernel the library built
 and Linux granted the tile state; callers keep oneDNN's copy otherwise.
@@ -30,15 +35,15 @@ BLOCK = 32  # inputs per tile row
 
 
 @functools.cache
-def _get() -> ctypes._CFuncPtr | None:
-    """The kernel's entry point: built, loaded and granted the tile state on the first call (None
-    where any of that fails or the build has no AMX)."""
+def _get() -> ctypes.CDLL | None:
+    """The library with its entry points' signatures set: built, loaded and granted the tile state on
+    the first call (None where any of that fails or the build has no AMX)."""
     lib = cpu_build.load(_SOURCE)
     if lib is None or lib.pdserve_amx_init() != 0:
         return None
-    fn = lib.pdserve_amx_linear
-    fn.argtypes, fn.restype = [_P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int], ctypes.c_int
-    return fn
+    for fn in (lib.pdserve_amx_linear, lib.pdserve_amx_glu):
+        fn.argtypes, fn.restype = [_P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int], ctypes.c_int
+    return lib
 
 
 def available(weight: torch.Tensor) -> bool:
@@ -73,5 +78,44 @@ class AMXWeights(KernelWeights):
         if bias is not None and bias.shape != weight.shape[:1]:
             raise ValueError(f"bias: expected shape {tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
         # The bias is added to the float32 sums before the rounding (oneDNN adds a bfloat16 bias the same way).
-        super().__init__(_get(), pack(weight), weight.shape,
+        lib = _get()
+        assert lib is not None  # available() loaded it
+        super().__init__(lib.pdserve_amx_linear, pack(weight), weight.shape,
                          None if bias is None else bias.detach().float().contiguous())  # fmt: skip
+
+
+def pack_glu(weight: torch.Tensor) -> torch.Tensor:
+    """A gate/up ``weight [2 * inter, k]`` (gate rows, then up rows) packed as :func:`pack` packs it
+    after interleaving its rows 16 at a time (``gate[0:16], up[0:16], gate[16:32], ...``): panel ``p``
+    holds gate and up columns ``16 p .. 16 p + 15``. ``inter`` must be a multiple of 16."""
+    n, k = weight.shape
+    if n % 32:
+        raise ValueError(f"a gate/up weight needs 2 x a multiple of 16 rows, got {n}")
+    return pack(weight.detach().view(2, n // 32, 16, k).transpose(0, 1).reshape(n, k))
+
+
+def glu_available(weight: torch.Tensor) -> bool:
+    """Whether :class:`AMXGluWeights` can be made of the gate/up ``weight`` here: :func:`available`,
+    and an intermediate size that is a multiple of 16."""
+    return available(weight) and weight.shape[0] % 32 == 0
+
+
+class AMXGluWeights(KernelWeights):
+    """SwiGLU's gate/up product with its activation, ``silu(x @ gate.T) * (x @ up.T)`` as ``[rows,
+    inter]`` bfloat16, for a fused gate/up weight ``[2 * inter, in]`` (gate rows first) without a bias:
+    equal bit for bit to :class:`AMXWeights`' product followed by ``cpu_ops.silu_mul``. Requires
+    :func:`glu_available` for the weight."""
+
+    dtype = torch.bfloat16
+    label = PROFILER_LABEL
+    name = "AMX gate/up"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if not glu_available(weight):
+            raise ValueError(f"AMX gate/up weights need a 2-D bfloat16 CPU weight of 2 x a multiple of 16 rows and "
+                             f"a multiple of {BLOCK} inputs, on a CPU with AMX-BF16, got {tuple(weight.shape)} "
+                             f"{weight.dtype} on {weight.device}")  # fmt: skip
+        lib = _get()
+        assert lib is not None  # glu_available() loaded it
+        shape = torch.Size((weight.shape[0] // 2, weight.shape[1]))  # [inter, in]: what a call returns per row
+        super().__init__(lib.pdserve_amx_glu, pack_glu(weight), shape, None)

@@ -27,8 +27,16 @@
  *
  * Items are handed out dynamically, so a thread that loses its core to another process for a while does
  * not hold the others up beyond the item it is on. Every sum runs over c in order from zero, in float32,
- * whichever path: a row's results are bit for bit the same in any batch, and agree with BLAS to rounding. */
+ * whichever path: a row's results are bit for bit the same in any batch, and agree with BLAS to rounding.
+ *
+ * pdserve_gemm_glu_f32 is SwiGLU's gate/up product with its activation: panels packed by
+ * cpu_gemm.pack_glu (gate and up rows interleaved HALF at a time, so panel p holds gate rows
+ * [p * HALF, + HALF) and then the same up rows), out [rows, n] = silu(gate) * up with n the intermediate
+ * size, a multiple of HALF, and no bias. An item's sums go to a buffer, and from there out gets the
+ * activation as cpu_ops.c's silu_mul computes it from the same sums: bit for bit the product then
+ * silu_mul, without the [rows, 2n] product in memory. */
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
@@ -48,7 +56,9 @@
 #define LINES (PANEL / LINE_FLOATS) /* cache lines per input of a panel */
 #define AHEAD 48            /* inputs ahead that a one-group pass fetches into L2 */
 #define KBLOCK 64           /* inputs per block past two groups: 64 * PANEL floats, 16 KiB with AVX-512 */
+#define HALF (PANEL / 2)    /* gate (and up) rows per panel of the SwiGLU packing */
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 
 int pdserve_gemm_panel(void) { return PANEL; }
 
@@ -64,6 +74,7 @@ static inline vf splat(float x) {
     return (vf){0} + x;
 #endif
 }
+#include "cpu_vexp.h" /* vsilu */
 
 /* Input rows [0, R) of x against panel p; their outputs' columns [p * PANEL, + cols). */
 #define DEFINE_GROUP(R)                                                                                  \
@@ -177,6 +188,36 @@ int pdserve_gemm_f32(const float *x, int64_t x_stride, const float *panels, cons
         for (int64_t g = r0; g < r1; g += GROUP) {
             const int64_t size = r1 - g < GROUP ? r1 - g : GROUP;
             GROUPS[size](x + g * x_stride, x_stride, panels + p * k * PANEL, bias, out + g * n, n, k, col0, cols);
+        }
+    }
+    return 0;
+}
+
+/* SwiGLU (the header comment): each item's product to `prod` (its rows PANEL apart), then the activation. */
+int pdserve_gemm_glu_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *out,
+                         int64_t rows, int64_t n, int64_t k, int num_threads) {
+    if (rows < 1 || n < 1 || k < 1 || n % HALF || bias) return -1;
+    const int64_t npanels = n / HALF, nchunks = (rows + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < npanels * nchunks; item++) {
+        float prod[CHUNK * PANEL] __attribute__((aligned(64)));
+        const int64_t p = item % npanels, r0 = item / npanels * CHUNK;
+        const int64_t m = r0 + CHUNK < rows ? CHUNK : rows - r0;
+        const float *panel = panels + p * k * PANEL, *xr = x + r0 * x_stride;
+        if (m > 2 * GROUP) {
+            const int64_t guess = item + num_threads;
+            const float *after = guess < npanels * nchunks ? panels + guess % npanels * k * PANEL : NULL;
+            item_blocked(xr, x_stride, panel, NULL, prod, PANEL, k, 0, m, 0, PANEL, after);
+        } else {
+            for (int64_t g = 0; g < m; g += GROUP) {
+                const int64_t size = m - g < GROUP ? m - g : GROUP;
+                GROUPS[size](xr + g * x_stride, x_stride, panel, NULL, prod + g * PANEL, PANEL, k, 0, PANEL);
+            }
+        }
+        for (int64_t r = 0; r < m; r++) {
+            const float *s = prod + r * PANEL;
+            float *o = out + (r0 + r) * n + p * HALF;
+            for (int64_t j = 0; j < HALF; j += W) st(o + j, vsilu(ld(s + j)) * ld(s + HALF + j));
         }
     }
     return 0;

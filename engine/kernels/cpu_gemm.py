@@ -31,8 +31,9 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 class _Kernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.fn = lib.pdserve_gemm_f32
-        self.fn.argtypes, self.fn.restype = [_P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int], ctypes.c_int
+        self.fn, self.glu = lib.pdserve_gemm_f32, lib.pdserve_gemm_glu_f32
+        for fn in (self.fn, self.glu):
+            fn.argtypes, fn.restype = [_P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int], ctypes.c_int
         self.panel = int(lib.pdserve_gemm_panel())
 
 
@@ -80,3 +81,38 @@ class PanelWeights(KernelWeights):
         kernel = _get()
         assert kernel is not None  # available() built the library
         super().__init__(kernel.fn, pack(weight), weight.shape, None if bias is None else bias.detach().contiguous())
+
+
+def glu_available(weight: torch.Tensor) -> bool:
+    """Whether :class:`PanelGluWeights` can be made of the gate/up ``weight`` here: :func:`available`,
+    and an intermediate size that is a multiple of half a panel."""
+    return available(weight) and weight.shape[0] % (2 * (panel() // 2)) == 0
+
+
+def pack_glu(weight: torch.Tensor) -> torch.Tensor:
+    """A gate/up ``weight [2 * inter, k]`` (gate rows, then up rows) packed as :func:`pack` packs it
+    after interleaving its rows half a panel at a time: panel ``p`` holds gate rows ``[p * h, p * h + h)``
+    and then the same up rows (``h = panel() // 2``). Requires :func:`glu_available`."""
+    n, k = weight.shape
+    half = panel() // 2
+    return pack(weight.detach().view(2, n // (2 * half), half, k).transpose(0, 1).reshape(n, k))
+
+
+class PanelGluWeights(KernelWeights):
+    """SwiGLU's gate/up product with its activation, ``silu(x @ gate.T) * (x @ up.T)`` as ``[rows,
+    inter]`` float32, for a fused gate/up weight ``[2 * inter, in]`` (gate rows first) without a bias:
+    equal bit for bit to :class:`PanelWeights`' product followed by ``cpu_ops.silu_mul``. Requires
+    :func:`glu_available` for the weight."""
+
+    dtype = torch.float32
+    label = PROFILER_LABEL
+    name = "panel gate/up"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if not glu_available(weight):
+            raise ValueError(f"panel gate/up weights need a 2-D float32 CPU weight of 2 x a multiple of "
+                             f"{panel() // 2 or 'half a panel'} rows and the built kernel, got {tuple(weight.shape)} "
+                             f"{weight.dtype} on {weight.device}")  # fmt: skip
+        kernel = _get()
+        assert kernel is not None  # glu_available() built the library
+        super().__init__(kernel.glu, pack_glu(weight), torch.Size((weight.shape[0] // 2, weight.shape[1])), None)

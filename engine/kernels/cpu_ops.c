@@ -68,18 +68,6 @@ static inline vf vround_bf16(vf v) {
 
 #include "cpu_vexp.h"
 
-/* e^x, x clamped to [-87, 88] (float32's normal range). */
-static inline vf vexp(vf x) {
-    x = (vf)(((vi)x & (vi)(x > splat(-87.f))) | ((vi)splat(-87.f) & (vi)(x <= splat(-87.f))));
-    x = (vf)(((vi)x & (vi)(x < splat(88.f))) | ((vi)splat(88.f) & (vi)(x >= splat(88.f))));
-    return vexp_in_range(x);
-}
-/* e^x, +inf past float32's range (as expf). */
-static inline vf vexp_inf(vf x) {
-    const vi over = (vi)(x > splat(88.7228f));
-    return (vf)(((vi)vexp(x) & ~over) | ((vi)splat(INFINITY) & over));
-}
-
 /* s = h + delta (s = h when delta is NULL), then out = weight * norm(s), the norm in float32 rounded to
  * T: `h + delta`, then `weight * F.rms_norm(s.float(), eps).to(T)`. s and out are contiguous. */
 #define DEFINE_RMS_NORM(SUFFIX, T, VLD, VST, VRND)                                                       \
@@ -126,7 +114,7 @@ void pdserve_silu_mul_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t o
         for (int64_t i = 0; i < inter; i += W) {                                                         \
             const int64_t n = inter - i < W ? inter - i : W;                                             \
             const vf x = VLD(g + i, n);                                                                  \
-            VST(o + i, VRND(x / (splat(1.f) + vexp_inf(-x))) * VLD(u + i, n), n);                            \
+            VST(o + i, VRND(vsilu(x)) * VLD(u + i, n), n);                                                  \
         }                                                                                                \
     }                                                                                                    \
 }

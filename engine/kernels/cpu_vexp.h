@@ -1,6 +1,7 @@
-/* e^x on vectors, for the CPU kernels that include it (cpu_ops.c, cpu_decode.c). The includer
- * defines the vector types vf (W floats) and vi (W int32s) and splat(). The build key of a kernel
- * covers the headers beside its source (cpu_build.py), so a change here rebuilds both. */
+/* e^x on vectors, and silu, for the CPU kernels that include it (cpu_ops.c, cpu_decode.c, cpu_amx.c).
+ * The includer defines the vector types vf (W floats) and vi (W int32s) and splat(), and includes
+ * math.h. The build key of a kernel covers the headers beside its source (cpu_build.py), so a change
+ * here rebuilds each of them. */
 
 /* e^x for -87 <= x <= 88 (the caller clamps): x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6
  * Taylor polynomial (relative error under 3e-7), 2^n through the exponent bits. */
@@ -18,3 +19,19 @@ static inline vf vexp_in_range(vf x) {
     vi e = (__builtin_convertvector(n, vi) + 127) << 23;
     return p * (vf)e;
 }
+
+/* e^x, x clamped to [-87, 88] (float32's normal range). */
+static inline vf vexp(vf x) {
+    x = (vf)(((vi)x & (vi)(x > splat(-87.f))) | ((vi)splat(-87.f) & (vi)(x <= splat(-87.f))));
+    x = (vf)(((vi)x & (vi)(x < splat(88.f))) | ((vi)splat(88.f) & (vi)(x >= splat(88.f))));
+    return vexp_in_range(x);
+}
+/* e^x, +inf past float32's range (as expf). */
+static inline vf vexp_inf(vf x) {
+    const vi over = (vi)(x > splat(88.7228f));
+    return (vf)(((vi)vexp(x) & ~over) | ((vi)splat(INFINITY) & over));
+}
+
+/* silu(x) = x / (1 + e^-x) in float32: SwiGLU's activation, one expression for every kernel that
+ * applies it (cpu_ops.c's silu_mul, cpu_amx.c's fused gate/up product), so they round alike. */
+static inline vf vsilu(vf x) { return x / (splat(1.f) + vexp_inf(-x)); }

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.kernels import cpu_ops, gather_shared_prefix, paged_attention, write_kv
+from pdserve.engine.kernels import cpu_amx, cpu_gemm, cpu_ops, gather_shared_prefix, paged_attention, write_kv
 from pdserve.engine.kernels.metadata import AttentionMetadata
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.gemm_paths import GEMM_CHOICES, Projection, RowPaths, choose
@@ -138,13 +138,43 @@ class MLP(nn.Module):
         self.inter = inter = inter if comm is None else comm.shard.split(inter)[1]
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False)
         self.down_proj = Linear(inter, config.hidden_size, bias=False)
+        self._glu: cpu_amx.AMXGluWeights | cpu_gemm.PanelGluWeights | None = None  # gate/up and silu (fuse_glu)
+        self._glu_paths: RowPaths | None = None  # row counts gate/up runs on torch's product (gemm_paths)
+
+    def fuse_glu(self) -> None:
+        """Where gate/up's packed copy is one of the C kernels' (AMX tiles in bfloat16, panels in
+        float32), replace it by one that applies ``silu(gate) * up`` from the product's sums in the same
+        pass (``AMXGluWeights``, ``PanelGluWeights``: bit for bit the product then ``cpu_ops.silu_mul``,
+        in one call and without the ``[rows, 2 * inter]`` product in memory). Call after
+        ``gate_up_proj.pack()`` and its ``paths``: 2-D inputs then take the fused copy, except the row
+        counts ``paths`` sends to torch's product; the weight keeps one packed copy."""
+        proj = self.gate_up_proj
+        copy, weight = proj.packed_copy, proj.weight
+        if proj.bias is not None:
+            return
+        if isinstance(copy, cpu_amx.AMXWeights) and cpu_amx.glu_available(weight):
+            fused: cpu_amx.AMXGluWeights | cpu_gemm.PanelGluWeights = cpu_amx.AMXGluWeights(weight)
+        elif isinstance(copy, cpu_gemm.PanelWeights) and cpu_gemm.glu_available(weight):
+            fused = cpu_gemm.PanelGluWeights(weight)
+        else:
+            return
+        self._glu, self._glu_paths = fused, proj.paths
+        proj.unpack()
+
+    def unfuse_glu(self) -> None:
+        """Drop the fused copy (gate/up then runs as its ``Linear`` is packed)."""
+        self._glu = self._glu_paths = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if cpu_ops.supports(gate_up):
-            act = cpu_ops.silu_mul(gate_up, self.inter)
+        paths = self._glu_paths
+        if self._glu is not None and x.dim() == 2 and not (paths and paths.use_torch(x.shape[0])):
+            act = self._glu(x)
         else:
-            act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
+            gate_up = self.gate_up_proj(x)
+            if cpu_ops.supports(gate_up):
+                act = cpu_ops.silu_mul(gate_up, self.inter)
+            else:
+                act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
         out = self.down_proj(act)
         return out if self.comm is None else self.comm.all_reduce(out)
 
@@ -314,7 +344,8 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_onednn(self, fp32_gemm: str = "auto") -> bool:
         """Give every projection and the LM head a packed copy (``linear.packed_copy``: panels for the
-        C kernel in float32 where it is built, else oneDNN's).
+        C kernel in float32 where it is built, else oneDNN's), and each SwiGLU's gate/up one that applies
+        its activation too where the copy is a C kernel's (``MLP.fuse_glu``).
 
         float32 only, ``fp32_gemm`` (``gemm_paths``): "auto" times the copies against torch's products
         per weight shape and row count and keeps the faster per row count; "kernel" runs every row
@@ -330,6 +361,9 @@ class LlamaForCausalLM(nn.Module):
         if not onednn_supported(weight.dtype, weight.device):
             return False
         linears = [module for module in self.modules() if isinstance(module, Linear)]
+        mlps = [module for module in self.modules() if isinstance(module, MLP)]
+        for module in mlps:
+            module.unfuse_glu()
         if fp32 and fp32_gemm == "torch":
             for module in linears:
                 module.unpack()
@@ -345,6 +379,8 @@ class LlamaForCausalLM(nn.Module):
             *choices, self._head_paths = choose(layers + heads, lambda x, w, b: project(x, w, b, None))
             for module, paths in zip(linears, choices):
                 module.paths = paths
+        for module in mlps:
+            module.fuse_glu()
         return True
 
     # ------------------------------------------------------------------ weights
@@ -441,6 +477,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.unpack()
+            elif isinstance(module, MLP):
+                module.unfuse_glu()
         self._head_packed = None
         self._head_paths = None
         params = dict(self.named_parameters())

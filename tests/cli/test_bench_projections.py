@@ -1,4 +1,5 @@
-"""``pdserve bench projections`` checks every path against float64, then times them (no timing asserted)."""
+"""``pdserve bench projections`` checks every path against float64 (and the fused SwiGLU against the product then
+silu_mul, bit for bit), then times them (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def test_every_path_checked_and_timed() -> None:
         assert set(by) == {"kernel", "w_xt", "f_linear", "onednn", "read"}
         assert all(v["ms"] > 0 and v["gbps"] > 0 for v in by.values())
         assert all(v["gflops"] > 0 for k, v in by.items() if k != "read")
+    assert set(out["swiglu"]) == {"3", "17"}
+    assert all(set(glu) == {"fused", "unfused"} and min(glu.values()) > 0 for glu in out["swiglu"].values())
 
 
 def test_without_the_kernel_it_says_so_and_exits_0() -> None:

@@ -8,9 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kernels import cpu_gemm
 from pdserve.engine.model import gemm_paths
 from pdserve.engine.model.gemm_paths import CLASS_ROWS, ROW_CLASSES, RowPaths, faster_is_torch, measure, row_class
 from pdserve.engine.model.linear import SKINNY_ROWS, Linear, project
+from pdserve.engine.model.llama import MLP
 from pdserve.engine.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -100,11 +102,19 @@ def test_the_model_times_each_shape_once(tiny_model: str, monkeypatch: pytest.Mo
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     shapes = {(tuple(m.weight.shape), m.bias is not None) for m in linears}
     assert len(timed) == len(shapes) + 1  # each layer shape once, and the LM head
-    assert all(m.paths is not None for m in linears) and model._head_paths is not None
+    # Where the panel kernel is built, each MLP's gate/up takes the fused copy (MLP.fuse_glu) and its paths.
+    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    fused = cpu_gemm.panel() > 0
+    gate_ups = {id(m.gate_up_proj) for m in mlps} if fused else set()
+    others = [m for m in linears if id(m) not in gate_ups]
+    assert all(m.paths is not None for m in others) and model._head_paths is not None
+    assert all((m._glu is not None and m._glu_paths is not None) == fused for m in mlps)
     assert model.pack_onednn("kernel")
-    assert all(m.packed and m.paths is None for m in linears) and model._head_paths is None
+    assert all(m.packed and m.paths is None for m in others) and model._head_paths is None
+    assert all((m._glu is not None and m._glu_paths is None) == fused for m in mlps)
     assert not model.pack_onednn("torch")
     assert not any(m.packed for m in linears) and model._head_packed is None
+    assert all(m._glu is None for m in mlps)
     with pytest.raises(ValueError, match="fp32_gemm"):
         model.pack_onednn("fastest")
 
