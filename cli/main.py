@@ -109,7 +109,7 @@ BENCHMARKS = {
     "steps": ("pdserve.benchmarks.steps", "where a decode step's time goes: scheduling, inputs, forward by part, sampling; prompts joining (--joins)"),
     "attention-cpu": ("pdserve.benchmarks.attention_cpu", "CPU decode attention per layer: K/V read in place vs gathered + SDPA"),
     "elementwise": ("pdserve.benchmarks.elementwise", "a decode step's norm, SwiGLU, rotary and greedy argmax: the C kernels vs torch"),
-    "projections": ("pdserve.benchmarks.projections", "a model's float32 projections: the panel kernel vs torch's products"),
+    "projections": ("pdserve.benchmarks.projections", "a model's projections: panel (fp32) or AMX (bf16) kernel vs torch; SwiGLU fused or not"),
     "fp32-paths": ("pdserve.benchmarks.fp32_paths", "the engine under each float32 projection choice: kernel, auto, torch"),
     "tp": ("pdserve.benchmarks.tp", "tensor parallelism on the CPU: a decode step at TP=N vs TP=1, collective share"),
     "gguf": ("pdserve.benchmarks.gguf", "reading a GGUF header: pdserve's one-pass reader vs gguf.GGUFReader"),
