@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.kernels import cpu_build
-from pdserve.engine.kernels.kernel_weights import KernelWeights, pad_rows
+from pdserve.engine.kernels.kernel_weights import KernelWeights, interleave_gate_up, pad_rows
 
 _SOURCE = Path(__file__).with_name("cpu_amx.c")
 PROFILER_LABEL = "pdserve::cpu_amx_linear"  # what torch.profiler calls a kernel call
@@ -88,10 +88,7 @@ def pack_glu(weight: torch.Tensor) -> torch.Tensor:
     """A gate/up ``weight [2 * inter, k]`` (gate rows, then up rows) packed as :func:`pack` packs it
     after interleaving its rows 16 at a time (``gate[0:16], up[0:16], gate[16:32], ...``): panel ``p``
     holds gate and up columns ``16 p .. 16 p + 15``. ``inter`` must be a multiple of 16."""
-    n, k = weight.shape
-    if n % 32:
-        raise ValueError(f"a gate/up weight needs 2 x a multiple of 16 rows, got {n}")
-    return pack(weight.detach().view(2, n // 32, 16, k).transpose(0, 1).reshape(n, k))
+    return pack(interleave_gate_up(weight, 16))
 
 
 def glu_available(weight: torch.Tensor) -> bool:

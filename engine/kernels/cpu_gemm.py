@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.kernels import cpu_build
-from pdserve.engine.kernels.kernel_weights import KernelWeights, pad_rows
+from pdserve.engine.kernels.kernel_weights import KernelWeights, interleave_gate_up, pad_rows
 
 _SOURCE = Path(__file__).with_name("cpu_gemm.c")
 PROFILER_LABEL = "pdserve::cpu_gemm_linear"  # what torch.profiler calls a kernel call
@@ -93,9 +93,7 @@ def pack_glu(weight: torch.Tensor) -> torch.Tensor:
     """A gate/up ``weight [2 * inter, k]`` (gate rows, then up rows) packed as :func:`pack` packs it
     after interleaving its rows half a panel at a time: panel ``p`` holds gate rows ``[p * h, p * h + h)``
     and then the same up rows (``h = panel() // 2``). Requires :func:`glu_available`."""
-    n, k = weight.shape
-    half = panel() // 2
-    return pack(weight.detach().view(2, n // (2 * half), half, k).transpose(0, 1).reshape(n, k))
+    return pack(interleave_gate_up(weight, panel() // 2))
 
 
 class PanelGluWeights(KernelWeights):

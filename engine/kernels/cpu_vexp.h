@@ -1,5 +1,5 @@
-/* e^x on vectors, and silu, for the CPU kernels that include it (cpu_ops.c, cpu_decode.c, cpu_amx.c).
- * The includer defines the vector types vf (W floats) and vi (W int32s) and splat(), and includes
+/* e^x on vectors, and silu, for the CPU kernels that include it (cpu_ops.c, cpu_decode.c, cpu_gemm.c,
+ * cpu_amx.c). The includer defines the vector types vf (W floats) and vi (W int32s) and splat(), and includes
  * math.h. The build key of a kernel covers the headers beside its source (cpu_build.py), so a change
  * here rebuilds each of them. */
 
@@ -33,5 +33,6 @@ static inline vf vexp_inf(vf x) {
 }
 
 /* silu(x) = x / (1 + e^-x) in float32: SwiGLU's activation, one expression for every kernel that
- * applies it (cpu_ops.c's silu_mul, cpu_amx.c's fused gate/up product), so they round alike. */
+ * applies it (cpu_ops.c's silu_mul, the fused gate/up products of cpu_gemm.c and cpu_amx.c), so they round
+ * alike. */
 static inline vf vsilu(vf x) { return x / (splat(1.f) + vexp_inf(-x)); }

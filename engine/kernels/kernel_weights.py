@@ -26,6 +26,17 @@ def pad_rows(weight: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.cat([w, w.new_zeros(pad, k)]) if pad else w
 
 
+def interleave_gate_up(weight: torch.Tensor, half: int) -> torch.Tensor:
+    """A SwiGLU gate/up ``weight [2 * inter, k]`` (gate rows, then up rows), detached, with its rows
+    interleaved ``half`` at a time: ``gate[0:half], up[0:half], gate[half:2 * half], ...``, so that each
+    run of ``2 * half`` rows holds matching gate and up rows (a fused kernel's panel). ``inter`` must be a
+    multiple of ``half``."""
+    n, k = weight.shape
+    if n % (2 * half):
+        raise ValueError(f"a gate/up weight needs 2 x a multiple of {half} rows, got {n}")
+    return weight.detach().view(2, n // (2 * half), half, k).transpose(0, 1).reshape(n, k)
+
+
 class KernelWeights:
     """A packed copy of one linear map (weight ``[out, in]``, optional bias) for a C kernel.
 
