@@ -43,7 +43,7 @@ def test_the_packed_layout() -> None:
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 64, 100])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 40, 48, 56, 64, 100])
 @pytest.mark.parametrize(("n", "k"), [(7, 32), (32, 64), (33, 576), (100, 96), (960, 576)])
 def test_products_match_the_reference(rows: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
