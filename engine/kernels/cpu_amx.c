@@ -43,9 +43,8 @@ typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
 typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
 static inline vf splat(float x) { return (vf){} + x; }
-#include "cpu_bf16.h" /* widen, vbf16 */
+#include "cpu_bf16.h" /* vbf16, vround_bf16 */
 #include "cpu_vexp.h" /* vsilu */
-static inline vf vround_bf16(vf v) { return widen(vbf16(v)); }
 
 struct tilecfg { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
@@ -60,18 +59,6 @@ static void config(int r0, int r1) {
     c.rows[2] = c.rows[3] = c.rows[5] = r1 ? r1 : 1; /* C(m1,..), A(m1) */
     c.rows[6] = c.rows[7] = 16;                      /* B(n0), B(n1): 16 k-pairs */
     _tile_loadconfig(&c);
-}
-
-/* 16 float32 sums rounded to bfloat16, to nearest even; a NaN stays a (quiet) NaN. */
-static inline __m256i bf16_of(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
 }
 
 /* SwiGLU's epilogue of one item: rows [m0, m0 + m) of panel p, whose sums hold 16 gate columns
@@ -131,7 +118,7 @@ static int amx_product(const uint16_t *x, int64_t x_stride, const uint16_t *w, c
                 const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + p * 32 + h) : _mm512_setzero_ps();
                 for (int64_t i = 0; i < m; i++)
                     _mm256_mask_storeu_epi16(out + (m0 + i) * n + p * 32 + h, mask,
-                                             bf16_of(_mm512_add_ps(_mm512_load_ps(&buf[i][h]), bv)));
+                                             (__m256i)vbf16((vf)_mm512_add_ps(_mm512_load_ps(&buf[i][h]), bv)));
             }
         }
         if (cur >= 0) _tile_release();

@@ -1,7 +1,7 @@
 /* bfloat16 lanes to and from float32 vectors, for the CPU kernels that include it (cpu_ops.c,
- * cpu_decode.c). The includer defines W and the vector types vf (W floats), vu (W uint32s) and vh
+ * cpu_decode.c, cpu_amx.c). The includer defines W and the vector types vf (W floats), vu (W uint32s) and vh
  * (W uint16s). The build key of a kernel covers the headers beside its source (cpu_build.py), so a
- * change here rebuilds both. */
+ * change here rebuilds each of them. */
 
 /* AVX-512 widens and narrows 16 lanes in one instruction; GCC lowers __builtin_convertvector between
  * 16-bit and 32-bit lanes as two 256-bit halves. */
@@ -32,4 +32,16 @@ static inline vh vbf16(vf v) {
 }
 #else
 static inline vh vbf16(vf v) { return vbf16_int(v); }
+#endif
+
+/* float32 lanes rounded to bfloat16 and widened back, as torch rounds an intermediate. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+static inline vf vround_bf16(vf v) { return widen(vbf16(v)); } /* the CPU's conversion and back */
+#else
+/* Round to bfloat16 and back without leaving 32-bit lanes: the low 16 bits cleared after rounding. */
+static inline vf vround_bf16(vf v) {
+    const vu u = (vu)v;
+    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    return (vf)((((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u) & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan));
+}
 #endif

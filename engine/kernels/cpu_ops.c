@@ -44,7 +44,7 @@ static inline void vst_f32(float *p, vf v, int64_t n) {
     if (n == W) memcpy(p, &v, sizeof v); else memcpy(p, &v, n * sizeof *p);
 }
 static inline vf vround_f32(vf v) { return v; }
-#include "cpu_bf16.h" /* widen, narrow, vbf16 */
+#include "cpu_bf16.h" /* widen, vbf16, vround_bf16 */
 
 static inline vf vld_bf16(const uint16_t *p, int64_t n) {
     vh h = {};
@@ -55,16 +55,6 @@ static inline void vst_bf16(uint16_t *p, vf v, int64_t n) {
     const vh h = vbf16(v);
     if (n == W) memcpy(p, &h, sizeof h); else memcpy(p, &h, n * sizeof *p);
 }
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-static inline vf vround_bf16(vf v) { return widen(vbf16(v)); } /* the CPU's conversion and back */
-#else
-/* Round to bfloat16 and back without leaving 32-bit lanes: the low 16 bits cleared after rounding. */
-static inline vf vround_bf16(vf v) {
-    const vu u = (vu)v;
-    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
-    return (vf)((((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u) & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan));
-}
-#endif
 
 #include "cpu_vexp.h"
 
