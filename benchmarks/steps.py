@@ -36,7 +36,7 @@ from typing import Any
 
 from pdserve.benchmarks.common import emit
 from pdserve.benchmarks.peers import workload
-from pdserve.engine.kernels import cpu_amx, cpu_decode, cpu_gemm, labels
+from pdserve.engine.kernels import cpu_amx, cpu_amx_prefix, cpu_decode, cpu_gemm, labels
 from pdserve.engine.sampling_params import SamplingParams
 
 PARTS = ("schedule", "prepare", "forward", "logits", "sample")
@@ -46,7 +46,9 @@ OP_GROUPS: dict[str, tuple[str, ...]] = {
     "attention (SDPA)": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                          "aten::_softmax", "aten::bmm"),
     "attention (in-place decode kernel)": (cpu_decode.PROFILER_LABEL,),
-    "paged KV gather/write": ("aten::index_select", "aten::index_put_", "aten::_index_put_impl_", "aten::index_fill_"),
+    "attention (shared prefix, AMX)": (cpu_amx_prefix.PROFILER_LABEL,),
+    "paged KV gather/write": ("aten::index_select", "aten::index_put_", "aten::_index_put_impl_", "aten::index_fill_",
+                              cpu_amx_prefix.PACK_LABEL),
 }  # fmt: skip
 
 

@@ -46,6 +46,11 @@ def _get() -> ctypes.CDLL | None:
     return lib
 
 
+def ready() -> bool:
+    """Whether the tile kernels run in this process: the library built with AMX and the tile state granted."""
+    return _get() is not None
+
+
 def available(weight: torch.Tensor) -> bool:
     """Whether :class:`AMXWeights` can be made of ``weight`` here (module docstring)."""
     return (weight.dim() == 2 and weight.device.type == "cpu" and weight.dtype == torch.bfloat16

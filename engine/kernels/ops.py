@@ -293,6 +293,7 @@ def gather_shared_prefix(plan: object | None, kv_cache: torch.Tensor, kv_heads: 
     """Before a step's layers: where ``plan`` (``AttentionMetadata.torch_plan``) has a cascade, take its
     shared prefix's K and V for every layer of ``kv_cache`` (``[num_blocks, layers, 2, block_size, Hkv,
     D]``; ``kv_heads``: the heads the layers read) in one gather, which each layer's
-    :func:`paged_attention` then reads (``layer=``) instead of gathering its own. No-op otherwise."""
-    if isinstance(plan, TorchAttentionPlan) and plan.cascade is not None and plan.cascade.kv is None:
+    :func:`paged_attention` then reads (``layer=``) instead of gathering its own; on a bfloat16 cache
+    where AMX runs, packed for the tile kernel instead (``cascade.gather_layers``). No-op otherwise."""
+    if isinstance(plan, TorchAttentionPlan) and plan.cascade is not None and not plan.cascade.gathered:
         gather_layers(plan.cascade, kv_cache, kv_heads)

@@ -258,24 +258,39 @@ def _decode_group(
 def _prefix_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix: CascadePrefix, scale: float,
                  k_scale: float, v_scale: float, layer: int | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Every decode row's attention over the shared prefix, in one call: ``([B, Hkv, group, D],
-    float32 log-sum-exp [B, Hkv, group])``, B in ``prefix.rows`` order. The prefix's K/V come from
-    ``prefix.kv[layer]`` where the step gathered them (``cascade.gather_layers``), else from the caches."""
+    float32 log-sum-exp [B, Hkv, group])``, B in ``prefix.rows`` order. Where the step packed every
+    layer's prefix for the AMX kernel (``prefix.packed``, ``cascade.gather_layers``), that kernel runs it
+    (``out`` then float32); else ATen's flash operator over ``prefix.kv[layer]`` where the step gathered
+    them, or over a gather from the caches."""
     rows = q if prefix.rows.numel() == q.shape[0] else q[prefix.rows]
     batch, num_heads, head_dim = rows.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
+    # Every sequence's query heads of KV head h read the same keys: one query axis of B * group rows.
+    qa = rows.view(batch, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, batch * group,
+                                                                                 head_dim)  # fmt: skip
+    if prefix.packed is not None and layer is not None and q.dtype == torch.bfloat16 and k_scale == v_scale == 1.0:
+        out, lse = prefix.packed.attention(qa, layer, scale)
+    else:
+        out, lse = _prefix_flash(qa, k_cache, v_cache, prefix, scale, k_scale, v_scale, layer)
+    return (out.view(num_kv_heads, batch, group, head_dim).transpose(0, 1),
+            lse.view(num_kv_heads, batch, group).transpose(0, 1))  # fmt: skip
+
+
+def _prefix_flash(qa: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix: CascadePrefix,
+                  scale: float, k_scale: float, v_scale: float,
+                  layer: int | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``qa [Hkv, rows, D]`` over the prefix through ATen's flash operator: ``(out [Hkv, rows, D], lse
+    [Hkv, rows])``, K/V from ``prefix.kv`` where the step gathered them, else from the caches."""
+    num_kv_heads, _, head_dim = qa.shape
     if prefix.kv is not None and layer is not None:
         k, v = prefix.kv[layer]
     else:
         k, v = (c.index_select(0, prefix.block_index) for c in (k_cache, v_cache))
-    k = _read(k, q.dtype, k_scale).view(1, -1, num_kv_heads, head_dim)
-    v = _read(v, q.dtype, v_scale).view(1, -1, num_kv_heads, head_dim)
-    # Every sequence's query heads of KV head h read the same keys: one query axis of B * group rows.
-    qa = rows.view(batch, num_kv_heads, group, head_dim).transpose(0, 1).reshape(1, num_kv_heads, batch * group,
-                                                                                 head_dim)  # fmt: skip
-    out, lse = attention_lse(qa, k.transpose(1, 2), v.transpose(1, 2), scale)
-    return (out.view(num_kv_heads, batch, group, head_dim).transpose(0, 1),
-            lse.view(num_kv_heads, batch, group).transpose(0, 1))  # fmt: skip
+    k = _read(k, qa.dtype, k_scale).view(1, -1, num_kv_heads, head_dim)
+    v = _read(v, qa.dtype, v_scale).view(1, -1, num_kv_heads, head_dim)
+    out, lse = attention_lse(qa[None], k.transpose(1, 2), v.transpose(1, 2), scale)
+    return out[0], lse[0]
 
 
 def _gather_seq(cache: torch.Tensor, table_row: torch.Tensor, start: int, seq_len: int) -> torch.Tensor:

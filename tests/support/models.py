@@ -94,9 +94,12 @@ def copy_tiny_tokenizer(dst: Path) -> None:
     shutil.rmtree(tmp)
 
 
-def make_hf_checkpoint(out_dir: str | Path, variant: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+def make_hf_checkpoint(out_dir: str | Path, variant: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                       overrides: dict[str, object] | None = None) -> Path:
     """Save a seeded random transformers model of ``variant`` (see HF_VARIANTS) to ``out_dir``, its
-    weights stored in ``dtype`` (randomised in float32, then cast; config.json names ``dtype``)."""
+    weights stored in ``dtype`` (randomised in float32, then cast; config.json names ``dtype``);
+    ``overrides`` set config attributes on top of the variant's (e.g. a wider ``hidden_size`` and
+    ``head_dim``)."""
     from transformers import LlamaForCausalLM as HFLlama
     from transformers import MistralForCausalLM as HFMistral
     from transformers import Qwen2ForCausalLM as HFQwen2
@@ -104,6 +107,8 @@ def make_hf_checkpoint(out_dir: str | Path, variant: str, seed: int = 0, dtype: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = _hf_config(variant)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     cls = {"qwen2_bias": HFQwen2, "mistral_window": HFMistral}.get(variant, HFLlama)
     model = cls(config).float()
