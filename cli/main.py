@@ -108,6 +108,7 @@ BENCHMARKS = {
     "peers-serve": ("pdserve.benchmarks.peers_serve", "pdserve up vs vllm serve: streamed TTFT, ITL, tok/s under load"),
     "steps": ("pdserve.benchmarks.steps", "where a decode step's time goes: scheduling, inputs, forward by part, sampling; prompts joining (--joins)"),
     "attention-cpu": ("pdserve.benchmarks.attention_cpu", "CPU decode attention per layer: K/V read in place vs gathered + SDPA"),
+    "prefix-cpu": ("pdserve.benchmarks.prefix_cpu", "a cascade's shared-prefix attention in bf16: AMX tiles vs the flash operator"),
     "elementwise": ("pdserve.benchmarks.elementwise", "a decode step's norm, SwiGLU, rotary and greedy argmax: the C kernels vs torch"),
     "projections": ("pdserve.benchmarks.projections", "a model's projections: panel (fp32) or AMX (bf16) kernel vs torch; SwiGLU fused or not"),
     "fp32-paths": ("pdserve.benchmarks.fp32_paths", "the engine under each float32 projection choice: kernel, auto, torch"),

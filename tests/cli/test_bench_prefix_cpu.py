@@ -1,0 +1,42 @@
+"""``pdserve bench prefix-cpu`` checks both paths of a cascade's prefix part against float64, then times
+them (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdserve.engine.kernels import cpu_amx_prefix
+from tests.support import REPO
+
+
+def _bench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pdserve.benchmarks.prefix_cpu", *args], check=False,
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, **(env or {})})  # fmt: skip
+
+
+@pytest.mark.skipif(not cpu_amx_prefix.available(torch.bfloat16, 64), reason="no AMX prefix kernel here")
+def test_both_paths_checked_and_timed() -> None:
+    r = _bench("--batch", "5", "--prefix", "40", "--layers", "3", "--calls", "3", "--repeats", "2", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["batch"] == 5 and out["prefix"] == 48 and out["layers"] == 3  # whole blocks of 16
+    for part in ("take_prefix_ms", "layer_us", "step_ms"):
+        assert out[part]["flash"] > 0 and out[part]["tiles"] > 0
+    assert out["layer_speedup"] > 0 and out["step_speedup"] > 0
+
+
+def test_without_the_kernel_it_says_so_and_exits_0() -> None:
+    r = _bench("--layers", "2", env={"PDSERVE_CPU_KERNELS": "0"})
+    assert r.returncode == 0 and "does not run here" in r.stderr
+
+
+def test_bad_arguments_exit_2() -> None:
+    r = _bench("--batch", "0")
+    assert r.returncode == 2 and "must be positive" in r.stderr
