@@ -46,9 +46,8 @@ OP_GROUPS: dict[str, tuple[str, ...]] = {
     "attention (SDPA)": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                          "aten::_softmax", "aten::bmm"),
     "attention (in-place decode kernel)": (cpu_decode.PROFILER_LABEL,),
-    "attention (shared prefix, AMX)": (cpu_amx_prefix.PROFILER_LABEL,),
-    "paged KV gather/write": ("aten::index_select", "aten::index_put_", "aten::_index_put_impl_", "aten::index_fill_",
-                              cpu_amx_prefix.PACK_LABEL),
+    "attention (shared prefix, AMX; its pack included)": (cpu_amx_prefix.PROFILER_LABEL,),
+    "paged KV gather/write": ("aten::index_select", "aten::index_put_", "aten::_index_put_impl_", "aten::index_fill_"),
 }  # fmt: skip
 
 

@@ -12,7 +12,7 @@ The log-sum-exp comes from ATen's CPU flash-attention operator, the kernel
 ``scaled_dot_product_attention`` dispatches to on the CPU, which returns it (the public function
 does not). Where that operator is missing, :data:`AVAILABLE` is False and plans use no cascade. On a
 bfloat16 cache where the CPU has AMX, the prefix part runs on the tiles instead
-(``cpu_amx_prefix.py``), over every layer's prefix packed once a step (:func:`gather_layers`).
+(``cpu_amx_prefix.py``), each layer's prefix packed for them right before (:func:`gather_layers`).
 """
 
 from __future__ import annotations
@@ -42,25 +42,25 @@ class CascadePrefix:
     # Every layer's K and V of these blocks, [layers, planes, num_tokens, Hkv, D], when gather_layers
     # took them for the whole step at once (else each layer gathers its own).
     kv: torch.Tensor | None = None
-    # Instead of kv on a bfloat16 cache where AMX runs: every layer's K and V in the layouts of the
-    # AMX prefix kernel (cpu_amx_prefix.pack), which each layer's prefix part then calls.
-    packed: cpu_amx_prefix.PackedPrefix | None = None
+    # Instead of kv on a bfloat16 cache where AMX runs: the AMX prefix kernel's view of the prefix
+    # (cpu_amx_prefix.tiles), which packs each layer's K and V when its prefix part runs.
+    tiles: cpu_amx_prefix.PrefixTiles | None = None
 
     @property
     def gathered(self) -> bool:
         """Whether gather_layers took the step's prefix (in either form)."""
-        return self.kv is not None or self.packed is not None
+        return self.kv is not None or self.tiles is not None
 
 
 def gather_layers(prefix: CascadePrefix, kv_cache: torch.Tensor, heads: slice) -> None:
     """Set ``prefix.kv`` from ``kv_cache [num_blocks, layers, planes, block_size, Hkv, D]``, the KV heads
     ``heads`` of it (a tensor-parallel rank's; all of them on one device), in one gather for every layer;
-    on a bfloat16 cache where the AMX prefix kernel runs, ``prefix.packed`` instead (its layouts, one
-    pass). Call it before the step's layers run (it reads the prefix blocks, which are full: the step
-    writes only past them)."""
+    on a bfloat16 cache where the AMX prefix kernel runs, ``prefix.tiles`` instead (which packs each
+    layer in the kernel's layouts when it runs). Call it before the step's layers run (it reads the
+    prefix blocks, which are full: the step writes only past them)."""
     if kv_cache.dim() == 6 and kv_cache.stride(-1) == 1 and cpu_amx_prefix.available(kv_cache.dtype,
                                                                                     kv_cache.shape[-1]):
-        prefix.packed = cpu_amx_prefix.pack(kv_cache, heads, prefix.block_index)
+        prefix.tiles = cpu_amx_prefix.tiles(kv_cache, heads, prefix.block_index)
         return
     blocks = kv_cache[..., heads, :].permute(1, 2, 0, 3, 4, 5)  # [layers, planes, blocks, block_size, H, D]
     prefix.kv = torch.index_select(blocks, 2, prefix.block_index).flatten(2, 3)

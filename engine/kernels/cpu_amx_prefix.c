@@ -1,8 +1,9 @@
 /* A cascade's shared-prefix attention in bfloat16 on AMX tiles.
  *
  * Every decode sequence of a step reads the same prefix keys, so for each KV head the query rows of all
- * sequences (batch x GQA group) form one matrix against one set of keys: two small matrix products,
- * which is what the tiles are for. Per work item (a KV head and up to 16 query rows):
+ * sequences (batch x GQA group) form one matrix against one set of keys: small matrix products,
+ * which is what the tiles are for. Per work item (a query head and up to 16 sequences, whose rows sit one
+ * sequence stride apart, so the tiles load them where they are):
  *   1. S = Q K^T, the float32 sums of two 16-key tiles at a time (two independent accumulators), into a
  *      buffer of the item's rows;
  *   2. softmax over the row in float32 (the scale, the row's maximum, exp), P = exp(.) rounded to
@@ -11,22 +12,24 @@
  * The softmax takes two passes over a whole row of scores (each thread's buffers hold 16 rows of the
  * prefix, allocated per call) instead of rescaling the accumulators as an online softmax would.
  *
- * pdserve_amx_prefix_pack lays a step's prefix out for it from the paged cache, every layer at once:
- * K's 16-key tiles with each key's dim pairs transposed to the tile's pair rows, V's 32-key blocks with
- * each key pair's values interleaved dim by dim (AMX's B-operand layout), keys past the prefix zero.
+ * The same call first packs the layer's prefix from the paged cache where asked (cache not NULL), in
+ * the same parallel region, so the layer's K and V are in the cache when the items read them: K's
+ * 16-key tiles with each key's dim pairs transposed to the tile's pair rows, V's 32-key blocks with each
+ * key pair's values interleaved dim by dim (AMX's B-operand layout), keys past the prefix zero.
  *
- * Contract (checked by engine/kernels/cpu_amx_prefix.py): q [heads][rows][d] bfloat16 contiguous;
- * kp, vp as cpu_amx_prefix.pack lays them out, per head keys_pad * d elements, keys_pad a multiple of
- * 32 and the keys past `keys` zero: kp [heads][keys_pad / 16][d / 32][16 pairs of dims][16 keys][2],
- * vp [heads][keys_pad / 32][d / 16][16 pairs of keys][16 dims][2]; d a multiple of 32, keys >= 1;
- * scale > 0; out [heads][rows][d] float32, lse [heads][rows] float32 (natural log). The pack reads
- * key p of layer l, plane 0 (K) or 1 (V), head h at cache + blocks[p / block_size] * block_stride +
- * l * layer_stride + plane * plane_stride + (p % block_size) * token_stride + h * head_stride (d
- * contiguous values), p < keys, each block id in range. pdserve_amx_init (cpu_amx.c) must have
- * returned 0 in this process first; pdserve_amx_prefix_built says whether this build has the kernels
- * (AMX-BF16 and AVX512-BF16 from -march=native). Both return 0; -1 without writing where the build
- * has no kernels or the shapes break the contract, and the attention -1 with out and lse unspecified
- * where a row buffer could not be allocated. */
+ * Contract (checked by engine/kernels/cpu_amx_prefix.py): query head g of KV head h of sequence b at
+ * q + b * q_stride + (h * group + g) * d, d contiguous bfloat16 values (batch 0: pack only);
+ * kp, vp [heads][keys_pad * d] bfloat16, keys_pad a multiple of 32: kp [heads][keys_pad / 16][d / 32]
+ * [16 pairs of dims][16 keys][2], vp [heads][keys_pad / 32][d / 16][16 pairs of keys][16 dims][2], the
+ * keys past `keys` zero; written by the pack, else already holding the layer; d a multiple of 32,
+ * 1 <= keys <= keys_pad; scale > 0; out [heads][group][batch][d] float32, lse [heads][group][batch]
+ * float32 (natural log). The pack reads key p of plane 0 (K) or 1 (V), head h at cache + blocks[p /
+ * block_size] * block_stride + plane * plane_stride + (p % block_size) * token_stride + h * head_stride
+ * (d contiguous values; cache points at the layer's first element), p < keys, each block id in range.
+ * pdserve_amx_init (cpu_amx.c) must have returned 0 in this process first; pdserve_amx_prefix_built says
+ * whether this build has the kernel (AMX-BF16 and AVX512-BF16 from -march=native). Returns 0; -1
+ * without writing where the build has no kernel or the shapes break the contract, and -1 with out and
+ * lse unspecified where a row buffer could not be allocated. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -94,67 +97,7 @@ static void pv(const uint16_t *p, int64_t keys_pad, const uint16_t *vh, int64_t 
     }
 }
 
-int pdserve_amx_prefix_attention(const uint16_t *q, const uint16_t *kp, const uint16_t *vp, float *out, float *lse,
-                                 int64_t heads, int64_t rows, int64_t keys, int64_t keys_pad, int64_t d, float scale,
-                                 int num_threads) {
-    if (d % 32 || keys < 1 || keys_pad % 32 || keys > keys_pad || heads < 1 || rows < 1) return -1;
-    const int64_t row_tiles = (rows + 15) / 16;
-    int failed = 0;
-    #pragma omp parallel num_threads(num_threads)
-    {
-        float *s = aligned_alloc(64, (size_t)(16 * keys_pad) * sizeof(float));
-        uint16_t *p = aligned_alloc(64, (size_t)(16 * keys_pad) * sizeof(uint16_t));
-        float acc[16][64] __attribute__((aligned(64)));
-        float inv[16];
-        int cur = -1;
-        if (!s || !p) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp for schedule(static)
-        for (int64_t item = 0; item < heads * row_tiles; item++) {
-            if (!s || !p) continue;
-            const int64_t h = item / row_tiles, r0 = (item % row_tiles) * 16;
-            const int m = rows - r0 < 16 ? (int)(rows - r0) : 16;
-            if (cur != m) { config(m); cur = m; }
-            const uint16_t *qh = q + (h * rows + r0) * d, *kh = kp + h * keys_pad * d;
-            for (int64_t t = 0; t < keys_pad / 16; t += 2) { /* two key tiles: two independent sums */
-                _tile_zero(0);
-                _tile_zero(4);
-                for (int64_t c = 0; c < d / 32; c++) {
-                    _tile_loadd(1, qh + c * 32, d * 2);
-                    _tile_loadd(2, kh + (t * (d / 32) + c) * 512, 64);
-                    _tile_loadd(3, kh + ((t + 1) * (d / 32) + c) * 512, 64);
-                    _tile_dpbf16ps(0, 1, 2);
-                    _tile_dpbf16ps(4, 1, 3);
-                }
-                _tile_stored(0, s + t * 16, keys_pad * 4);
-                _tile_stored(4, s + (t + 1) * 16, keys_pad * 4);
-            }
-            for (int i = 0; i < m; i++)
-                inv[i] = softmax_row(s + i * keys_pad, p + i * keys_pad, keys, keys_pad, scale,
-                                     lse + h * rows + r0 + i);
-            for (int64_t dt = 0; dt < d / 16; dt += 4) {
-                const int ng = d / 16 - dt < 4 ? (int)(d / 16 - dt) : 4;
-                pv(p, keys_pad, vp + h * keys_pad * d, d, dt, ng);
-                _tile_stored(4, &acc[0][0], 256);
-                _tile_stored(5, &acc[0][16], 256);
-                _tile_stored(6, &acc[0][32], 256);
-                _tile_stored(7, &acc[0][48], 256);
-                for (int i = 0; i < m; i++)
-                    for (int g = 0; g < ng; g++)
-                        _mm512_storeu_ps(out + (h * rows + r0 + i) * d + (dt + g) * 16,
-                                         _mm512_mul_ps(_mm512_load_ps(&acc[i][g * 16]), _mm512_set1_ps(inv[i])));
-            }
-        }
-        if (cur >= 0) _tile_release();
-        free(s);
-        free(p);
-    }
-    return failed ? -1 : 0;
-}
-
-/* Key p's row of one layer, plane and head in the paged cache, or NULL past the prefix's keys. */
+/* Key p's row of the layer, one plane and head in the paged cache, or NULL past the prefix's keys. */
 static inline const uint16_t *key_row(const uint16_t *base, const int64_t *blocks, int64_t p, int64_t keys,
                                       int64_t block_size, int64_t block_stride, int64_t token_stride) {
     return p < keys ? base + blocks[p / block_size] * block_stride + (p % block_size) * token_stride : NULL;
@@ -190,45 +133,104 @@ static void pack_v_block(const uint16_t *const rows[32], int64_t d, uint16_t *ds
     }
 }
 
-int pdserve_amx_prefix_pack(const uint16_t *cache, int64_t block_stride, int64_t layer_stride, int64_t plane_stride,
-                            int64_t token_stride, int64_t head_stride, const int64_t *blocks, int64_t keys,
-                            int64_t block_size, int64_t layers, int64_t heads, int64_t d, int64_t keys_pad,
-                            uint16_t *kp, uint16_t *vp, int num_threads) {
-    if (d % 32 || keys < 1 || keys_pad % 32 || keys > keys_pad || block_size < 1) return -1;
-    const int64_t kbs = keys_pad / 32;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t item = 0; item < layers * heads * kbs; item++) {
-        const int64_t lh = item / kbs, kb = item % kbs, l = lh / heads, h = lh % heads;
-        const uint16_t *kbase = cache + l * layer_stride + h * head_stride, *vbase = kbase + plane_stride;
-        const uint16_t *krows[32], *vrows[32];
-        for (int j = 0; j < 32; j++) {
-            krows[j] = key_row(kbase, blocks, kb * 32 + j, keys, block_size, block_stride, token_stride);
-            vrows[j] = key_row(vbase, blocks, kb * 32 + j, keys, block_size, block_stride, token_stride);
-        }
-        uint16_t *kdst = kp + lh * keys_pad * d + kb * 32 * d, *vdst = vp + lh * keys_pad * d + kb * 32 * d;
-        pack_k_tile(krows, d, kdst);
-        pack_k_tile(krows + 16, d, kdst + 16 * d);
-        pack_v_block(vrows, d, vdst);
+/* The packed K and V of KV head h's 32-key block kb. */
+static void pack_block(const uint16_t *cache, int64_t block_stride, int64_t plane_stride, int64_t token_stride,
+                       int64_t head_stride, const int64_t *blocks, int64_t block_size, int64_t keys, int64_t keys_pad,
+                       int64_t d, int64_t h, int64_t kb, uint16_t *kp, uint16_t *vp) {
+    const uint16_t *kbase = cache + h * head_stride, *vbase = kbase + plane_stride;
+    const uint16_t *krows[32], *vrows[32];
+    for (int j = 0; j < 32; j++) {
+        krows[j] = key_row(kbase, blocks, kb * 32 + j, keys, block_size, block_stride, token_stride);
+        vrows[j] = key_row(vbase, blocks, kb * 32 + j, keys, block_size, block_stride, token_stride);
     }
-    return 0;
+    uint16_t *kdst = kp + h * keys_pad * d + kb * 32 * d, *vdst = vp + h * keys_pad * d + kb * 32 * d;
+    pack_k_tile(krows, d, kdst);
+    pack_k_tile(krows + 16, d, kdst + 16 * d);
+    pack_v_block(vrows, d, vdst);
+}
+
+int pdserve_amx_prefix_attention(const uint16_t *cache, int64_t block_stride, int64_t plane_stride,
+                                 int64_t token_stride, int64_t head_stride, const int64_t *blocks, int64_t block_size,
+                                 const uint16_t *q, int64_t q_stride, uint16_t *kp, uint16_t *vp, float *out,
+                                 float *lse, int64_t batch, int64_t heads, int64_t group, int64_t keys,
+                                 int64_t keys_pad, int64_t d, float scale, int num_threads) {
+    if (d % 32 || keys < 1 || keys_pad % 32 || keys > keys_pad || heads < 1 || group < 1 || batch < 0 ||
+        (cache && block_size < 1))
+        return -1;
+    const int64_t row_tiles = (batch + 15) / 16;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        if (cache) { /* the layer's prefix first: every block of it before any item reads it */
+            #pragma omp for schedule(static)
+            for (int64_t item = 0; item < heads * (keys_pad / 32); item++)
+                pack_block(cache, block_stride, plane_stride, token_stride, head_stride, blocks, block_size, keys,
+                           keys_pad, d, item / (keys_pad / 32), item % (keys_pad / 32), kp, vp);
+        }
+        float *s = batch ? aligned_alloc(64, (size_t)(16 * keys_pad) * sizeof(float)) : NULL;
+        uint16_t *p = batch ? aligned_alloc(64, (size_t)(16 * keys_pad) * sizeof(uint16_t)) : NULL;
+        float acc[16][64] __attribute__((aligned(64)));
+        float inv[16];
+        int cur = -1;
+        if (batch && (!s || !p)) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t item = 0; item < heads * group * row_tiles; item++) {
+            if (!s || !p) continue;
+            /* Query head g of KV head h, sequences b0 .. b0 + m - 1: one row each, q_stride apart. */
+            const int64_t hg = item / row_tiles, h = hg / group, b0 = (item % row_tiles) * 16;
+            const int m = batch - b0 < 16 ? (int)(batch - b0) : 16;
+            if (cur != m) { config(m); cur = m; }
+            const uint16_t *qh = q + b0 * q_stride + hg * d, *kh = kp + h * keys_pad * d;
+            const int64_t o0 = hg * batch + b0; /* the item's first row of out and lse */
+            for (int64_t t = 0; t < keys_pad / 16; t += 2) { /* two key tiles: two independent sums */
+                _tile_zero(0);
+                _tile_zero(4);
+                for (int64_t c = 0; c < d / 32; c++) {
+                    _tile_loadd(1, qh + c * 32, q_stride * 2);
+                    _tile_loadd(2, kh + (t * (d / 32) + c) * 512, 64);
+                    _tile_loadd(3, kh + ((t + 1) * (d / 32) + c) * 512, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                    _tile_dpbf16ps(4, 1, 3);
+                }
+                _tile_stored(0, s + t * 16, keys_pad * 4);
+                _tile_stored(4, s + (t + 1) * 16, keys_pad * 4);
+            }
+            for (int i = 0; i < m; i++)
+                inv[i] = softmax_row(s + i * keys_pad, p + i * keys_pad, keys, keys_pad, scale,
+                                     lse + o0 + i);
+            for (int64_t dt = 0; dt < d / 16; dt += 4) {
+                const int ng = d / 16 - dt < 4 ? (int)(d / 16 - dt) : 4;
+                pv(p, keys_pad, vp + h * keys_pad * d, d, dt, ng);
+                _tile_stored(4, &acc[0][0], 256);
+                _tile_stored(5, &acc[0][16], 256);
+                _tile_stored(6, &acc[0][32], 256);
+                _tile_stored(7, &acc[0][48], 256);
+                for (int i = 0; i < m; i++)
+                    for (int g = 0; g < ng; g++)
+                        _mm512_storeu_ps(out + (o0 + i) * d + (dt + g) * 16,
+                                         _mm512_mul_ps(_mm512_load_ps(&acc[i][g * 16]), _mm512_set1_ps(inv[i])));
+            }
+        }
+        if (cur >= 0) _tile_release();
+        free(s);
+        free(p);
+    }
+    return failed ? -1 : 0;
 }
 
 #else
 int pdserve_amx_prefix_built(void) { return 0; }
-int pdserve_amx_prefix_attention(const uint16_t *q, const uint16_t *kp, const uint16_t *vp, float *out, float *lse,
-                                 int64_t heads, int64_t rows, int64_t keys, int64_t keys_pad, int64_t d, float scale,
-                                 int num_threads) {
-    (void)q; (void)kp; (void)vp; (void)out; (void)lse; (void)heads; (void)rows; (void)keys; (void)keys_pad; (void)d;
-    (void)scale; (void)num_threads;
-    return -1;
-}
-int pdserve_amx_prefix_pack(const uint16_t *cache, int64_t block_stride, int64_t layer_stride, int64_t plane_stride,
-                            int64_t token_stride, int64_t head_stride, const int64_t *blocks, int64_t keys,
-                            int64_t block_size, int64_t layers, int64_t heads, int64_t d, int64_t keys_pad,
-                            uint16_t *kp, uint16_t *vp, int num_threads) {
-    (void)cache; (void)block_stride; (void)layer_stride; (void)plane_stride; (void)token_stride; (void)head_stride;
-    (void)blocks; (void)keys; (void)block_size; (void)layers; (void)heads; (void)d; (void)keys_pad; (void)kp;
-    (void)vp; (void)num_threads;
+int pdserve_amx_prefix_attention(const uint16_t *cache, int64_t block_stride, int64_t plane_stride,
+                                 int64_t token_stride, int64_t head_stride, const int64_t *blocks, int64_t block_size,
+                                 const uint16_t *q, int64_t q_stride, uint16_t *kp, uint16_t *vp, float *out,
+                                 float *lse, int64_t batch, int64_t heads, int64_t group, int64_t keys,
+                                 int64_t keys_pad, int64_t d, float scale, int num_threads) {
+    (void)cache; (void)block_stride; (void)plane_stride; (void)token_stride; (void)head_stride; (void)blocks;
+    (void)block_size; (void)q; (void)q_stride; (void)kp; (void)vp; (void)out; (void)lse; (void)batch; (void)heads;
+    (void)group; (void)keys; (void)keys_pad; (void)d; (void)scale; (void)num_threads;
     return -1;
 }
 #endif

@@ -2,15 +2,16 @@
 
 A step's decode sequences that share a prefix read its keys once, in one batched attention whose
 queries are every sequence's query heads (``engine/kernels/cascade.py``). In bfloat16 that is two small
-matrix products per KV head, which ATen's CPU flash-attention operator runs in about 60 us a layer at
-SmolLM2's shapes (32 sequences of 3 query heads a KV head, a 208-token prefix) and the tiles in about
-35 us, the call included.
+matrix products per KV head, which ATen's CPU flash-attention operator runs in about 70 us a layer at
+SmolLM2's shapes (32 sequences of 3 query heads a KV head, a 208-token prefix; the queries' copy
+included) and the tiles in about 36 us, the call included (``pdserve bench prefix-cpu``).
 
-The step packs every layer's prefix K and V once (:func:`pack`, in place of the gather the cascade
-makes otherwise), in the tiles' pair layouts; each layer then makes one call
-(:meth:`PackedPrefix.attention`). Its result is the flash operator's up to rounding: the scores' sums
-in float32, the softmax in float32, its weights rounded to bfloat16 for the second product (as the
-flash operator rounds them), the output float32 (the decode kernel merges it as it is).
+Each layer packs its prefix K and V straight from the paged cache in the tiles' pair layouts (in place
+of the gather the cascade makes otherwise) right before its attention call, into buffers every layer
+reuses, so the packed prefix is read hot (:class:`PrefixTiles`); the queries are read where the qkv
+projection left them. The result is the flash operator's up to rounding: the scores' sums in float32,
+the softmax in float32, its weights rounded to bfloat16 for the second product (as the flash operator
+rounds them), the output float32 (the decode kernel merges it as it is).
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ import torch
 from pdserve.engine.kernels import cpu_amx, cpu_build, labels
 
 _SOURCE = Path(__file__).with_name("cpu_amx_prefix.c")
-PROFILER_LABEL = "pdserve::cpu_amx_prefix"  # what torch.profiler calls an attention call
-PACK_LABEL = "pdserve::cpu_amx_prefix_pack"  # and a pack
+PROFILER_LABEL = "pdserve::cpu_amx_prefix"  # what torch.profiler calls a call (a layer's pack and attention)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 KEY_ALIGN = 32  # keys per block of the second product; a prefix is padded to a multiple of it
 
@@ -40,77 +40,91 @@ def _get() -> ctypes.CDLL | None:
     if lib is None or not lib.pdserve_amx_prefix_built():
         return None
     fn = lib.pdserve_amx_prefix_attention
-    fn.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [_P, _I, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float,
+                   ctypes.c_int]  # fmt: skip
     fn.restype = ctypes.c_int
-    pack_fn = lib.pdserve_amx_prefix_pack
-    pack_fn.argtypes = [_P, _I, _I, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, ctypes.c_int]
-    pack_fn.restype = ctypes.c_int
     return lib
 
 
 def available(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether :func:`pack` and :meth:`PackedPrefix.attention` run here for a ``dtype`` cache of
+    """Whether :func:`tiles` and :meth:`PrefixTiles.attention` run here for a ``dtype`` cache of
     ``head_dim``: bfloat16, a head size that is a multiple of 32, and the AMX library built."""
     return dtype == torch.bfloat16 and head_dim % 32 == 0 and _get() is not None
 
 
-class PackedPrefix:
-    """Every layer's K and V of a step's shared prefix in the kernel's layouts (made by :func:`pack`,
-    checked there once), and the prefix attention of one layer over them (:meth:`attention`)."""
+class PrefixTiles:
+    """A step's shared prefix for the kernel: each layer's K and V packed in the tiles' layouts when
+    that layer's attention asks (:meth:`attention`), into buffers of one layer that every layer reuses,
+    so a layer's packed prefix is still in the cache when its attention reads it. Made by :func:`tiles`,
+    which checks the cache once. Not thread-safe: one step's layers, in turn."""
 
-    def __init__(self, kp: torch.Tensor, vp: torch.Tensor, keys: int) -> None:
-        """``kp [layers, heads, keys_pad / 16, D / 32, 16, 16, 2]``: per 16-key tile and 32 dims, dim
-        pairs x keys x the pair; ``vp [layers, heads, keys_pad / 32, D / 16, 16, 16, 2]``: per 32-key
-        block and 16 dims, key pairs x dims x the pair; both bfloat16, contiguous, zero past ``keys``."""
-        self.kp, self.vp, self.keys = kp, vp, keys
-        self.layers, self.heads = kp.shape[:2]
-        self.keys_pad, self.head_dim = kp.shape[2] * 16, kp.shape[3] * 32
-        self._layer_bytes = kp.stride(0) * kp.element_size()  # kp and vp: the same per layer
+    def __init__(self, view: torch.Tensor, block_index: torch.Tensor) -> None:
+        """``view [num_blocks, layers, 2, block_size, H, D]``: the cache's heads for this rank (checked by
+        :func:`tiles`); ``block_index``: the prefix's blocks, int64, contiguous."""
+        _, self.layers, _, self.block_size, self.heads, self.head_dim = view.shape
+        self.keys = block_index.numel() * self.block_size
+        self.keys_pad = self.keys + -self.keys % KEY_ALIGN
+        self._view, self._blocks = view, block_index
+        d = self.head_dim
+        # kp: per 16-key tile and 32 dims, dim pairs x keys x the pair; vp: per 32-key block and 16 dims,
+        # key pairs x dims x the pair; zero past the prefix's keys.
+        self.kp = torch.empty(self.heads, self.keys_pad // 16, d // 32, 16, 16, 2, dtype=torch.bfloat16)
+        self.vp = torch.empty(self.heads, self.keys_pad // 32, d // 16, 16, 16, 2, dtype=torch.bfloat16)
+        self.packed_layer: int | None = None  # whose K and V kp and vp hold
+
+    def pack(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s ``(kp, vp)``, packed now unless they already are (valid until another layer is)."""
+        self._run(None, layer, 1.0)
+        return self.kp, self.vp
 
     def attention(self, q: torch.Tensor, layer: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``softmax(q k^T * scale) v`` over layer ``layer``'s prefix keys, and its log-sum-exp: ``q [heads,
-        rows, D]`` bfloat16 -> ``(out [heads, rows, D], lse [heads, rows])``, both float32."""
-        heads, rows, d = q.shape
-        if q.dtype != torch.bfloat16 or heads != self.heads or d != self.head_dim or not 0 <= layer < self.layers:
-            raise ValueError(f"AMX prefix attention: q {tuple(q.shape)} {q.dtype} at layer {layer} does not match "
-                             f"the packed prefix ({self.layers} layers of {self.heads} heads of {self.head_dim})")
+        """Each sequence's attention over layer ``layer``'s prefix keys, and its log-sum-exp: ``q [B, Hq, D]``
+        bfloat16 (one query row a sequence, read where it lies: any row stride, its heads adjacent;
+        ``Hq`` a multiple of the prefix's KV heads) -> ``(out [B, Hkv, G, D], lse [B, Hkv, G])``, both
+        float32 (views of ``[Hkv, G, B]``-ordered tensors), G = Hq / Hkv. The layer is packed in the
+        same call unless it already is."""
+        batch, num_heads, d = q.shape
+        if q.dtype != torch.bfloat16 or num_heads % self.heads or d != self.head_dim or not batch:
+            raise ValueError(f"AMX prefix attention: q {tuple(q.shape)} {q.dtype} does not match the prefix's "
+                             f"{self.heads} KV heads of {self.head_dim}")  # fmt: skip
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        return self._run(q, layer, scale)
+
+    def _run(self, q: torch.Tensor | None, layer: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's one call: pack ``layer`` unless it is packed, then attend ``q`` (checked; None: pack only)."""
+        if not 0 <= layer < self.layers:
+            raise ValueError(f"AMX prefix: layer {layer} of a cache of {self.layers}")
         lib = _get()
-        assert lib is not None  # pack() made this
-        q = q.contiguous()
-        out = torch.empty(heads, rows, d, dtype=torch.float32)
-        lse = torch.empty(heads, rows, dtype=torch.float32)
-        offset = layer * self._layer_bytes
+        assert lib is not None  # tiles() made this
+        batch, num_heads, d = q.shape if q is not None else (0, self.heads, self.head_dim)
+        group = num_heads // self.heads
+        out = torch.empty(self.heads, group, batch, d, dtype=torch.float32)
+        lse = torch.empty(self.heads, group, batch, dtype=torch.float32)
+        s = self._view.stride()
+        cache = None if layer == self.packed_layer else self._view.data_ptr() + layer * s[1] * 2
         with labels.label(PROFILER_LABEL):
-            failed = lib.pdserve_amx_prefix_attention(q.data_ptr(), self.kp.data_ptr() + offset,
-                                                      self.vp.data_ptr() + offset, out.data_ptr(), lse.data_ptr(),
-                                                      heads, rows, self.keys, self.keys_pad, d, scale,
-                                                      torch.get_num_threads())  # fmt: skip
+            failed = lib.pdserve_amx_prefix_attention(
+                cache, s[0], s[2], s[3], s[4], self._blocks.data_ptr(), self.block_size,
+                None if q is None else q.data_ptr(), 0 if q is None else q.stride(0), self.kp.data_ptr(),
+                self.vp.data_ptr(), out.data_ptr(), lse.data_ptr(), batch, self.heads, group, self.keys,
+                self.keys_pad, d, scale, torch.get_num_threads(),
+            )  # fmt: skip
+        self.packed_layer = None if failed else layer  # after a failure, the next call packs again
         if failed:
             raise MemoryError(f"AMX prefix attention: no row buffer for {self.keys_pad} keys")
-        return out, lse
+        return out.permute(2, 0, 1, 3), lse.permute(2, 0, 1)
 
 
-def pack(kv_cache: torch.Tensor, heads: slice, block_index: torch.Tensor) -> PackedPrefix:
-    """The prefix blocks ``block_index`` (int64) of every layer of ``kv_cache [num_blocks, layers, 2,
-    block_size, H, D]`` (bfloat16, each head's ``D`` values contiguous), KV heads ``heads`` of it, packed
-    in one pass (keys padded with zeros to a multiple of 32). Requires :func:`available` for the cache;
-    every block id must be in range (not checked)."""
-    lib = _get()
+def tiles(kv_cache: torch.Tensor, heads: slice, block_index: torch.Tensor) -> PrefixTiles:
+    """The prefix blocks ``block_index`` (int64) of ``kv_cache [num_blocks, layers, 2, block_size, H, D]``
+    (bfloat16, each head's ``D`` values contiguous), KV heads ``heads`` of it, for the kernel: each layer
+    is packed when its attention asks. Requires :func:`available` for the cache; every block id must be
+    in range (not checked)."""
     view = kv_cache[..., heads, :]
-    _, layers, planes, block_size, num_heads, d = view.shape
-    keys = block_index.numel() * block_size
-    if (lib is None or view.dtype != torch.bfloat16 or planes != 2 or view.stride(5) != 1 or d % 32 or not keys
+    if (_get() is None or view.dim() != 6 or view.dtype != torch.bfloat16 or view.shape[2] != 2
+            or view.stride(5) != 1 or view.shape[5] % 32 or not block_index.numel()
             or block_index.dtype != torch.int64 or not block_index.is_contiguous()):  # fmt: skip
-        raise ValueError(f"AMX prefix pack: needs a bfloat16 [blocks, layers, 2, block_size, H, D] cache, D a "
-                         f"multiple of 32, and int64 block ids, got {tuple(view.shape)} {view.dtype}")  # fmt: skip
-    keys_pad = keys + -keys % KEY_ALIGN
-    kp = torch.empty(layers, num_heads, keys_pad // 16, d // 32, 16, 16, 2, dtype=torch.bfloat16)
-    vp = torch.empty(layers, num_heads, keys_pad // 32, d // 16, 16, 16, 2, dtype=torch.bfloat16)
-    s = view.stride()
-    with labels.label(PACK_LABEL):
-        failed = lib.pdserve_amx_prefix_pack(view.data_ptr(), s[0], s[1], s[2], s[3], s[4], block_index.data_ptr(),
-                                             keys, block_size, layers, num_heads, d, keys_pad, kp.data_ptr(),
-                                             vp.data_ptr(), torch.get_num_threads())  # fmt: skip
-    if failed:  # not reached: the checks above are the kernel's
-        raise ValueError(f"AMX prefix pack refused {tuple(view.shape)}")
-    return PackedPrefix(kp, vp, keys)
+        raise ValueError(f"AMX prefix: needs a bfloat16 [blocks, layers, 2, block_size, H, D] cache, D a multiple "
+                         f"of 32, and int64 block ids, got {tuple(view.shape)} {view.dtype}")  # fmt: skip
+    return PrefixTiles(view, block_index)

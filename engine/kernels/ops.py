@@ -294,6 +294,7 @@ def gather_shared_prefix(plan: object | None, kv_cache: torch.Tensor, kv_heads: 
     shared prefix's K and V for every layer of ``kv_cache`` (``[num_blocks, layers, 2, block_size, Hkv,
     D]``; ``kv_heads``: the heads the layers read) in one gather, which each layer's
     :func:`paged_attention` then reads (``layer=``) instead of gathering its own; on a bfloat16 cache
-    where AMX runs, packed for the tile kernel instead (``cascade.gather_layers``). No-op otherwise."""
+    where AMX runs, the tile kernel's view of it instead, which packs each layer as it runs
+    (``cascade.gather_layers``). No-op otherwise."""
     if isinstance(plan, TorchAttentionPlan) and plan.cascade is not None and not plan.cascade.gathered:
         gather_layers(plan.cascade, kv_cache, kv_heads)

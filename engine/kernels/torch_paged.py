@@ -258,21 +258,20 @@ def _decode_group(
 def _prefix_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix: CascadePrefix, scale: float,
                  k_scale: float, v_scale: float, layer: int | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Every decode row's attention over the shared prefix, in one call: ``([B, Hkv, group, D],
-    float32 log-sum-exp [B, Hkv, group])``, B in ``prefix.rows`` order. Where the step packed every
-    layer's prefix for the AMX kernel (``prefix.packed``, ``cascade.gather_layers``), that kernel runs it
-    (``out`` then float32); else ATen's flash operator over ``prefix.kv[layer]`` where the step gathered
-    them, or over a gather from the caches."""
+    float32 log-sum-exp [B, Hkv, group])``, B in ``prefix.rows`` order. Where the step set the AMX
+    kernel up (``prefix.tiles``, ``cascade.gather_layers``), that kernel runs it (``out`` then float32);
+    else ATen's flash operator over ``prefix.kv[layer]`` where the step gathered them, or over a gather
+    from the caches."""
     rows = q if prefix.rows.numel() == q.shape[0] else q[prefix.rows]
+    if prefix.tiles is not None and layer is not None and q.dtype == torch.bfloat16 and k_scale == v_scale == 1.0:
+        return prefix.tiles.attention(rows, layer, scale)
     batch, num_heads, head_dim = rows.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     # Every sequence's query heads of KV head h read the same keys: one query axis of B * group rows.
     qa = rows.view(batch, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, batch * group,
                                                                                  head_dim)  # fmt: skip
-    if prefix.packed is not None and layer is not None and q.dtype == torch.bfloat16 and k_scale == v_scale == 1.0:
-        out, lse = prefix.packed.attention(qa, layer, scale)
-    else:
-        out, lse = _prefix_flash(qa, k_cache, v_cache, prefix, scale, k_scale, v_scale, layer)
+    out, lse = _prefix_flash(qa, k_cache, v_cache, prefix, scale, k_scale, v_scale, layer)
     return (out.view(num_kv_heads, batch, group, head_dim).transpose(0, 1),
             lse.view(num_kv_heads, batch, group).transpose(0, 1))  # fmt: skip
 

@@ -1,5 +1,5 @@
 """The cascade's shared-prefix attention in bfloat16 on AMX tiles (engine/kernels/cpu_amx_prefix.c):
-its packing of the paged prefix against a torch permutation, the kernel against a float64 softmax and
+its packing of a layer's paged prefix against a torch permutation, the kernel against a float64 softmax and
 ATen's flash operator (the path it replaces), the cascade through it against the float32 reference
 kernel, and the engine in bfloat16 with a cached shared prefix against transformers in bfloat16.
 
@@ -59,62 +59,78 @@ def _paged_prefix(blocks: int, block_size: int, cache_heads: int, heads: slice, 
 ])  # fmt: skip
 def test_pack_lays_out_the_paged_prefix(blocks: int, block_size: int, cache_heads: int, heads: slice,
                                         d: int) -> None:  # fmt: skip
+    """Each layer as its attention asks, into the same buffers: layer 2, then 0, then 2 again."""
     cache, ids, k, v = _paged_prefix(blocks, block_size, cache_heads, heads, d, seed=blocks)
-    packed = cpu_amx_prefix.pack(cache, heads, ids)
+    tiles = cpu_amx_prefix.tiles(cache, heads, ids)
     kp, vp = _reference_pack(k, v)
-    assert packed.keys == blocks * block_size and packed.keys_pad % 32 == 0
-    assert torch.equal(packed.kp, kp) and torch.equal(packed.vp, vp)  # the padding is zeros, no NaN read
+    assert tiles.keys == blocks * block_size and tiles.keys_pad % 32 == 0 and tiles.packed_layer is None
+    for layer in (2, 0, 2):
+        got_k, got_v = tiles.pack(layer)
+        assert tiles.packed_layer == layer
+        assert torch.equal(got_k, kp[layer]) and torch.equal(got_v, vp[layer])  # the padding is zeros, no NaN read
 
 
 def _float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``q [H, rows, D]`` over ``k``, ``v [keys, H, D]`` in float64: (out, lse)."""
-    s = q.double() @ k.double().permute(1, 2, 0) * scale
-    return torch.softmax(s, -1) @ v.double().transpose(0, 1), torch.logsumexp(s, -1)
+    """``q [B, Hq, D]`` over ``k``, ``v [keys, Hkv, D]`` in float64: ``(out [B, Hkv, G, D], lse [B, Hkv, G])``."""
+    batch, num_heads, d = q.shape
+    hkv = k.shape[1]
+    qg = q.double().view(batch, hkv, num_heads // hkv, d)
+    s = torch.einsum("bhgd,khd->bhgk", qg, k.double()) * scale
+    return torch.einsum("bhgk,khd->bhgd", torch.softmax(s, -1), v.double()), torch.logsumexp(s, -1)
 
 
-@pytest.mark.parametrize(("blocks", "block_size", "heads", "rows", "d"), [
-    (13, 16, 3, 96, 64),  # 32 sequences of 3 query heads a KV head over a 208-token prefix
-    (1, 5, 2, 7, 64),  # fewer rows than a tile, fewer keys than a tile
-    (9, 16, 2, 33, 128),  # a row tile of one row; two groups of four dim tiles
-    (2, 16, 1, 16, 32),
-    (63, 16, 4, 17, 96),  # 1,008 keys
+@pytest.mark.parametrize(("blocks", "block_size", "kv_heads", "group", "batch", "d"), [
+    (13, 16, 3, 3, 32, 64),  # SmolLM2's: 32 sequences of 3 query heads a KV head over a 208-token prefix
+    (1, 5, 2, 1, 7, 64),  # fewer sequences than a tile, fewer keys than a tile
+    (9, 16, 2, 2, 33, 128),  # a tile of one sequence; two groups of four dim tiles
+    (2, 16, 1, 4, 16, 32),
+    (63, 16, 4, 1, 17, 96),  # 1,008 keys
 ])  # fmt: skip
-def test_attention_matches_float64_and_the_flash_operator(blocks: int, block_size: int, heads: int, rows: int,
-                                                          d: int) -> None:  # fmt: skip
-    cache, ids, k, v = _paged_prefix(blocks, block_size, heads, slice(None), d, seed=rows)
-    packed = cpu_amx_prefix.pack(cache, slice(None), ids)
-    q = (torch.randn(heads, rows, d, generator=torch.Generator().manual_seed(d)) * 2).to(torch.bfloat16)
+def test_attention_matches_float64_and_the_flash_operator(blocks: int, block_size: int, kv_heads: int, group: int,
+                                                          batch: int, d: int) -> None:  # fmt: skip
+    """The queries are read where they lie: rows of a wider tensor (a qkv projection's q columns)."""
+    cache, ids, k, v = _paged_prefix(blocks, block_size, kv_heads, slice(None), d, seed=batch)
+    tiles = cpu_amx_prefix.tiles(cache, slice(None), ids)
+    heads = kv_heads * group
+    wide = (torch.randn(batch, heads + 2, d, generator=torch.Generator().manual_seed(d)) * 2).to(torch.bfloat16)
+    q = wide[:, :heads]
     scale = d**-0.5
     for layer in (0, 2):
-        out, lse = packed.attention(q, layer, scale)
+        out, lse = tiles.attention(q, layer, scale)
         want, want_lse = _float64_attention(q, k[layer], v[layer], scale)
-        flash, flash_lse = attention_lse(q[None], k[layer].transpose(0, 1)[None], v[layer].transpose(0, 1)[None],
-                                         scale)  # fmt: skip
+        qa = q.reshape(batch, kv_heads, group, d).transpose(0, 1).reshape(1, kv_heads, batch * group, d)
+        flash, flash_lse = attention_lse(qa, k[layer].transpose(0, 1)[None], v[layer].transpose(0, 1)[None], scale)
+        flash = flash[0].view(kv_heads, batch, group, d).transpose(0, 1)
+        flash_lse = flash_lse[0].view(kv_heads, batch, group).transpose(0, 1)
         err = (out.double() - want).abs()
-        assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:2]
+        assert out.dtype == lse.dtype == torch.float32
+        assert out.shape == (batch, kv_heads, group, d) and lse.shape == (batch, kv_heads, group)
         assert (err <= ATOL + 0.01 * want.abs()).all(), err.max()
         assert (lse.double() - want_lse).abs().max() <= 1e-4
-        assert err.max() <= (flash[0].double() - want).abs().max() + ATOL
-        assert (lse - flash_lse[0]).abs().max() <= 1e-4
+        assert err.max() <= (flash.double() - want).abs().max() + ATOL
+        assert (lse - flash_lse).abs().max() <= 1e-4
 
 
 def test_a_query_that_does_not_match_the_prefix_is_refused() -> None:
     cache, ids, _, _ = _paged_prefix(2, 16, 2, slice(None), 64, seed=0)
-    packed = cpu_amx_prefix.pack(cache, slice(None), ids)
+    tiles = cpu_amx_prefix.tiles(cache, slice(None), ids)
     with pytest.raises(ValueError, match="does not match"):
-        packed.attention(torch.zeros(3, 4, 64, dtype=torch.bfloat16), 0, 0.1)  # 3 heads, not 2
+        tiles.attention(torch.zeros(4, 3, 64, dtype=torch.bfloat16), 0, 0.1)  # 3 query heads over 2 KV heads
+    with pytest.raises(ValueError, match="layer 3 of a cache of 3"):
+        tiles.attention(torch.zeros(4, 2, 64, dtype=torch.bfloat16), 3, 0.1)
     with pytest.raises(ValueError, match="does not match"):
-        packed.attention(torch.zeros(2, 4, 64, dtype=torch.bfloat16), 3, 0.1)  # 3 layers: 0..2
+        tiles.attention(torch.zeros(4, 2, 32, dtype=torch.bfloat16), 0, 0.1)  # head size 32, not 64
     with pytest.raises(ValueError, match="does not match"):
-        packed.attention(torch.zeros(2, 4, 64), 0, 0.1)  # float32
+        tiles.attention(torch.zeros(4, 2, 64), 0, 0.1)  # float32
     with pytest.raises(ValueError, match="bfloat16"):
-        cpu_amx_prefix.pack(cache.float(), slice(None), ids)
+        cpu_amx_prefix.tiles(cache.float(), slice(None), ids)
+    assert tiles.packed_layer is None  # nothing was packed for a refused call
 
 
 def test_the_cascade_runs_its_prefix_on_amx() -> None:
-    """A step's decodes over 9 shared blocks: the step packs every layer's prefix (no float gather), and
-    a layer's attention through the AMX prefix matches the float32 reference and the plan without a
+    """A step's decodes over 9 shared blocks: the step sets the AMX prefix up (no float gather), and a
+    layer's attention through it matches the float32 reference and the plan without a
     cascade. Unused cache slots are NaN: a read outside a sequence would poison the output."""
     from tests.engine.test_cascade import BS, HEAD_DIM, KV_HEADS, _batch, _rel
 
@@ -125,7 +141,7 @@ def test_the_cascade_runs_its_prefix_on_amx() -> None:
     plan = plan_attention(table, lens, qsl, BS, cascade=True)
     assert plan.cascade is not None
     gather_shared_prefix(plan, kv, slice(None))
-    assert plan.cascade.packed is not None and plan.cascade.kv is None
+    assert plan.cascade.tiles is not None and plan.cascade.kv is None
     got = paged_attention_torch(q, kv[:, 1, 0], kv[:, 1, 1], table, lens, qsl, HEAD_DIM**-0.5, plan, layer=1)
     ref = paged_attention_ref(q, k, v, table, lens, qsl, HEAD_DIM**-0.5)
     plain = paged_attention_torch(q, k, v, table, lens, qsl, HEAD_DIM**-0.5, plan_attention(table, lens, qsl, BS))
@@ -160,7 +176,7 @@ def test_the_engine_in_bfloat16_with_a_shared_prefix_agrees_with_transformers(tm
     llm.generate([prefix + [1]], params)  # caches the prefix's blocks
     plans.clear()
     outs = llm.generate(prompts, params)
-    assert sum(p is not None and p.cascade is not None and p.cascade.packed is not None for p in plans) >= 8
+    assert sum(p is not None and p.cascade is not None and p.cascade.tiles is not None for p in plans) >= 8
     hf16, hf32 = _hf(path, torch.bfloat16), _hf(path, torch.float32)
     agree = total = 0
     for p, o in zip(prompts, outs):
