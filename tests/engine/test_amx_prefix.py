@@ -153,22 +153,14 @@ def test_the_engine_in_bfloat16_with_a_shared_prefix_agrees_with_transformers(tm
     """Eight prompts that hit a cached 160-token prefix decode together in bfloat16, every decode step a
     cascade whose prefix runs on AMX; each generated token is transformers-bf16's top-1 on the engine's
     sequence, or a near tie (test_bf16_cpu's rule)."""
-    from tests.engine.test_bf16_cpu import MAX_ERR, TOP1_MIN, _hf
-    from tests.support.models import hf_logits, make_hf_checkpoint
+    from tests.engine.test_bf16_cpu import check_greedy_bf16
+    from tests.engine.test_cascade import record_plans
+    from tests.support.models import make_hf_checkpoint
 
     path = make_hf_checkpoint(tmp_path / "d32", "llama_gqa", seed=21, dtype=torch.bfloat16,
                               overrides={"hidden_size": 128, "head_dim": 32})  # fmt: skip
     llm = LLM(str(path), dtype="bfloat16", num_blocks=128, block_size=16)
-    plans: list = []
-    runner = llm.engine.runner
-    prepare = runner.prepare
-
-    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - records each step's plan
-        out = prepare(*args, **kwargs)
-        plans.append(out[2].torch_plan)
-        return out
-
-    runner.prepare = spy  # type: ignore[method-assign]
+    plans = record_plans(llm)
     rng = random.Random(5)
     prefix = [rng.randrange(256) for _ in range(160)]
     prompts = [prefix + [rng.randrange(256) for _ in range(3 + i)] for i in range(MIN_SEQS)]
@@ -177,15 +169,4 @@ def test_the_engine_in_bfloat16_with_a_shared_prefix_agrees_with_transformers(tm
     plans.clear()
     outs = llm.generate(prompts, params)
     assert sum(p is not None and p.cascade is not None and p.cascade.tiles is not None for p in plans) >= 8
-    hf16, hf32 = _hf(path, torch.bfloat16), _hf(path, torch.float32)
-    agree = total = 0
-    for p, o in zip(prompts, outs):
-        seq = p + o.token_ids
-        ref = hf_logits(hf16, seq)[len(p) - 1 : -1]
-        scale = hf_logits(hf32, seq).abs().max().item()
-        chosen = torch.tensor(o.token_ids)
-        agree += (ref.argmax(-1) == chosen).sum().item()
-        total += len(chosen)
-        margin = ref.max(-1).values - ref.gather(1, chosen[:, None])[:, 0]
-        assert (margin <= MAX_ERR * scale).all(), margin
-    assert agree / total >= TOP1_MIN, agree / total
+    check_greedy_bf16(path, prompts, outs)

@@ -199,9 +199,15 @@ def test_engine_bf16_greedy_tokens_are_transformers_top1(checkpoints: dict[str, 
     token checked against transformers-bf16 teacher-forced on the engine's sequence."""
     path = checkpoints["llama_gqa"]
     llm = LLM(str(path), dtype="bfloat16", num_blocks=64, block_size=8)
-    hf16, hf32 = _hf(path, torch.bfloat16), _hf(path, torch.float32)
     prompts = _prompts(seed=4)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    check_greedy_bf16(path, prompts, llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True)))
+
+
+def check_greedy_bf16(path: Path, prompts: list[list[int]], outs: list) -> None:
+    """Every generated token of ``outs`` (the engine's greedy outputs for ``prompts``) is transformers-bf16's
+    top-1 teacher-forced on the engine's own sequence, or a near tie (within ``MAX_ERR`` of the largest
+    float32 |logit|), and at least ``TOP1_MIN`` of them are its top-1."""
+    hf16, hf32 = _hf(path, torch.bfloat16), _hf(path, torch.float32)
     agree = total = 0
     for p, o in zip(prompts, outs):
         seq = p + o.token_ids

@@ -140,6 +140,21 @@ def test_no_cascade_for_few_sequences_a_short_prefix_or_a_window() -> None:
     assert plan_attention(*enough[3:], BS).cascade is None  # off unless asked (MLA plans never ask)
 
 
+def record_plans(llm: LLM) -> list:
+    """A list that gets each step's attention plan (``AttentionMetadata.torch_plan``) from now on."""
+    plans: list = []
+    runner = llm.engine.runner
+    prepare = runner.prepare
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - records each step's plan
+        out = prepare(*args, **kwargs)
+        plans.append(out[2].torch_plan)
+        return out
+
+    runner.prepare = spy  # type: ignore[method-assign]
+    return plans
+
+
 def test_the_engine_with_a_cached_shared_prefix_equals_transformers(tiny_model: str) -> None:
     """Eight prompts that hit a cached 160-token prefix decode together, every step a cascade over
     the same physical blocks; each equals transformers' greedy continuation."""
@@ -151,16 +166,7 @@ def test_the_engine_with_a_cached_shared_prefix_equals_transformers(tiny_model: 
     prompts = [prefix + [rng.randrange(256) for _ in range(3 + i)] for i in range(MIN_SEQS)]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     llm = LLM(tiny_model, num_blocks=256, block_size=BS)
-    plans: list = []
-    runner = llm.engine.runner
-    prepare = runner.prepare
-
-    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - records each step's plan
-        out = prepare(*args, **kwargs)
-        plans.append(out[2].torch_plan)
-        return out
-
-    runner.prepare = spy  # type: ignore[method-assign]
+    plans = record_plans(llm)
     llm.generate([prefix + [1]], params)  # caches the prefix's blocks
     plans.clear()
     outs = llm.generate(prompts, params)
