@@ -102,7 +102,7 @@ class PrefixTiles:
         out = torch.empty(self.heads, group, batch, d, dtype=torch.float32)
         lse = torch.empty(self.heads, group, batch, dtype=torch.float32)
         s = self._view.stride()
-        cache = None if layer == self.packed_layer else self._view.data_ptr() + layer * s[1] * 2
+        cache = None if layer == self.packed_layer else self._view.data_ptr() + layer * s[1] * self._view.element_size()
         with labels.label(PROFILER_LABEL):
             failed = lib.pdserve_amx_prefix_attention(
                 cache, s[0], s[2], s[3], s[4], self._blocks.data_ptr(), self.block_size,
