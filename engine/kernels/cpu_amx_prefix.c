@@ -74,7 +74,8 @@ static float softmax_row(const float *s, uint16_t *p, int64_t keys, int64_t keys
     const __m512 sc = _mm512_set1_ps(scale), neg_top = _mm512_set1_ps(-top), floor = _mm512_set1_ps(-87.f);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < keys_pad; j += W) {
-        __m512 e = (__m512)vexp_in_range((vf)_mm512_max_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), sc, neg_top), floor));
+        const __m512 x = _mm512_max_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), sc, neg_top), floor);
+        __m512 e = (__m512)vexp_in_range((vf)x);
         if (j + W > keys) e = _mm512_maskz_mov_ps(j < keys ? tail : 0, e);
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
