@@ -163,8 +163,10 @@ static inline float tile_softmax(vf sc, int64_t n, float *m, float *l, float *p)
 /* One work item is a sequence and a run of its KV heads (all of them where the batch gives every
  * thread enough items): a token's K (and V) rows of adjacent heads are adjacent in the cache, so an
  * item reads each block as one stream instead of one short row per token and head.
- * Per tile of TILE keys: the tile's rows are located once (a walk through the block table, no
- * division per key) and the next tile's are prefetched (its blocks are anywhere); for each head, each
+ * Per tile of TILE keys: the tile's rows and the next tile's are located once (a walk through the block
+ * table, no division per key); the next tile's rows are prefetched a head and a key at a time, beside
+ * the work on this tile's same head and key (its blocks are anywhere; spread out so, a bfloat16 cache's
+ * cold reads took 8-15% less time than with the whole tile's prefetches issued at once); for each head, each
  * K row is loaded once for the head's G query heads and its G dot products left as vectors that
  * reduce() sums W at a time; the V rows are loaded once, then each query head's accumulator takes
  * the whole tile in registers. */
@@ -205,7 +207,6 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, int64_t b
             l[j] = start ? 1.f : 0.f;                                                                    \
         }                                                                                                \
         const int64_t *row = blocks + b * max_blocks;                                                    \
-        const int64_t span_bytes = ((h1 - h0 - 1) * head_stride + DC * W) * (int64_t)sizeof(T);          \
         for (int64_t p0 = starts[b]; p0 < spans[b]; p0 += TILE) {                                        \
             const int64_t n = spans[b] - p0 < TILE ? spans[b] - p0 : TILE;                               \
             int64_t at[TILE], bi = p0 / block_size, off = p0 % block_size;                               \
@@ -213,17 +214,19 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, int64_t b
                 at[t] = row[bi] * block_stride + off * token_stride + h0 * head_stride;                  \
                 if (++off == block_size) { off = 0; bi++; }                                              \
             }                                                                                            \
-            for (int64_t t = 0, pn = p0 + n; t < TILE && pn < spans[b]; t++, pn++) {                     \
-                const int64_t a = row[bi] * block_stride + off * token_stride + h0 * head_stride;        \
-                for (int64_t x = 0; x < span_bytes; x += 64) {                                           \
-                    __builtin_prefetch((const char *)(k + a) + x);                                       \
-                    __builtin_prefetch((const char *)(v + a) + x);                                       \
-                }                                                                                        \
+            int64_t nat[TILE], nn = 0; /* the next tile's rows */                                        \
+            for (int64_t pn = p0 + n; nn < TILE && pn < spans[b]; nn++, pn++) {                          \
+                nat[nn] = row[bi] * block_stride + off * token_stride + h0 * head_stride;                \
                 if (++off == block_size) { off = 0; bi++; }                                              \
             }                                                                                            \
             for (int64_t h = h0; h < h1; h++) {                                                          \
                 const int64_t hb = (h - h0) * head_stride, j0 = (h - h0) * G;                            \
                 for (int64_t t = 0; t < n; t++) {                                                        \
+                    if (t < nn)                                                                          \
+                        for (int64_t x = 0; x < DC * W * (int64_t)sizeof(T); x += 64) {                  \
+                            __builtin_prefetch((const char *)(k + nat[t] + hb) + x);                     \
+                            __builtin_prefetch((const char *)(v + nat[t] + hb) + x);                     \
+                        }                                                                                \
                     if (pairs) {                                                                         \
                         for (int64_t g = 0; g < G; g++)                                                  \
                             part[g][BITREV[t]] = dot_pairs(qb[j0 + g], (const uint16_t *)(k + at[t] + hb), DC / 2); \
