@@ -116,6 +116,7 @@ BENCHMARKS = {
     "gguf": ("pdserve.benchmarks.gguf", "reading a GGUF header: pdserve's one-pass reader vs gguf.GGUFReader"),
     "overlap": ("pdserve.benchmarks.overlap", "a long prompt's handover with and without prefetching during its prefill"),
     "streams": ("pdserve.benchmarks.streams", "tokens to the router: a Ray stream per request vs one event channel per worker"),
+    "host-overlap": ("pdserve.benchmarks.host_overlap", "async scheduling on the CPU: host work beside the forward vs in turn"),
 }
 
 
