@@ -6,10 +6,14 @@ on or off), on a cache of shuffled blocks inside a two-layer, block-major KV ten
 and V are strided views, as in the engine), every sequence decoding one token. Each shape is first
 checked against the float32 reference (the run exits 1 on a mismatch); then the two are timed in
 alternation, ``--repeats`` rounds of ``--calls`` calls each, and the median of the rounds is reported
-per call. ``gbps`` counts the K/V bytes each call must read once. Without a C compiler (or with
-``PDSERVE_CPU_KERNELS=0``) the kernel is not built and the run says so and exits 0.
+per call. ``gbps`` counts the K/V bytes each call must read once. With ``--layers N`` the KV tensor
+holds N layers and the calls take them in turn, as a step does: for shapes whose N layers outgrow the
+caches, each call reads its K/V from memory (one layer, the default, reads it from cache after the
+first call). Without a C compiler (or with ``PDSERVE_CPU_KERNELS=0``) the kernel is not built and the
+run says so and exits 0.
 
-Run: ``python -m pdserve.benchmarks.attention_cpu [--shapes 32x280,8x2000] [--dtypes float32,bfloat16] [--json]``.
+Run: ``python -m pdserve.benchmarks.attention_cpu [--shapes 32x280,8x2000] [--dtypes float32,bfloat16] [--layers 30]
+[--json]``.
 """
 
 from __future__ import annotations
@@ -29,21 +33,27 @@ from pdserve.engine.kernels.torch_paged import paged_attention_torch, plan_atten
 BLOCK_SIZE = 16
 
 
-def problem(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple:
-    """Arguments of ``paged_attention_torch`` for ``batch`` decodes of ``context`` positions each."""
+def problem(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+            layers: int = 1) -> tuple:  # fmt: skip
+    """Arguments of ``paged_attention_torch`` for ``batch`` decodes of ``context`` positions each, K and
+    V as lists of ``layers`` layers' views (one layer: the second of two, so that its views are strided
+    as in the engine)."""
     gen = torch.Generator().manual_seed(batch * 7919 + context)
     per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * per_seq + 1
-    kv = torch.randn(num_blocks, 2, 2, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)  # [block, layer, K|V]
+    kv = torch.empty(num_blocks, max(layers, 2), 2, BLOCK_SIZE, kv_heads, head_dim, dtype=dtype)  # [block, layer, K|V]
+    kv.copy_(torch.randn(kv.shape, generator=gen))
     table = torch.randperm(num_blocks, generator=gen)[: batch * per_seq].view(batch, per_seq).to(torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
-    return q, kv[:, 1, 0], kv[:, 1, 1], table, lens, qsl, head_dim**-0.5
+    taken = [1] if layers == 1 else range(layers)
+    return q, [kv[:, i, 0] for i in taken], [kv[:, i, 1] for i in taken], table, lens, qsl, head_dim**-0.5
 
 
 def run_shape(args: tuple, calls: int, repeats: int) -> dict[str, Any]:
-    q, k, v, table, lens, qsl, scale = args
+    q, ks, vs, table, lens, qsl, scale = args
+    k, v = ks[0], vs[0]
     plans = {name: plan_attention(table, lens, qsl, BLOCK_SIZE, fused=fused)
              for name, fused in (("torch", False), ("kernel", True))}  # fmt: skip
     ref = paged_attention_ref(q.float(), k.float(), v.float(), table, lens, qsl, scale)
@@ -57,8 +67,8 @@ def run_shape(args: tuple, calls: int, repeats: int) -> dict[str, Any]:
     for _ in range(repeats):
         for name, plan in plans.items():  # alternating, so both see the same machine
             t0 = time.perf_counter()
-            for _ in range(calls):
-                paged_attention_torch(q, k, v, table, lens, qsl, scale, plan)
+            for i in range(calls):
+                paged_attention_torch(q, ks[i % len(ks)], vs[i % len(vs)], table, lens, qsl, scale, plan)
             rounds[name].append((time.perf_counter() - t0) / calls)
     kv_bytes = 2 * int(lens.sum()) * k.shape[2] * k.shape[3] * k.element_size()
     out = {name: {"ms": statistics.median(t) * 1e3, "gbps": kv_bytes / statistics.median(t) / 1e9}
@@ -81,8 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head size (SmolLM2-135M's)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=1, help="layers' caches taken in turn (module docstring)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if min(args.layers, args.calls, args.repeats) < 1:
+        print("attention-cpu: --layers, --calls and --repeats must be positive", file=sys.stderr)
+        return 2
     heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
@@ -94,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for dtype in dtypes:
         for batch, context in shapes:
-            timed = run_shape(problem(batch, context, heads, kv_heads, head_dim, dtype), args.calls, args.repeats)
+            timed = run_shape(problem(batch, context, heads, kv_heads, head_dim, dtype, args.layers), args.calls,
+                              args.repeats)  # fmt: skip
             results.append({"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context, **timed})
-    result = {"threads": torch.get_num_threads(), "heads": [heads, kv_heads, head_dim], "results": results}
+    result = {"threads": torch.get_num_threads(), "heads": [heads, kv_heads, head_dim], "layers": args.layers,
+              "results": results}  # fmt: skip
     rows = [(f"{r['dtype']} {r['batch']} x {r['context']}", _row(r)) for r in results]
-    emit(result, args.json, [("threads", str(result["threads"])), *rows])
+    emit(result, args.json, [("threads", str(result["threads"])), ("layers", str(args.layers)), *rows])
     return 0
 
 

@@ -32,6 +32,16 @@ def test_both_paths_checked_and_timed() -> None:
         assert x["torch"]["ms"] > 0 and x["kernel"]["ms"] > 0 and x["speedup"] > 0 and x["kernel"]["gbps"] > 0
 
 
+@pytest.mark.skipif(not cpu_decode.supports(torch.float32, torch.float32, 9, 3, 64), reason="the kernel is not built here")
+def test_layers_taken_in_turn() -> None:
+    r = _bench("--shapes", "2x40", "--dtypes", "bfloat16", "--layers", "3", "--calls", "3", "--repeats", "1", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["layers"] == 3 and out["results"][0]["kernel"]["ms"] > 0
+    r = _bench("--layers", "0")
+    assert r.returncode == 2 and "--layers, --calls and --repeats must be positive" in r.stderr
+
+
 def test_without_the_kernel_it_says_so_and_exits_0() -> None:
     r = _bench("--shapes", "2x20", env={"PDSERVE_CPU_KERNELS": "0"})
     assert r.returncode == 0 and "does not run here" in r.stderr
