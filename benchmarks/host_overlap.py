@@ -7,11 +7,11 @@ cores and in the same process as that host work. This measures what the overlap 
 The engine decodes ``bench steps``' workload (``--prompts`` prompts sharing a 221-token prefix,
 ``--max-tokens`` greedy tokens each), round after round. In every other round a helper runs a fixed
 amount of pure-Python work each time a forward starts. The amount is calibrated, alone, to take ``W``
-ms: the engine's own host work per decode step, i.e. the step less its forward and LM head, measured
-in the first (plain) round. ``--work-ms`` sets ``W`` instead. The helper is a thread of the engine's
-process (``--helper thread``, the default): it holds the GIL as a scheduler's code would. Or it is a
-process of its own (``--helper process``, as vLLM's engine core and front end are): it takes only
-CPU time from the forward.
+ms: the engine's own host work per decode step (scheduling, input build, sampling, outputs: the step
+less its forward and LM head), measured in the first (plain) round. ``--work-ms`` sets ``W`` instead.
+The helper is a thread of the engine's process (``--helper thread``, the default): it holds the GIL
+as a scheduler's code would. Or it is a process of its own (``--helper process``, as vLLM's engine
+core and front end are): it takes only CPU time from the forward.
 
 Reported: the median decode step without and with the helper (medians over each side's rounds), how
 long the helper's work took beside the forward, and what the overlap saves per step: ``W`` (what the
@@ -62,9 +62,9 @@ def calibrate(ms: float) -> int:
 
 
 class ThreadHelper:
-    """A thread of this process that runs :func:`spin` for about ``ms`` once per :meth:`kick` (kicks
-    that come while it runs are taken by one run after it); ``took`` holds each run's time, in seconds.
-    :meth:`close` ends it."""
+    """A thread of this process that runs :func:`spin` for the iterations :meth:`set_work` calibrated,
+    once per :meth:`kick` (kicks that come while it runs are taken by one run after it); ``took`` holds
+    each run's time, in seconds. :meth:`close` ends it."""
 
     def __init__(self) -> None:
         self.iterations = 0
@@ -179,14 +179,17 @@ def decode_round(engine: Any, prompts: list[list[int]], max_tokens: int, device_
 
 
 def run(engine: Any, prompts: list[list[int]], max_tokens: int, rounds: int, work_ms: float | None,
-        helper: Helper) -> dict[str, Any]:  # fmt: skip
+        where: str) -> dict[str, Any]:  # fmt: skip
+    """``rounds`` rounds each way, alternating (plain first), with a helper on a ``thread`` or in a
+    ``process``, which this call starts and ends."""
     on: list[bool] = [False]
     device_ms: list[float] = []
-    hook(engine, helper, on, device_ms)
+    helper: Helper = ThreadHelper() if where == "thread" else ProcessHelper()
     plain: list[float] = []
     beside: list[float] = []
     kicks = 0
     try:
+        hook(engine, helper, on, device_ms)
         for r in range(2 * rounds):
             on[0] = r % 2 == 1
             steps = decode_round(engine, prompts, max_tokens, device_ms)
@@ -238,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(model, dtype=args.dtype, num_blocks=(len(prompts) + 1) * (-(-longest // 16)) + 16)
     try:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up: kernels, prefix
-        result = run(llm.engine, prompts, args.max_tokens, args.rounds, args.work_ms,
-                     ThreadHelper() if args.helper == "thread" else ProcessHelper())  # fmt: skip
+        result = run(llm.engine, prompts, args.max_tokens, args.rounds, args.work_ms, args.helper)
     finally:
         llm.close()
     result.update({"model": model, "dtype": args.dtype, "batch": args.prompts, "helper": args.helper})
