@@ -122,6 +122,10 @@ def _length_buckets(seqs: list[int], lens: list[int], min_fill: float = 0.75) ->
     return groups
 
 
+# A prefill of at most this many query rows may run as one decode per row (plan_attention).
+ROWWISE_MAX_ROWS = 128
+
+
 def plan_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -138,10 +142,56 @@ def plan_attention(
     (no window), decodes that all start with the same blocks read those once together
     (:mod:`engine.kernels.cascade`) and gather only the rest. With ``fused``, all decodes form one
     group read in place by :mod:`engine.kernels.cpu_decode` (the caller has checked
-    ``cpu_decode.supports``).
+    ``cpu_decode.supports``); with ``cascade`` too, the rows of short prefills join them where that
+    gives the step a shared prefix (:func:`_rowwise_plan`).
     """
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    if fused and cascade and sliding_window is None:
+        rowwise = _rowwise_plan(block_tables, lens, starts, block_size)
+        if rowwise is not None:
+            return rowwise
+    return _plan(block_tables, lens, starts, block_size, sliding_window, cascade, fused)
+
+
+def _rowwise_plan(block_tables: torch.Tensor, lens: list[int], starts: list[int],
+                  block_size: int) -> TorchAttentionPlan | None:  # fmt: skip
+    """A fused cascade plan in which each query row of a prefill of 2 to ``ROWWISE_MAX_ROWS`` rows is
+    a decode of its own: row ``j`` of a sequence of length ``n`` and ``q`` new rows attends to
+    positions ``[0, n - q + j]``, exactly what causal attention gives it. Those rows then read the
+    step's shared prefix once with the decodes (on AMX tiles in bfloat16) and their own suffix in
+    place, instead of a gather, a mask and an SDPA call per sequence and layer (a prefix-cache hit's
+    tail, a chunk after a cached prefix). None where no prefill is that short, or where the rows
+    share no prefix (the kernel would then read each row's whole context: per-sequence SDPA is kept).
+    The plan's ``prefills`` and ``starts`` stay the caller's, for the longer prefills it keeps."""
+    seq_of: list[int] = []  # the caller's sequence of each entry: a whole sequence or one of its rows
+    row_lens: list[int] = []
+    row_starts: list[int] = []
+    for s, n in enumerate(lens):
+        q = starts[s + 1] - starts[s]
+        if 1 < q <= ROWWISE_MAX_ROWS:
+            seq_of += [s] * q
+            row_lens += range(n - q + 1, n + 1)
+            row_starts += range(starts[s], starts[s + 1])
+        else:
+            seq_of.append(s)
+            row_lens.append(n)
+            row_starts.append(starts[s])
+    if len(seq_of) == len(lens):
+        return None
+    row_starts.append(starts[-1])
+    table = block_tables.index_select(0, torch.tensor(seq_of, dtype=torch.int64, device=block_tables.device))
+    plan = _plan(table, row_lens, row_starts, block_size, None, True, True)
+    if plan.cascade is None:
+        return None
+    plan.prefills = [(seq_of[s], start, n) for s, start, n in plan.prefills]
+    plan.starts = starts
+    return plan
+
+
+def _plan(block_tables: torch.Tensor, lens: list[int], starts: list[int], block_size: int,
+          sliding_window: int | None, cascade: bool, fused: bool) -> TorchAttentionPlan:  # fmt: skip
+    """:func:`plan_attention` on the metadata as lists (``starts``: query_start_loc)."""
     num_seqs = len(lens)
     q_lens = [starts[s + 1] - starts[s] for s in range(num_seqs)]
     device = block_tables.device

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.kernels import gather_shared_prefix, paged_attention_ref
+from pdserve.engine.kernels import cpu_decode, gather_shared_prefix, paged_attention_ref
 from pdserve.engine.kernels.cascade import MIN_PREFIX_TOKENS, MIN_SEQS, common_prefix_blocks
 from pdserve.engine.kernels.quant import quantize
-from pdserve.engine.kernels.torch_paged import paged_attention_torch, plan_attention
+from pdserve.engine.kernels.torch_paged import ROWWISE_MAX_ROWS, paged_attention_torch, plan_attention
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
                                 reason="this torch has no CPU flash-attention operator")  # fmt: skip
@@ -96,6 +96,39 @@ def test_cascade_matches_the_reference(dtype: torch.dtype, tol: float) -> None:
     assert _rel(got, plain) < tol
 
 
+needs_kernel = pytest.mark.skipif(not cpu_decode.supports(torch.float32, torch.float32, HEADS, KV_HEADS, HEAD_DIM),
+                                  reason="the in-place decode kernel is not built here")  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_short_prefill_over_the_prefix_joins_the_cascade_row_by_row(dtype: torch.dtype, tol: float) -> None:
+    """A prefill's 7-row tail after the shared prefix, beside decodes: with the in-place kernel each of its
+    rows is a decode of its own (row j reads up to its own position), the prefix read once for all of
+    them; a prefill longer than ROWWISE_MAX_ROWS keeps its own call."""
+    q, k, v, table, lens, qsl = _batch(9, [1, 5, 16, 17, 40, 90, 120, 200], [(9 * BS + 3, 7),
+                                                                            (0, ROWWISE_MAX_ROWS + 1)], dtype)  # fmt: skip
+    plan = plan_attention(table, lens, qsl, BS, cascade=True, fused=True)
+    assert plan.cascade is not None and plan.cascade.num_tokens == 9 * BS
+    assert plan.cascade.rows.tolist() == list(range(8 + 7))  # the decodes' rows, then the short prefill's
+    assert plan.prefills == [(9, int(qsl[9]), int(lens[9]))]  # the caller's sequence 9, the long one
+    scale = HEAD_DIM**-0.5
+    got = paged_attention_torch(q, k, v, table, lens, qsl, scale, plan)
+    assert not got.isnan().any()
+    assert _rel(got, paged_attention_ref(q, k, v, table, lens, qsl, scale)) < tol
+
+
+@needs_kernel
+def test_short_prefills_sharing_no_prefix_keep_their_own_calls() -> None:
+    """Row by row, each row would read its whole context: without a shared prefix the plan keeps the
+    prefill as one call."""
+    q, k, v, table, lens, qsl = _batch(0, [30, 40] * 5, [(50, 6)], torch.float32, seed=2)
+    plan = plan_attention(table, lens, qsl, BS, cascade=True, fused=True)
+    assert plan.cascade is None and plan.prefills == [(10, int(qsl[10]), int(lens[10]))]
+    got = paged_attention_torch(q, k, v, table, lens, qsl, 0.2, plan)
+    assert _rel(got, paged_attention_ref(q, k, v, table, lens, qsl, 0.2)) < 1e-5
+
+
 def test_the_hot_path_one_group_of_every_row() -> None:
     q, k, v, table, lens, qsl = _batch(10, [30 + i for i in range(MIN_SEQS)], [], torch.float32, seed=4)
     plan = plan_attention(table, lens, qsl, BS, cascade=True)
@@ -172,6 +205,9 @@ def test_the_engine_with_a_cached_shared_prefix_equals_transformers(tiny_model: 
     outs = llm.generate(prompts, params)
     assert all(o.num_cached_tokens == 160 for o in outs)
     assert sum(p.cascade is not None for p in plans) >= 8  # the decode steps read the prefix once
+    if llm.engine.runner.fused_decode:  # the prompts' tails too, each row a decode of the prefill step's cascade
+        assert plans[0].cascade is not None and plans[0].prefills == []
+        assert plans[0].cascade.rows.numel() == sum(len(p) - 160 for p in prompts)
     hf = load_hf_reference(tiny_model)
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(hf, p, 10)
