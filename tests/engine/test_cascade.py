@@ -106,8 +106,8 @@ def test_a_short_prefill_over_the_prefix_joins_the_cascade_row_by_row(dtype: tor
     """A prefill's 7-row tail after the shared prefix, beside decodes: with the in-place kernel each of its
     rows is a decode of its own (row j reads up to its own position), the prefix read once for all of
     them; a prefill longer than ROWWISE_MAX_ROWS keeps its own call."""
-    q, k, v, table, lens, qsl = _batch(9, [1, 5, 16, 17, 40, 90, 120, 200], [(9 * BS + 3, 7),
-                                                                            (0, ROWWISE_MAX_ROWS + 1)], dtype)  # fmt: skip
+    prefills = [(9 * BS + 3, 7), (0, ROWWISE_MAX_ROWS + 1)]
+    q, k, v, table, lens, qsl = _batch(9, [1, 5, 16, 17, 40, 90, 120, 200], prefills, dtype)
     plan = plan_attention(table, lens, qsl, BS, cascade=True, fused=True)
     assert plan.cascade is not None and plan.cascade.num_tokens == 9 * BS
     assert plan.cascade.rows.tolist() == list(range(8 + 7))  # the decodes' rows, then the short prefill's
