@@ -161,15 +161,22 @@ def _rowwise_plan(block_tables: torch.Tensor, lens: list[int], starts: list[int]
     positions ``[0, n - q + j]``, exactly what causal attention gives it. Those rows then read the
     step's shared prefix once with the decodes (on AMX tiles in bfloat16) and their own suffix in
     place, instead of a gather, a mask and an SDPA call per sequence and layer (a prefix-cache hit's
-    tail, a chunk after a cached prefix). None where no prefill is that short, or where the rows
-    share no prefix (the kernel would then read each row's whole context: per-sequence SDPA is kept).
-    The plan's ``prefills`` and ``starts`` stay the caller's, for the longer prefills it keeps."""
+    tail, a chunk after a cached prefix). None where no prefill is that short, where one is longer,
+    or where the rows share no prefix (the kernel would then read each row's whole context:
+    per-sequence SDPA is kept).
+
+    Why none longer: a prompt can hit blocks that another prompt of the same step computes, and the
+    cascade may read its prefix before the step's writes (``gather_layers``). The shared blocks lie
+    before every cascade row's own context, so no cascade sequence writes them in this step; a
+    sequence left out of the cascade (a longer prefill) could."""
     seq_of: list[int] = []  # the caller's sequence of each entry: a whole sequence or one of its rows
     row_lens: list[int] = []
     row_starts: list[int] = []
     for s, n in enumerate(lens):
         q = starts[s + 1] - starts[s]
-        if 1 < q <= ROWWISE_MAX_ROWS:
+        if q > ROWWISE_MAX_ROWS:
+            return None
+        if q > 1:
             seq_of += [s] * q
             row_lens += range(n - q + 1, n + 1)
             row_starts += range(starts[s], starts[s + 1])
@@ -184,8 +191,7 @@ def _rowwise_plan(block_tables: torch.Tensor, lens: list[int], starts: list[int]
     plan = _plan(table, row_lens, row_starts, block_size, None, True, True)
     if plan.cascade is None:
         return None
-    plan.prefills = [(seq_of[s], start, n) for s, start, n in plan.prefills]
-    plan.starts = starts
+    plan.starts = starts  # every row is a decode now: no prefills to point back to the caller's sequences
     return plan
 
 

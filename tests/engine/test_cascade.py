@@ -105,17 +105,21 @@ needs_kernel = pytest.mark.skipif(not cpu_decode.supports(torch.float32, torch.f
 def test_a_short_prefill_over_the_prefix_joins_the_cascade_row_by_row(dtype: torch.dtype, tol: float) -> None:
     """A prefill's 7-row tail after the shared prefix, beside decodes: with the in-place kernel each of its
     rows is a decode of its own (row j reads up to its own position), the prefix read once for all of
-    them; a prefill longer than ROWWISE_MAX_ROWS keeps its own call."""
-    prefills = [(9 * BS + 3, 7), (0, ROWWISE_MAX_ROWS + 1)]
-    q, k, v, table, lens, qsl = _batch(9, [1, 5, 16, 17, 40, 90, 120, 200], prefills, dtype)
+    them. A prefill longer than ROWWISE_MAX_ROWS in the step keeps every prefill as its own call."""
+    decodes = [1, 5, 16, 17, 40, 90, 120, 200]
+    q, k, v, table, lens, qsl = _batch(9, decodes, [(9 * BS + 3, 7)], dtype)
     plan = plan_attention(table, lens, qsl, BS, cascade=True, fused=True)
     assert plan.cascade is not None and plan.cascade.num_tokens == 9 * BS
-    assert plan.cascade.rows.tolist() == list(range(8 + 7))  # the decodes' rows, then the short prefill's
-    assert plan.prefills == [(9, int(qsl[9]), int(lens[9]))]  # the caller's sequence 9, the long one
+    assert plan.prefills == [] and plan.cascade.rows.tolist() == list(range(8 + 7))
     scale = HEAD_DIM**-0.5
     got = paged_attention_torch(q, k, v, table, lens, qsl, scale, plan)
     assert not got.isnan().any()
     assert _rel(got, paged_attention_ref(q, k, v, table, lens, qsl, scale)) < tol
+    q, k, v, table, lens, qsl = _batch(9, decodes, [(9 * BS + 3, 7), (0, ROWWISE_MAX_ROWS + 1)], dtype)
+    plan = plan_attention(table, lens, qsl, BS, cascade=True, fused=True)
+    assert [s for s, _, _ in plan.prefills] == [8, 9] and plan.cascade.rows.tolist() == list(range(8))
+    assert _rel(paged_attention_torch(q, k, v, table, lens, qsl, scale, plan),
+                paged_attention_ref(q, k, v, table, lens, qsl, scale)) < tol  # fmt: skip
 
 
 @needs_kernel
@@ -127,6 +131,25 @@ def test_short_prefills_sharing_no_prefix_keep_their_own_calls() -> None:
     assert plan.cascade is None and plan.prefills == [(10, int(qsl[10]), int(lens[10]))]
     got = paged_attention_torch(q, k, v, table, lens, qsl, 0.2, plan)
     assert _rel(got, paged_attention_ref(q, k, v, table, lens, qsl, 0.2)) < 1e-5
+
+
+def test_prompts_hitting_blocks_another_prompt_computes_in_the_same_step(tiny_model: str) -> None:
+    """Ten prompts sharing a 160-token prefix, none cached, in one step: the first computes the prefix's
+    blocks and the others hit them in the same step (their tails are short prefills). Those blocks are
+    written during the step, so no cascade may read them as a prefix taken before it; every prompt
+    equals transformers' greedy continuation, as when sent one at a time."""
+    from tests.engine.test_engine import hf_greedy
+    from tests.support.models import load_hf_reference
+
+    rng = random.Random(5)
+    prefix = [rng.randrange(256) for _ in range(160)]
+    prompts = [prefix + [rng.randrange(256) for _ in range(20 + i)] for i in range(10)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    outs = LLM(tiny_model, num_blocks=256, block_size=BS).generate(prompts, params)
+    assert sum(o.num_cached_tokens == 160 for o in outs) == 9  # hits on blocks computed in the same step
+    hf = load_hf_reference(tiny_model)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, 4)
 
 
 def test_the_hot_path_one_group_of_every_row() -> None:
