@@ -165,16 +165,22 @@ def hook(engine: Any, helper: Helper, on: list[bool], device_ms: list[float]) ->
     model.compute_logits = wrap(model.compute_logits, False)
 
 
-def decode_round(engine: Any, prompts: list[list[int]], max_tokens: int, device_ms: list[float]) -> list[float]:
-    """The decode steps' wall times (ms) of one round; ``device_ms`` is cleared after the prefill, so it
-    then holds the decode steps' model calls."""
+def decode_round(engine: Any, prompts: list[list[int]], max_tokens: int, device_ms: list[float], on: list[bool],
+                 kick: bool) -> list[float]:  # fmt: skip
+    """The decode steps' wall times (ms) of one round, the helper kicked at each of their forwards
+    where ``kick`` (not at the prefill's); ``device_ms`` is cleared after the prefill, so it then holds
+    the decode steps' model calls."""
     prefill_all(engine, prompts, max_tokens)
     device_ms.clear()
     steps = []
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        engine.step()
-        steps.append((time.perf_counter() - t0) * 1e3)
+    on[0] = kick
+    try:
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        on[0] = False
     return steps
 
 
@@ -191,14 +197,14 @@ def run(engine: Any, prompts: list[list[int]], max_tokens: int, rounds: int, wor
     try:
         hook(engine, helper, on, device_ms)
         for r in range(2 * rounds):
-            on[0] = r % 2 == 1
-            steps = decode_round(engine, prompts, max_tokens, device_ms)
+            helper_round = r % 2 == 1
+            steps = decode_round(engine, prompts, max_tokens, device_ms, on, helper_round)
             if r == 0:
                 host = (sum(steps) - sum(device_ms)) / len(steps)
                 work_ms = host if work_ms is None else work_ms
                 helper.set_work(work_ms)
-            (beside if on[0] else plain).append(statistics.median(steps))
-            kicks += len(steps) if on[0] else 0
+            (beside if helper_round else plain).append(statistics.median(steps))
+            kicks += len(steps) if helper_round else 0
     finally:
         helper.close()
     without, with_helper = statistics.median(plain), statistics.median(beside)
