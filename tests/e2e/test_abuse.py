@@ -160,7 +160,9 @@ def test_a_tenant_flooding_the_decode_worker_cannot_starve_another(service: Serv
         assert all(t.is_alive() for t in threads), "B waited for one of A's streams to end"
         busiest = max(arrivals, key=len)
         step_s = statistics.median(b - a for a, b in zip(busiest, busiest[1:]))
-        bound_ms = 3 * max(alone) + 25 * step_s * 1000  # on a loaded machine B's prefill waits for steps too
+        # On a loaded machine B's prefill waits for steps too (a CI run under xdist measured 35 steps' worth).
+        # Starvation would cost hundreds: a place frees when one of A's 400-token streams ends.
+        bound_ms = 3 * max(alone) + 60 * step_s * 1000
         assert quiet.ttft_ms <= bound_ms, (quiet.ttft_ms, max(alone), step_s)
     finally:
         for t in threads:
