@@ -12,7 +12,12 @@ methods of this one engine instance (nothing else changes). Then one more pass r
 ``torch.profiler`` to split the forward by operator self time: projections, attention (SDPA, and the
 decode kernel that reads K/V in place where it is built: ``PDSERVE_CPU_KERNELS=0`` turns it off), the
 paged-KV gathers and writes, and the rest (norms, rotary, activations, copies), scaled to the
-forward's measured wall time; what the operators do not account for is Python and dispatch.
+forward's measured wall time; what the operators do not account for is Python and dispatch. (The
+profiled pass runs the layers as modules, whose kernel calls carry their names; the timed steps
+replay the stack as the kernels' calls where a step qualifies: ``engine/model/decode_replay.py``.)
+
+With ``--replay-ab``, the prompts then decode once more with the steps alternating between that
+replay and the modules, one step each in turn: the median step of each.
 
 With ``--joins N``, N more prompts of the same workload then join the batch one at a time, each
 after a few decode steps, while the first ``--prompts`` minus one decode: the step that prefills a
@@ -37,6 +42,7 @@ from typing import Any
 from pdserve.benchmarks.common import emit
 from pdserve.benchmarks.peers import workload
 from pdserve.engine.kernels import cpu_amx, cpu_amx_prefix, cpu_decode, cpu_gemm, labels
+from pdserve.engine.model import decode_replay
 from pdserve.engine.sampling_params import SamplingParams
 
 PARTS = ("schedule", "prepare", "forward", "logits", "sample")
@@ -97,6 +103,35 @@ def decode_steps(engine: Any, prompts: list[list[int]], max_tokens: int, times: 
         engine.step()
         steps.append(time.perf_counter() - t0)
     return steps
+
+
+def replay_steps(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    """Median decode step with the stack replayed as kernel calls (``engine/model/decode_replay.py``)
+    and through the modules, the two alternating step by step over the same sequences (each pair of
+    steps at nearly the same context lengths), and how many of the replay's steps qualified."""
+    model = engine.runner.model
+    ran: list[bool] = []
+    build = decode_replay.build
+
+    def counted(*args: Any) -> Any:
+        replay = build(*args)
+        ran.append(replay is not None)
+        return replay
+
+    prefill_all(engine, prompts, max_tokens)
+    steps: dict[bool, list[float]] = {True: [], False: []}
+    decode_replay.build = counted
+    try:
+        while engine.has_unfinished():
+            on = len(steps[True]) <= len(steps[False])
+            model.replay_decode = on
+            t0 = time.perf_counter()
+            engine.step()
+            steps[on].append(time.perf_counter() - t0)
+    finally:
+        decode_replay.build, model.replay_decode = build, True
+    return {"replay_ms": statistics.median(steps[True]) * 1e3, "modules_ms": statistics.median(steps[False]) * 1e3,
+            "steps_each": min(len(v) for v in steps.values()), "replayed": sum(ran) / max(len(ran), 1)}
 
 
 JOIN_GAP = 4  # decode-only steps before each joining prompt
@@ -167,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="every decode gathers the shared prefix itself (the engine option of that name)")
     ap.add_argument("--joins", type=int, default=0,
                     help="then time N prompts joining --prompts minus one decoding sequences (module docstring)")
+    ap.add_argument("--replay-ab", action="store_true",
+                    help="then decode once more, steps alternating the kernel-call replay and the modules (medians)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
@@ -189,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         totals = {p: sum(times[p]) for p in PARTS}  # before the profiled pass adds to the timers
         ops = forward_ops(engine, prompts, args.max_tokens)
         join = join_steps(engine, prompts[: max(args.prompts - 1, 1)], joining) if joining else None
+        replay = replay_steps(engine, prompts, args.max_tokens) if args.replay_ab else None
     finally:
         llm.close()
     # Means, not medians: the parts of a step add up to it.
@@ -198,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": model, "dtype": args.dtype, "batch": args.prompts, "cascade": not args.disable_cascade_attn,
               "in_place_decode_kernel": in_place, "mean_step_ms": step * 1e3,
               "output_tok_per_s": args.prompts / step, "parts_ms": {k: v * 1e3 for k, v in parts.items()},
-              "forward_op_share": ops, "join": join}  # fmt: skip
+              "forward_op_share": ops, "join": join, "replay_ab": replay}  # fmt: skip
     emit(result, args.json, report_rows(result))
     return 0
 
@@ -226,6 +264,10 @@ def report_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         joined = (f"{join['join_step_ms']:.1f} ms for its step ({join['join_uncached_tokens']:.0f} uncached tokens) "
                   f"against {join['decode_step_ms']:.1f} ms decode-only (medians of {join['joins']})")
         rows.append((f"a prompt joining {join['decoding']} decodes", joined))
+    if (ab := result.get("replay_ab")) is not None:
+        rows.append(("decode step: kernel-call replay / modules",
+                     f"{ab['replay_ms']:.2f} / {ab['modules_ms']:.2f} ms ({ab['modules_ms'] / ab['replay_ms']:.2f}x; "
+                     f"medians of {ab['steps_each']} steps each, {ab['replayed']:.0%} of the replay's qualified)"))
     return rows  # fmt: skip
 
 

@@ -57,6 +57,14 @@ def supports(dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int, num_k
     return kernel is not None and num_heads // num_kv_heads <= kernel.max_group and bool(kernel.head_dim_ok(head_dim))
 
 
+def entry(dtype: torch.dtype) -> ctypes._CFuncPtr | None:
+    """The kernel :func:`decode_attention` calls for ``dtype`` queries, unchecked (its argument list),
+    for callers that check their inputs once for many calls (``engine/model/decode_replay.py``); None
+    where it is not built or takes no ``dtype``."""
+    kernel = _get()
+    return None if kernel is None else kernel.fns.get(dtype)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -95,7 +103,7 @@ def decode_attention(
         q = q.contiguous()
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype)
     lse = torch.empty(batch, num_heads, dtype=torch.float32)
-    init = _prefix_args(prefix, q.dtype, (batch, num_kv_heads, num_heads // num_kv_heads, head_dim))
+    init = prefix_args(prefix, q.dtype, (batch, num_kv_heads, num_heads // num_kv_heads, head_dim))
     with labels.label(PROFILER_LABEL):
         failed = kernel.fns[q.dtype](
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
@@ -108,11 +116,12 @@ def decode_attention(
     return out, lse
 
 
-def _prefix_args(prefix: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype,
+def prefix_args(prefix: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype,
                  shape: tuple[int, int, int, int]) -> tuple:  # fmt: skip
-    """The kernel's ``init_out, init_f32, is, init_lse, ls`` for ``prefix`` (``decode_attention``):
-    the tensors themselves where the kernel reads them in place, else float32 copies; the stride
-    arrays hold the tensors they describe, so the caller keeps them alive by keeping the tuple."""
+    """The kernel's ``init_out, init_f32, is, init_lse, ls`` for ``prefix`` (:func:`decode_attention`'s,
+    viewable as ``shape`` ``[B, Hkv, G, D]``): the tensors themselves where the kernel reads them in
+    place, else float32 copies; the stride arrays hold the tensors they describe, so the caller keeps
+    them alive by keeping the tuple."""
     if prefix is None:
         return (None, 0, None, None, None)
     out, lse = prefix[0].view(shape), prefix[1].view(shape[:3])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -50,6 +51,24 @@ def _get() -> _Kernel | None:
     """The library's entry points, built and loaded on the first call (None where it is not built)."""
     lib = cpu_build.load(_SOURCE)
     return None if lib is None else _Kernel(lib)
+
+
+class Entries(NamedTuple):
+    """The unchecked entry points of one dtype (``norm``, ``rotary``) and the KV write, as
+    :func:`add_rms_norm`, :func:`rotary_` and :func:`write_kv` call them (their argument lists)."""
+
+    norm: ctypes._CFuncPtr
+    rotary: ctypes._CFuncPtr
+    write_kv: ctypes._CFuncPtr
+
+
+def entries(dtype: torch.dtype) -> Entries | None:
+    """The entry points for ``dtype``, for callers that check their inputs once for many calls
+    (``engine/model/decode_replay.py``); None where the library is not built or takes no ``dtype``."""
+    kernel = _get()
+    if kernel is None or dtype not in _SUFFIX:
+        return None
+    return Entries(kernel.norm[dtype], kernel.rotary[dtype], kernel.write_kv)
 
 
 def supports(x: torch.Tensor) -> bool:

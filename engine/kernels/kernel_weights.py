@@ -82,3 +82,11 @@ class KernelWeights:
         if failed:  # not reached: the subclass checked what its kernel refuses
             raise ValueError(f"{self.name}: the kernel refused a [{rows}, {self.in_features}] input")
         return out
+
+    def entry(self) -> tuple[ctypes._CFuncPtr, int, int | None]:
+        """``(fn, packed, bias)``: the call :meth:`__call__` makes, unchecked, as
+        ``fn(x, x's row stride, packed, bias, out, rows, out_features, in_features, threads)`` (nonzero
+        where it refuses), with ``packed`` and ``bias`` the addresses of the weight's layout and of the
+        float32 bias (None: none). For callers that check their inputs once for many calls
+        (``engine/model/decode_replay.py``); the addresses hold while this object lives."""
+        return self._fn, self.packed.data_ptr(), None if self.bias is None else self.bias.data_ptr()

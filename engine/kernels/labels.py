@@ -40,6 +40,11 @@ def labelled() -> Iterator[None]:
             _SWITCH.open -= 1
 
 
+def active() -> bool:
+    """Whether a :func:`labelled` block is open (a profiling run that wants the kernels' names)."""
+    return bool(_SWITCH.open)
+
+
 def label(name: str) -> AbstractContextManager[object]:
     """``record_function(name)`` inside :func:`labelled`, else a context that does nothing."""
     return torch.profiler.record_function(name) if _SWITCH.open else nullcontext()

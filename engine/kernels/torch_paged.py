@@ -292,7 +292,7 @@ def _decode_group(
 ) -> torch.Tensor:  # fmt: skip
     """Attention for the group's single-token queries ``q [B, Hq, D]``; returns ``[B, Hq, D]``.
 
-    ``prefix``: these rows' attention over the cascade's shared prefix (``_prefix_part``), merged
+    ``prefix``: these rows' attention over the cascade's shared prefix (``prefix_part``), merged
     with theirs over the gathered suffixes."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -311,8 +311,8 @@ def _decode_group(
     return out.reshape(batch, num_heads, head_dim)
 
 
-def _prefix_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix: CascadePrefix, scale: float,
-                 k_scale: float, v_scale: float, layer: int | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def prefix_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix: CascadePrefix, scale: float,
+                k_scale: float, v_scale: float, layer: int | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Every decode row's attention over the shared prefix, in one call: ``([B, Hkv, group, D],
     float32 log-sum-exp [B, Hkv, group])``, B in ``prefix.rows`` order. Where the step set the AMX
     kernel up (``prefix.tiles``, ``cascade.gather_layers``), that kernel runs it (``out`` then float32);
@@ -422,7 +422,7 @@ def paged_attention_torch(
         return torch.zeros_like(q, memory_format=torch.contiguous_format)
     groups = plan.decode_groups
     shared = (None if plan.cascade is None
-              else _prefix_part(q, k_cache, v_cache, plan.cascade, scale, k_scale, v_scale, layer))  # fmt: skip
+              else prefix_part(q, k_cache, v_cache, plan.cascade, scale, k_scale, v_scale, layer))  # fmt: skip
     if len(groups) == 1 and groups[0].all_rows and q.shape[0] == plan.starts[-1]:
         # Hot path: one decode group covering every row.
         return _decode_group(q, k_cache, v_cache, groups[0], scale, k_scale, v_scale, shared)

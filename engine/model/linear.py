@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.kernels import cpu_amx, cpu_gemm
+from pdserve.engine.kernels.kernel_weights import KernelWeights
 from pdserve.engine.model.gemm_paths import RowPaths
 
 # float32 inputs with fewer rows stay on F.linear (oneDNN's conversions dominate below ~8 rows).
@@ -178,6 +179,15 @@ class Linear(nn.Linear):
     @property
     def packed_copy(self) -> PackedWeights | None:
         return self._packed
+
+    def kernel_for(self, rows: int) -> KernelWeights | None:
+        """The C kernel's copy that a 2-D input of ``rows`` rows runs through (:func:`project`), or None
+        where it takes another path (no copy, oneDNN's, or ``paths`` sends it to torch)."""
+        packed = self._packed
+        if (isinstance(packed, KernelWeights) and rows >= packed.min_rows
+                and (self.paths is None or not self.paths.use_torch(rows))):  # fmt: skip
+            return packed
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(x, self.weight, self.bias, self._packed, self.paths)

@@ -22,6 +22,7 @@ from torch import nn
 
 from pdserve.engine.kernels import cpu_amx, cpu_gemm, cpu_ops, gather_shared_prefix, paged_attention, write_kv
 from pdserve.engine.kernels.metadata import AttentionMetadata
+from pdserve.engine.model import decode_replay
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.gemm_paths import GEMM_CHOICES, Projection, RowPaths, choose
 from pdserve.engine.model.linear import Linear, PackedWeights, onednn_supported, packed_copy, project
@@ -165,6 +166,12 @@ class MLP(nn.Module):
         """Drop the fused copy (gate/up then runs as its ``Linear`` is packed)."""
         self._glu = self._glu_paths = None
 
+    def fused_glu_for(self, rows: int) -> cpu_amx.AMXGluWeights | cpu_gemm.PanelGluWeights | None:
+        """The fused gate/up copy (:meth:`fuse_glu`) that a 2-D input of ``rows`` rows runs through, or
+        None where :meth:`forward` takes the unfused path."""
+        paths = self._glu_paths
+        return None if paths is not None and paths.use_torch(rows) else self._glu
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         paths = self._glu_paths
         if self._glu is not None and x.dim() == 2 and not (paths and paths.use_torch(x.shape[0])):
@@ -286,6 +293,9 @@ class LlamaForCausalLM(nn.Module):
         self._shard_sizes = {"qkv_proj": (q, kv, kv), "gate_up_proj": (inter, inter)}
         self._head_packed: PackedWeights | None = None
         self._head_paths: RowPaths | None = None
+        # Steps that qualify run their stack as the C kernels' calls alone (decode_replay.py); False:
+        # every step takes the modules (the replay's results are the same bits).
+        self.replay_decode = True
         # The KV heads the layers' attention reads (a rank's slice, else all), for the step's one gather of
         # a cascade's prefix; None where the layers are not this file's Attention (MLA's read no cascade).
         attn = self.model.layers[0].self_attn if len(self.model.layers) else None
@@ -319,8 +329,12 @@ class LlamaForCausalLM(nn.Module):
             gather_shared_prefix(attn_meta.torch_plan, kv_cache, self._cascade_heads)
         h, residual = m.embed_tokens(input_ids), None
         cos, sin = m.rotary_emb.lookup(positions, h.dtype)  # shared by all layers
-        for layer, layer_kv in zip(m.layers, kv_cache.unbind(1)):
-            h, residual = layer(h, residual, cos, sin, layer_kv, attn_meta)
+        replay = decode_replay.build(m, kv_cache, attn_meta, h, cos, sin) if self.replay_decode else None
+        if replay is not None:
+            h, residual = replay.run(h, cos, sin)
+        else:
+            for layer, layer_kv in zip(m.layers, kv_cache.unbind(1)):
+                h, residual = layer(h, residual, cos, sin, layer_kv, attn_meta)
         return m.norm(h) if residual is None else m.norm.add_forward(residual, h)[1]
 
     def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:

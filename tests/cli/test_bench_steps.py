@@ -1,5 +1,5 @@
-"""``python -m pdserve.benchmarks.steps`` accounts for a decode step part by part, and times prompts joining a
-batch (no timing asserted)."""
+"""``python -m pdserve.benchmarks.steps`` accounts for a decode step part by part, times prompts joining a
+batch and the kernel-call replay against the modules (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ PREFIX = 300  # the prompts' shared prefix (--prefix-tokens): its last block par
 
 
 def test_steps_bench_parts_add_up_to_the_step(tiny_model: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "pdserve.benchmarks.steps", "--quick", "--joins", "2", "--json",
-                        "--model", tiny_model, "--prefix-tokens", str(PREFIX)],
+    r = subprocess.run([sys.executable, "-m", "pdserve.benchmarks.steps", "--quick", "--joins", "2", "--replay-ab",
+                        "--json", "--model", tiny_model, "--prefix-tokens", str(PREFIX)],
                        capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
@@ -27,6 +27,8 @@ def test_steps_bench_parts_add_up_to_the_step(tiny_model: str) -> None:
     assert join["decoding"] == 3 and join["joins"] == 2 and join["join_step_ms"] > 0 and join["decode_step_ms"] > 0
     # Uncached: the prompt's own 44-64 tokens and the prefix's partial last block (16-token blocks).
     assert PREFIX % 16 + 44 <= join["join_uncached_tokens"] <= PREFIX % 16 + 64
+    ab = out["replay_ab"]  # 7 decode steps of 4 prompts, alternating; each of the replay's qualified
+    assert ab["steps_each"] == 3 and ab["replayed"] == 1.0 and ab["replay_ms"] > 0 and ab["modules_ms"] > 0
 
 
 def test_a_prefix_of_no_tokens_is_refused(tiny_model: str) -> None:

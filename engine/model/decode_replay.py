@@ -1,0 +1,218 @@
+"""A Llama decoder stack's decode step on the CPU as the C kernels' calls alone.
+
+In a decode step on the CPU every part of a layer is one C kernel (the norms, the projections, the
+rotary embedding, the KV write, the attention), and what runs between them in the module path
+(module calls, the checks of every wrapper, views, a new output tensor per call) cost about 8 ms of
+a 33 ms step of SmolLM2-135M over 32 sequences in bfloat16, whose kernels took 24 ms. Where a step
+allows it (:func:`build`), the stack instead runs as those kernels' calls in a row: the step's
+inputs checked once, every layer's outputs in buffers allocated once a step. The kernels and their
+inputs are the same, so the results are the module path's, bit for bit (``tests/engine/
+test_decode_replay.py``).
+
+A step qualifies when its attention plan is the torch backend's in-place decode over every query
+row (a decode step, or short prefills taken row by row: ``torch_paged.plan_attention``), every
+projection and the fused gate/up run on a C kernel's copy at this row count, the norms and the KV
+write on ``cpu_ops``, on one device (no tensor parallelism), with a float KV cache of the model's
+dtype. Anything else, and a profiling run that asks the kernels' names (``labels.labelled``), runs
+the module path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pdserve.engine.kernels import cpu_decode, cpu_ops, labels
+from pdserve.engine.kernels.kernel_weights import KernelWeights
+from pdserve.engine.kernels.metadata import AttentionMetadata
+from pdserve.engine.kernels.torch_paged import TorchAttentionPlan, prefix_part
+
+Entry = tuple[ctypes._CFuncPtr, int, int | None]  # KernelWeights.entry()
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One layer's weights as the kernels take them, and its K and V planes' addresses."""
+
+    norm1: int  # input_layernorm's weight
+    eps1: float
+    norm2: int  # post_attention_layernorm's weight
+    eps2: float
+    qkv: Entry
+    o: Entry
+    glu: Entry
+    down: Entry
+    k: int
+    v: int
+
+
+def _layer(layer: nn.Module, rows: int, k: int, v: int, dtype: torch.dtype) -> _Layer | None:
+    """``layer``'s entries at ``rows`` rows, or None where a part of it takes another path."""
+    from pdserve.engine.model.llama import MLP, Attention, DecoderLayer, RMSNorm  # llama imports this module
+
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP:
+        return None
+    if attn.kv_slice is not None or attn.comm is not None or mlp.comm is not None:
+        return None
+    if attn.k_scale != 1.0 or attn.v_scale != 1.0 or attn.sliding_window is not None:
+        return None
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(type(n) is not RMSNorm or n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms):
+        return None
+    kernels = (attn.qkv_proj.kernel_for(rows), attn.o_proj.kernel_for(rows), mlp.fused_glu_for(rows),
+               mlp.down_proj.kernel_for(rows))  # fmt: skip
+    if not all(isinstance(w, KernelWeights) and w.dtype == dtype for w in kernels):
+        return None
+    qkv, o, glu, down = (w.entry() for w in kernels)  # type: ignore[union-attr]
+    return _Layer(norms[0].weight.data_ptr(), norms[0].eps, norms[1].weight.data_ptr(), norms[1].eps,
+                  qkv, o, glu, down, k, v)  # fmt: skip
+
+
+class _Buffers:
+    """A step's outputs of each part of a layer, allocated once for every layer, and their addresses."""
+
+    def __init__(self, rows: int, hidden: int, heads: int, head_dim: int, qkv_width: int, inter: int,
+                 dtype: torch.dtype) -> None:  # fmt: skip
+        self.x, self.o, self.down = (torch.empty(rows, hidden, dtype=dtype) for _ in range(3))  # norm, o_proj, down
+        self.residuals = (torch.empty(rows, hidden, dtype=dtype), torch.empty(rows, hidden, dtype=dtype))
+        self.qkv = torch.empty(rows, qkv_width, dtype=dtype)
+        self.attn = torch.empty(rows, heads, head_dim, dtype=dtype)
+        self.lse = torch.empty(rows, heads, dtype=torch.float32)
+        self.act = torch.empty(rows, inter, dtype=dtype)
+
+
+class DecodeReplay:
+    """One step's decoder stack as kernel calls (made by :func:`build`, run once by :meth:`run`)."""
+
+    def __init__(self, layers: list[_Layer], kv_cache: torch.Tensor, meta: AttentionMetadata,
+                 plan: TorchAttentionPlan, attn: nn.Module, rows: int, hidden: int, inter: int) -> None:  # fmt: skip
+        self.layers, self.kv_cache, self.plan = layers, kv_cache, plan
+        self.rows, self.hidden, self.inter = rows, hidden, inter
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.group = self.heads // self.kv_heads
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qkv_width = self.q_size + 2 * self.kv_size
+        self.scale = attn.scale
+        self.dtype = kv_cache.dtype
+        self.ops = cpu_ops.entries(self.dtype)
+        self.decode = cpu_decode.entry(self.dtype)
+        self.slots = meta.slot_mapping
+        decode = plan.decode_groups[0]
+        assert decode.starts is not None and decode.spans is not None  # build() checked
+        # The decode kernel's step-wide arguments: every row's blocks, read positions, the cache's strides.
+        stride = kv_cache.stride()
+        self.block_size = kv_cache.shape[3]
+        self.reads = (decode.block_index.data_ptr(), decode.block_index.numel() // rows, decode.starts.data_ptr(),
+                      decode.spans.data_ptr(), rows, self.kv_heads, self.group, self.head_dim, self.block_size,
+                      self.scale)  # fmt: skip
+        self.cache_strides = (stride[0], stride[3], stride[4])
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stack over the embeddings ``h [rows, hidden]`` with the step's rotary tables
+        ``cos``/``sin`` (``RotaryEmbedding.lookup``'s): ``(delta, residual)`` as the module loop's
+        last layer returns them (the final norm adds them)."""
+        n, width, inter = self.rows, self.hidden, self.inter
+        b = _Buffers(n, width, self.heads, self.head_dim, self.qkv_width, inter, self.dtype)
+        x, o, down, qkv, act = (t.data_ptr() for t in (b.x, b.o, b.down, b.qkv, b.act))
+        norm = self.ops.norm  # type: ignore[union-attr]
+        threads = torch.get_num_threads()
+        q_view = b.qkv[:, : self.q_size].view(n, self.heads, self.head_dim)
+        rope = (cos.data_ptr(), sin.data_ptr())
+        # Each norm after a residual add writes the new residual into the buffer its input is not in.
+        residual, turn = h, 0
+        for i, layer in enumerate(self.layers):
+            if i == 0:  # the first layer: its norm's input is the residual itself, no add
+                norm(h.data_ptr(), width, None, 0, h.data_ptr(), layer.norm1, x, n, width, layer.eps1, threads)
+            else:
+                residual, last, turn = b.residuals[turn], residual, turn ^ 1
+                norm(last.data_ptr(), width, down, width, residual.data_ptr(), layer.norm1, x, n, width, layer.eps1,
+                     threads)  # fmt: skip
+            _project(layer.qkv, x, width, qkv, n, self.qkv_width, width, threads)
+            self._attend(i, layer, q_view, b, rope, threads)
+            _project(layer.o, b.attn.data_ptr(), self.q_size, o, n, width, self.q_size, threads)
+            residual, last, turn = b.residuals[turn], residual, turn ^ 1
+            norm(last.data_ptr(), width, o, width, residual.data_ptr(), layer.norm2, x, n, width, layer.eps2, threads)
+            _project(layer.glu, x, width, act, n, inter, width, threads)
+            _project(layer.down, act, inter, down, n, width, inter, threads)
+        return b.down, residual
+
+    def _attend(self, i: int, layer: _Layer, q: torch.Tensor, b: _Buffers, rope: tuple[int, int],
+                threads: int) -> None:  # fmt: skip
+        """Layer ``i``'s q and k rotated in ``b.qkv``, its K and V written to the cache, its attention
+        into ``b.attn`` (the cascade's prefix part first, where the step has one)."""
+        _, rotary, write_kv = self.ops  # type: ignore[misc]
+        n, es, qkv = self.rows, b.qkv.element_size(), b.qkv.data_ptr()
+        rotary(qkv, self.qkv_width, n, self.heads + self.kv_heads, self.head_dim, *rope, threads)
+        row_bytes, s0, s1, _ = self.qkv_width * es, *self.cache_strides
+        write_kv(qkv + self.q_size * es, row_bytes, qkv + (self.q_size + self.kv_size) * es, row_bytes, layer.k,
+                 layer.v, s0 * es, s1 * es, self.slots.data_ptr(), n, self.block_size, self.kv_size * es)  # fmt: skip
+        init: tuple = (None, 0, None, None, None)
+        if (cascade := self.plan.cascade) is not None:
+            shared = prefix_part(q, *self.kv_cache[:, i].unbind(1), cascade, self.scale, 1.0, 1.0, i)
+            init = cpu_decode.prefix_args(shared, self.dtype, (n, self.kv_heads, self.group, self.head_dim))
+        if self.decode(qkv, self.qkv_width, layer.k, layer.v, *self.cache_strides, *self.reads, *init,  # type: ignore[misc]
+                       b.attn.data_ptr(), b.lse.data_ptr(), threads):  # fmt: skip
+            raise ValueError("the decode kernel refused the step")  # not reached: build() checked what it refuses
+
+
+def _project(entry: Entry, x: int, x_stride: int, out: int, rows: int, out_features: int, in_features: int,
+             threads: int) -> None:  # fmt: skip
+    fn, packed, bias = entry
+    if fn(x, x_stride, packed, bias, out, rows, out_features, in_features, threads):
+        raise ValueError("a projection kernel refused the step")  # not reached: build() checked the shapes
+
+
+def build(model: nn.Module, kv_cache: torch.Tensor, meta: AttentionMetadata, h: torch.Tensor,
+          cos: torch.Tensor, sin: torch.Tensor) -> DecodeReplay | None:  # fmt: skip
+    """The step of ``model`` (a ``LlamaModel``: ``layers``) over ``h [rows, hidden]`` as a
+    :class:`DecodeReplay`, or None where it does not qualify (the module docstring)."""
+    plan = meta.torch_plan
+    if labels.active() or not isinstance(plan, TorchAttentionPlan) or not plan.fused or h.dim() != 2:
+        return None
+    rows, dtype = h.shape[0], h.dtype
+    groups = plan.decode_groups
+    if (len(groups) != 1 or not groups[0].all_rows or groups[0].spans is None or groups[0].starts is None
+            or plan.prefills or not rows or rows != plan.starts[-1] or plan.sliding_window is not None):  # fmt: skip
+        return None
+    cascade = plan.cascade
+    if cascade is not None and (cascade.rows.numel() != rows or not cascade.gathered):
+        return None
+    layers = model.layers
+    if not len(layers) or not _cache_fits(kv_cache, dtype, len(layers)) or not _tables_fit(h, cos, sin, meta):
+        return None
+    attn = layers[0].self_attn
+    if not cpu_decode.supports(dtype, dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim):
+        return None
+    if kv_cache.shape[4:] != (attn.num_kv_heads, attn.head_dim) or cpu_ops.entries(dtype) is None:
+        return None
+    es, stride, base = kv_cache.element_size(), kv_cache.stride(), kv_cache.data_ptr()
+    entries = []
+    for i, layer in enumerate(layers):
+        k = base + i * stride[1] * es
+        entry = _layer(layer, rows, k, k + stride[2] * es, dtype)
+        if entry is None or layer.self_attn.head_dim != attn.head_dim:
+            return None
+        entries.append(entry)
+    return DecodeReplay(entries, kv_cache, meta, plan, attn, rows, h.shape[1], layers[0].mlp.inter)
+
+
+def _cache_fits(kv_cache: torch.Tensor, dtype: torch.dtype, layers: int) -> bool:
+    """A float CPU KV tensor ``[blocks, layers, 2, block_size, Hkv, D]`` of ``dtype``, each token's
+    heads adjacent (what the KV write and the decode kernel read)."""
+    return (kv_cache.dim() == 6 and kv_cache.dtype == dtype and kv_cache.device.type == "cpu"
+            and kv_cache.shape[1] == layers and kv_cache.shape[2] == 2
+            and kv_cache.stride(5) == 1 and kv_cache.stride(4) == kv_cache.shape[5])  # fmt: skip
+
+
+def _tables_fit(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """``h`` contiguous on the CPU, the rotary tables contiguous of its dtype, an int64 contiguous slot
+    per row."""
+    rows = h.shape[0]
+    slots = meta.slot_mapping
+    return (h.device.type == "cpu" and h.is_contiguous() and not h.requires_grad
+            and all(t.dtype == h.dtype and t.is_contiguous() and t.shape[0] == rows for t in (cos, sin))
+            and slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (rows,))  # fmt: skip

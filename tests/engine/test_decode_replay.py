@@ -1,0 +1,119 @@
+"""The decode stack replayed as the C kernels' calls (``engine/model/decode_replay.py``) gives the
+module path's results bit for bit, runs where a step qualifies and only there."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.kernels import cpu_amx_prefix, cpu_decode, cpu_ops, labels
+from pdserve.engine.kernels.cascade import MIN_SEQS
+from pdserve.engine.model import decode_replay
+from pdserve.engine.model.gemm_paths import RowPaths
+from pdserve.engine.model.tiny import make_tiny_model
+
+BS = 16
+pytestmark = pytest.mark.skipif(cpu_decode.entry(torch.float32) is None or cpu_ops.entries(torch.float32) is None,
+                                reason="the CPU kernels are not built here")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama with 32-dim heads (what the AMX prefix kernel takes) and 3 layers."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("wide"), seed=5, hidden_size=128, num_layers=3,
+                               num_heads=4, num_kv_heads=2, intermediate_size=256))  # fmt: skip
+
+
+@pytest.fixture
+def replays(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """A list that gets the row count of each step the replay runs."""
+    seen: list[int] = []
+    run = decode_replay.DecodeReplay.run
+
+    def counted(self: decode_replay.DecodeReplay, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(self.rows)
+        return run(self, *args)
+
+    monkeypatch.setattr(decode_replay.DecodeReplay, "run", counted)
+    yield seen
+
+
+def _prompts(shared: int, count: int, seed: int = 3) -> tuple[list[int], list[list[int]]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(256) for _ in range(shared)]
+    return prefix, [prefix + [rng.randrange(256) for _ in range(3 + i)] for i in range(count)]
+
+
+def _generate(model: str, dtype: str, replay: bool, prefix: list[int], prompts: list[list[int]],
+              **kwargs: object) -> list[tuple[list[int], list]]:  # fmt: skip
+    """Every prompt's greedy tokens and top-5 log-probs, the prefix cached first, the replay on or off."""
+    llm = LLM(model, dtype=dtype, num_blocks=256, block_size=BS, **kwargs)  # type: ignore[arg-type]
+    llm.engine.runner.model.replay_decode = replay
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=5)
+    llm.generate([prefix + [1]], SamplingParams(max_tokens=2, ignore_eos=True))
+    return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("count", [3, MIN_SEQS])  # no cascade; a cascade over the cached prefix
+def test_the_replay_equals_the_module_path_bit_for_bit(tiny_model: str, replays: list[int], dtype: str,
+                                                       count: int) -> None:  # fmt: skip
+    prefix, prompts = _prompts(160, count)
+    on = _generate(tiny_model, dtype, True, prefix, prompts)
+    assert len(replays) >= 7  # the decode steps (and the prompts' tails, row by row, where they join the cascade)
+    assert max(replays) >= count
+    replays.clear()
+    off = _generate(tiny_model, dtype, False, prefix, prompts)
+    assert replays == []
+    assert on == off
+
+
+@pytest.mark.skipif(not cpu_amx_prefix.available(torch.bfloat16, 32), reason="no AMX here")
+def test_the_replay_reads_the_prefix_through_the_amx_tiles(wide_model: str, replays: list[int]) -> None:
+    prefix, prompts = _prompts(160, MIN_SEQS, seed=4)
+    on = _generate(wide_model, "bfloat16", True, prefix, prompts)
+    assert len(replays) >= 7
+    assert on == _generate(wide_model, "bfloat16", False, prefix, prompts)
+
+
+def test_the_replay_equals_transformers(tiny_model: str, replays: list[int]) -> None:
+    """float32 greedy decoding through the replay stays exact."""
+    from tests.engine.test_engine import hf_greedy
+    from tests.support.models import load_hf_reference
+
+    prefix, prompts = _prompts(40, 4, seed=7)
+    llm = LLM(tiny_model, num_blocks=64, block_size=BS)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert len(replays) >= 9
+    hf = load_hf_reference(tiny_model)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, 10)
+
+
+def test_a_profiling_run_takes_the_module_path(tiny_model: str, replays: list[int]) -> None:
+    """Inside ``labels.labelled`` the kernels' calls carry their names, which the replay's do not."""
+    llm = LLM(tiny_model, num_blocks=64, block_size=BS)
+    with labels.labelled():
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert replays == []
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert replays
+
+
+def test_a_row_count_sent_to_torch_s_product_takes_the_module_path(tiny_model: str, replays: list[int]) -> None:
+    """A projection whose ``gemm_paths`` choice sends one row to torch: one-sequence steps are not
+    replayed, and their tokens are those of an engine with no replay."""
+    llm = LLM(tiny_model, num_blocks=64, block_size=BS)
+    proj = llm.engine.runner.model.model.layers[1].self_attn.o_proj
+    if proj.kernel_for(1) is None:
+        pytest.skip("o_proj takes no C kernel here")
+    proj.paths = RowPaths.every(True)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    assert replays == []
+    llm.engine.runner.model.replay_decode = False
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids == out
+
