@@ -93,27 +93,37 @@ class PrefixTiles:
 
     def _run(self, q: torch.Tensor | None, layer: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's one call: pack ``layer`` unless it is packed, then attend ``q`` (checked; None: pack only)."""
-        if not 0 <= layer < self.layers:
-            raise ValueError(f"AMX prefix: layer {layer} of a cache of {self.layers}")
-        lib = _get()
-        assert lib is not None  # tiles() made this
         batch, num_heads, d = q.shape if q is not None else (0, self.heads, self.head_dim)
         group = num_heads // self.heads
         out = torch.empty(self.heads, group, batch, d, dtype=torch.float32)
         lse = torch.empty(self.heads, group, batch, dtype=torch.float32)
+        with labels.label(PROFILER_LABEL):
+            self.attend_into(None if q is None else q.data_ptr(), 0 if q is None else q.stride(0), batch, group, layer,
+                             scale, out, lse, torch.get_num_threads())  # fmt: skip
+        return out.permute(2, 0, 1, 3), lse.permute(2, 0, 1)
+
+    def attend_into(self, q: int | None, q_stride: int, batch: int, group: int, layer: int, scale: float,
+                    out: torch.Tensor, lse: torch.Tensor, threads: int) -> None:  # fmt: skip
+        """:meth:`attention`'s kernel call with its inputs unchecked (for callers that checked them once
+        for many calls: ``engine/model/decode_replay.py``): ``batch`` query rows at address ``q`` (None:
+        pack only), ``q_stride`` elements apart, each ``Hkv x group`` heads of ``head_dim`` bfloat16
+        values; results into float32 contiguous ``out [Hkv, group, batch, head_dim]`` and ``lse [Hkv,
+        group, batch]``. Packs ``layer`` first unless it is packed. Raises ValueError for a layer out of
+        range, MemoryError where the kernel found no row buffer."""
+        if not 0 <= layer < self.layers:
+            raise ValueError(f"AMX prefix: layer {layer} of a cache of {self.layers}")
+        lib = _get()
+        assert lib is not None  # tiles() made this
         s = self._view.stride()
         cache = None if layer == self.packed_layer else self._view.data_ptr() + layer * s[1] * self._view.element_size()
-        with labels.label(PROFILER_LABEL):
-            failed = lib.pdserve_amx_prefix_attention(
-                cache, s[0], s[2], s[3], s[4], self._blocks.data_ptr(), self.block_size,
-                None if q is None else q.data_ptr(), 0 if q is None else q.stride(0), self.kp.data_ptr(),
-                self.vp.data_ptr(), out.data_ptr(), lse.data_ptr(), batch, self.heads, group, self.keys,
-                self.keys_pad, d, scale, torch.get_num_threads(),
-            )  # fmt: skip
+        failed = lib.pdserve_amx_prefix_attention(
+            cache, s[0], s[2], s[3], s[4], self._blocks.data_ptr(), self.block_size, q, q_stride, self.kp.data_ptr(),
+            self.vp.data_ptr(), out.data_ptr(), lse.data_ptr(), batch, self.heads, group, self.keys, self.keys_pad,
+            self.head_dim, scale, threads,
+        )  # fmt: skip
         self.packed_layer = None if failed else layer  # after a failure, the next call packs again
         if failed:
             raise MemoryError(f"AMX prefix attention: no row buffer for {self.keys_pad} keys")
-        return out.permute(2, 0, 1, 3), lse.permute(2, 0, 1)
 
 
 def tiles(kv_cache: torch.Tensor, heads: slice, block_index: torch.Tensor) -> PrefixTiles:

@@ -20,6 +20,7 @@ the module path.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -49,27 +50,53 @@ class _Layer:
     v: int
 
 
-def _layer(layer: nn.Module, rows: int, k: int, v: int, dtype: torch.dtype) -> _Layer | None:
-    """``layer``'s entries at ``rows`` rows, or None where a part of it takes another path."""
+@dataclass(frozen=True)
+class Parts:
+    """A decoder layer's modules and norm weights that the replay reads (:func:`parts_of`)."""
+
+    attn: nn.Module
+    mlp: nn.Module
+    qkv: nn.Module
+    o: nn.Module
+    down: nn.Module
+    norm1: nn.Module
+    norm2: nn.Module
+    norm1_weight: torch.Tensor
+    norm2_weight: torch.Tensor
+
+
+def parts_of(layers: Iterable[nn.Module]) -> list[Parts] | None:
+    """Every layer's :class:`Parts`, or None where a layer is not ``llama.DecoderLayer``'s kind (with its
+    ``Attention``, ``MLP`` and ``RMSNorm`` s, on one device, no sliding window): what no step of this
+    model changes, taken once (the module tree is fixed after the model is built)."""
     from pdserve.engine.model.llama import MLP, Attention, DecoderLayer, RMSNorm  # llama imports this module
 
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP:
+    parts = []
+    for layer in layers:
+        if type(layer) is not DecoderLayer:
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if type(attn) is not Attention or type(mlp) is not MLP or any(type(n) is not RMSNorm for n in norms):
+            return None
+        if attn.kv_slice is not None or attn.comm is not None or mlp.comm is not None or attn.sliding_window:
+            return None
+        parts.append(Parts(attn, mlp, attn.qkv_proj, attn.o_proj, mlp.down_proj, *norms, norms[0].weight,
+                           norms[1].weight))  # fmt: skip
+    return parts or None
+
+
+def _layer(parts: Parts, rows: int, k: int, v: int, dtype: torch.dtype) -> _Layer | None:
+    """A layer's entries at ``rows`` rows, or None where a part of it takes another path this step."""
+    attn, w1, w2 = parts.attn, parts.norm1_weight, parts.norm2_weight
+    if attn.k_scale != 1.0 or attn.v_scale != 1.0 or w1.dtype != dtype or w2.dtype != dtype:
         return None
-    if attn.kv_slice is not None or attn.comm is not None or mlp.comm is not None:
-        return None
-    if attn.k_scale != 1.0 or attn.v_scale != 1.0 or attn.sliding_window is not None:
-        return None
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(type(n) is not RMSNorm or n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms):
-        return None
-    kernels = (attn.qkv_proj.kernel_for(rows), attn.o_proj.kernel_for(rows), mlp.fused_glu_for(rows),
-               mlp.down_proj.kernel_for(rows))  # fmt: skip
+    kernels = (parts.qkv.kernel_for(rows), parts.o.kernel_for(rows), parts.mlp.fused_glu_for(rows),
+               parts.down.kernel_for(rows))  # fmt: skip
     if not all(isinstance(w, KernelWeights) and w.dtype == dtype for w in kernels):
         return None
     qkv, o, glu, down = (w.entry() for w in kernels)  # type: ignore[union-attr]
-    return _Layer(norms[0].weight.data_ptr(), norms[0].eps, norms[1].weight.data_ptr(), norms[1].eps,
-                  qkv, o, glu, down, k, v)  # fmt: skip
+    return _Layer(w1.data_ptr(), parts.norm1.eps, w2.data_ptr(), parts.norm2.eps, qkv, o, glu, down, k, v)
 
 
 class _Buffers:
@@ -83,6 +110,19 @@ class _Buffers:
         self.attn = torch.empty(rows, heads, head_dim, dtype=dtype)
         self.lse = torch.empty(rows, heads, dtype=torch.float32)
         self.act = torch.empty(rows, inter, dtype=dtype)
+        # The AMX prefix kernel's results (out [Hkv, G, rows, D], lse [Hkv, G, rows]) where the step's
+        # cascade runs on it, and the decode kernel's arguments that read them (prefix_args).
+        self.shared: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.shared_init: tuple = (None, 0, None, None, None)
+
+    def share(self, kv_heads: int, group: int, head_dim: int, dtype: torch.dtype) -> None:
+        """Allocate :attr:`shared` and set :attr:`shared_init` to read it."""
+        rows = self.x.shape[0]
+        out = torch.empty(kv_heads, group, rows, head_dim, dtype=torch.float32)
+        lse = torch.empty(kv_heads, group, rows, dtype=torch.float32)
+        self.shared = (out, lse)
+        self.shared_init = cpu_decode.prefix_args((out.permute(2, 0, 1, 3), lse.permute(2, 0, 1)), dtype,
+                                                  (rows, kv_heads, group, head_dim))  # fmt: skip
 
 
 class DecodeReplay:
@@ -110,6 +150,11 @@ class DecodeReplay:
                       decode.spans.data_ptr(), rows, self.kv_heads, self.group, self.head_dim, self.block_size,
                       self.scale)  # fmt: skip
         self.cache_strides = (stride[0], stride[3], stride[4])
+        cascade = plan.cascade
+        tiles = None if cascade is None else cascade.tiles
+        # The cascade's prefix on AMX tiles where the step packed them for these heads (prefix_part's choice).
+        on_tiles = tiles is not None and self.dtype == torch.bfloat16 and tiles.heads == self.kv_heads
+        self.tiles = tiles if on_tiles else None
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stack over the embeddings ``h [rows, hidden]`` with the step's rotary tables
@@ -117,6 +162,8 @@ class DecodeReplay:
         last layer returns them (the final norm adds them)."""
         n, width, inter = self.rows, self.hidden, self.inter
         b = _Buffers(n, width, self.heads, self.head_dim, self.qkv_width, inter, self.dtype)
+        if self.tiles is not None:
+            b.share(self.kv_heads, self.group, self.head_dim, self.dtype)
         x, o, down, qkv, act = (t.data_ptr() for t in (b.x, b.o, b.down, b.qkv, b.act))
         norm = self.ops.norm  # type: ignore[union-attr]
         threads = torch.get_num_threads()
@@ -150,8 +197,10 @@ class DecodeReplay:
         row_bytes, s0, s1, _ = self.qkv_width * es, *self.cache_strides
         write_kv(qkv + self.q_size * es, row_bytes, qkv + (self.q_size + self.kv_size) * es, row_bytes, layer.k,
                  layer.v, s0 * es, s1 * es, self.slots.data_ptr(), n, self.block_size, self.kv_size * es)  # fmt: skip
-        init: tuple = (None, 0, None, None, None)
-        if (cascade := self.plan.cascade) is not None:
+        init = b.shared_init
+        if b.shared is not None and self.tiles is not None:  # the AMX tiles: into the step's buffers
+            self.tiles.attend_into(qkv, self.qkv_width, n, self.group, i, self.scale, *b.shared, threads)
+        elif (cascade := self.plan.cascade) is not None:
             shared = prefix_part(q, *self.kv_cache[:, i].unbind(1), cascade, self.scale, 1.0, 1.0, i)
             init = cpu_decode.prefix_args(shared, self.dtype, (n, self.kv_heads, self.group, self.head_dim))
         if self.decode(qkv, self.qkv_width, layer.k, layer.v, *self.cache_strides, *self.reads, *init,  # type: ignore[misc]
@@ -166,9 +215,9 @@ def _project(entry: Entry, x: int, x_stride: int, out: int, rows: int, out_featu
         raise ValueError("a projection kernel refused the step")  # not reached: build() checked the shapes
 
 
-def build(model: nn.Module, kv_cache: torch.Tensor, meta: AttentionMetadata, h: torch.Tensor,
+def build(parts: list[Parts], kv_cache: torch.Tensor, meta: AttentionMetadata, h: torch.Tensor,
           cos: torch.Tensor, sin: torch.Tensor) -> DecodeReplay | None:  # fmt: skip
-    """The step of ``model`` (a ``LlamaModel``: ``layers``) over ``h [rows, hidden]`` as a
+    """The step over ``h [rows, hidden]`` of the layers whose :func:`parts_of` is ``parts`` as a
     :class:`DecodeReplay`, or None where it does not qualify (the module docstring)."""
     plan = meta.torch_plan
     if labels.active() or not isinstance(plan, TorchAttentionPlan) or not plan.fused or h.dim() != 2:
@@ -181,23 +230,22 @@ def build(model: nn.Module, kv_cache: torch.Tensor, meta: AttentionMetadata, h: 
     cascade = plan.cascade
     if cascade is not None and (cascade.rows.numel() != rows or not cascade.gathered):
         return None
-    layers = model.layers
-    if not len(layers) or not _cache_fits(kv_cache, dtype, len(layers)) or not _tables_fit(h, cos, sin, meta):
+    if not _cache_fits(kv_cache, dtype, len(parts)) or not _tables_fit(h, cos, sin, meta):
         return None
-    attn = layers[0].self_attn
+    attn = parts[0].attn
     if not cpu_decode.supports(dtype, dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim):
         return None
     if kv_cache.shape[4:] != (attn.num_kv_heads, attn.head_dim) or cpu_ops.entries(dtype) is None:
         return None
     es, stride, base = kv_cache.element_size(), kv_cache.stride(), kv_cache.data_ptr()
     entries = []
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(parts):
         k = base + i * stride[1] * es
         entry = _layer(layer, rows, k, k + stride[2] * es, dtype)
-        if entry is None or layer.self_attn.head_dim != attn.head_dim:
+        if entry is None:
             return None
         entries.append(entry)
-    return DecodeReplay(entries, kv_cache, meta, plan, attn, rows, h.shape[1], layers[0].mlp.inter)
+    return DecodeReplay(entries, kv_cache, meta, plan, attn, rows, h.shape[1], parts[0].mlp.inter)
 
 
 def _cache_fits(kv_cache: torch.Tensor, dtype: torch.dtype, layers: int) -> bool:

@@ -296,6 +296,7 @@ class LlamaForCausalLM(nn.Module):
         # Steps that qualify run their stack as the C kernels' calls alone (decode_replay.py); False:
         # every step takes the modules (the replay's results are the same bits).
         self.replay_decode = True
+        self._replay_parts: list[decode_replay.Parts] | None = None  # its layers' parts (empty: none qualify)
         # The KV heads the layers' attention reads (a rank's slice, else all), for the step's one gather of
         # a cascade's prefix; None where the layers are not this file's Attention (MLA's read no cascade).
         attn = self.model.layers[0].self_attn if len(self.model.layers) else None
@@ -329,7 +330,12 @@ class LlamaForCausalLM(nn.Module):
             gather_shared_prefix(attn_meta.torch_plan, kv_cache, self._cascade_heads)
         h, residual = m.embed_tokens(input_ids), None
         cos, sin = m.rotary_emb.lookup(positions, h.dtype)  # shared by all layers
-        replay = decode_replay.build(m, kv_cache, attn_meta, h, cos, sin) if self.replay_decode else None
+        replay = None
+        if self.replay_decode:
+            if self._replay_parts is None:
+                self._replay_parts = decode_replay.parts_of(m.layers) or []
+            if self._replay_parts:
+                replay = decode_replay.build(self._replay_parts, kv_cache, attn_meta, h, cos, sin)
         if replay is not None:
             h, residual = replay.run(h, cos, sin)
         else:
