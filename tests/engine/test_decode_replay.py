@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.kernels import cpu_amx_prefix, cpu_decode, cpu_ops, labels
 from pdserve.engine.kernels.cascade import MIN_SEQS
-from pdserve.engine.model import decode_replay
+from pdserve.engine.model import ModelConfig, decode_replay
 from pdserve.engine.model.gemm_paths import RowPaths
 from pdserve.engine.model.tiny import make_tiny_model
 
@@ -117,3 +118,25 @@ def test_a_row_count_sent_to_torch_s_product_takes_the_module_path(tiny_model: s
     llm.engine.runner.model.replay_decode = False
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids == out
 
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", ["qwen2_bias", "mqa", "tied", "mistral_window"])
+def test_model_variants_replay_bit_for_bit_or_take_the_modules(variant: str, dtype: str, replays: list[int],
+                                                               tmp_path: Path) -> None:  # fmt: skip
+    """Projection biases (Qwen2), tied embeddings: replayed, the module path's bits. A sliding window
+    (Mistral), and heads the decode kernel does not take (this MQA model's 8 dims), are not replayed."""
+    from tests.support.models import make_hf_checkpoint
+
+    model = str(make_hf_checkpoint(tmp_path, variant, seed=3))
+    config = ModelConfig.from_path(model)
+    in_place = cpu_decode.supports(torch.float32, torch.float32, config.num_attention_heads,
+                                   config.num_key_value_heads, config.head_dim)  # fmt: skip
+    prefix, prompts = _prompts(40, 3, seed=11)
+    on = _generate(model, dtype, True, prefix, prompts)
+    if variant == "mistral_window" or not in_place:
+        assert replays == []
+    else:
+        assert len(replays) >= 7
+    assert in_place or variant == "mqa"
+    assert on == _generate(model, dtype, False, prefix, prompts)
