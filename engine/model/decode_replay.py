@@ -100,7 +100,7 @@ def _layer(parts: Parts, rows: int, k: int, v: int, dtype: torch.dtype) -> _Laye
 
 
 class _Buffers:
-    """A step's outputs of each part of a layer, allocated once for every layer, and their addresses."""
+    """A step's outputs of each part of a layer, allocated once a step and written again by every layer."""
 
     def __init__(self, rows: int, hidden: int, heads: int, head_dim: int, qkv_width: int, inter: int,
                  dtype: torch.dtype) -> None:  # fmt: skip
