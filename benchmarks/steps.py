@@ -42,7 +42,6 @@ from typing import Any
 from pdserve.benchmarks.common import emit
 from pdserve.benchmarks.peers import workload
 from pdserve.engine.kernels import cpu_amx, cpu_amx_prefix, cpu_decode, cpu_gemm, labels
-from pdserve.engine.model import decode_replay
 from pdserve.engine.sampling_params import SamplingParams
 
 PARTS = ("schedule", "prepare", "forward", "logits", "sample")
@@ -110,17 +109,9 @@ def replay_steps(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict
     and through the modules, the two alternating step by step over the same sequences (each pair of
     steps at nearly the same context lengths), and how many of the replay's steps qualified."""
     model = engine.runner.model
-    ran: list[bool] = []
-    build = decode_replay.build
-
-    def counted(*args: Any) -> Any:
-        replay = build(*args)
-        ran.append(replay is not None)
-        return replay
-
     prefill_all(engine, prompts, max_tokens)
     steps: dict[bool, list[float]] = {True: [], False: []}
-    decode_replay.build = counted
+    replayed = 0
     try:
         while engine.has_unfinished():
             on = len(steps[True]) <= len(steps[False])
@@ -128,10 +119,11 @@ def replay_steps(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict
             t0 = time.perf_counter()
             engine.step()
             steps[on].append(time.perf_counter() - t0)
+            replayed += on and model.last_step_replayed
     finally:
-        decode_replay.build, model.replay_decode = build, True
+        model.replay_decode = True
     return {"replay_ms": statistics.median(steps[True]) * 1e3, "modules_ms": statistics.median(steps[False]) * 1e3,
-            "steps_each": min(len(v) for v in steps.values()), "replayed": sum(ran) / max(len(ran), 1)}
+            "steps_each": min(len(v) for v in steps.values()), "replayed": replayed / max(len(steps[True]), 1)}
 
 
 JOIN_GAP = 4  # decode-only steps before each joining prompt

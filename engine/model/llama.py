@@ -297,6 +297,7 @@ class LlamaForCausalLM(nn.Module):
         # every step takes the modules (the replay's results are the same bits).
         self.replay_decode = True
         self._replay_parts: list[decode_replay.Parts] | None = None  # its layers' parts (empty: none qualify)
+        self.last_step_replayed = False  # whether the last forward ran as the replay (benchmarks read it)
         # The KV heads the layers' attention reads (a rank's slice, else all), for the step's one gather of
         # a cascade's prefix; None where the layers are not this file's Attention (MLA's read no cascade).
         attn = self.model.layers[0].self_attn if len(self.model.layers) else None
@@ -336,6 +337,7 @@ class LlamaForCausalLM(nn.Module):
                 self._replay_parts = decode_replay.parts_of(m.layers) or []
             if self._replay_parts:
                 replay = decode_replay.build(self._replay_parts, kv_cache, attn_meta, h, cos, sin)
+        self.last_step_replayed = replay is not None
         if replay is not None:
             h, residual = replay.run(h, cos, sin)
         else:
