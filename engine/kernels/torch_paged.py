@@ -105,6 +105,14 @@ class TorchAttentionPlan:
     cascade: CascadePrefix | None = None  # the decodes' shared prefix, read once (engine/kernels/cascade.py)
     fused: bool = False  # decode groups run in engine/kernels/cpu_decode.py
 
+    def one_group(self, rows: int) -> DecodeGroup | None:
+        """The decode group when it is the step's only one and holds every one of its ``rows`` query
+        rows in order (the hot path: no prefills, no row selection), else None."""
+        groups = self.decode_groups
+        if len(groups) == 1 and groups[0].all_rows and rows == self.starts[-1]:
+            return groups[0]
+        return None
+
 
 def _length_buckets(seqs: list[int], lens: list[int], min_fill: float = 0.75) -> list[list[int]]:
     """Split decode sequences into groups, longest first, padded to the group's longest.
@@ -423,9 +431,8 @@ def paged_attention_torch(
     groups = plan.decode_groups
     shared = (None if plan.cascade is None
               else prefix_part(q, k_cache, v_cache, plan.cascade, scale, k_scale, v_scale, layer))  # fmt: skip
-    if len(groups) == 1 and groups[0].all_rows and q.shape[0] == plan.starts[-1]:
-        # Hot path: one decode group covering every row.
-        return _decode_group(q, k_cache, v_cache, groups[0], scale, k_scale, v_scale, shared)
+    if (group := plan.one_group(q.shape[0])) is not None:  # hot path
+        return _decode_group(q, k_cache, v_cache, group, scale, k_scale, v_scale, shared)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     for group in groups:
         part = shared

@@ -141,8 +141,8 @@ class DecodeReplay:
         self.ops = cpu_ops.entries(self.dtype)
         self.decode = cpu_decode.entry(self.dtype)
         self.slots = meta.slot_mapping
-        decode = plan.decode_groups[0]
-        assert decode.starts is not None and decode.spans is not None  # build() checked
+        decode = plan.one_group(rows)
+        assert decode is not None and decode.starts is not None and decode.spans is not None  # build() checked
         # The decode kernel's step-wide arguments: every row's blocks, read positions, the cache's strides.
         stride = kv_cache.stride()
         self.block_size = kv_cache.shape[3]
@@ -223,9 +223,8 @@ def build(parts: list[Parts], kv_cache: torch.Tensor, meta: AttentionMetadata, h
     if labels.active() or not isinstance(plan, TorchAttentionPlan) or not plan.fused or h.dim() != 2:
         return None
     rows, dtype = h.shape[0], h.dtype
-    groups = plan.decode_groups
-    if (len(groups) != 1 or not groups[0].all_rows or groups[0].spans is None or groups[0].starts is None
-            or plan.prefills or not rows or rows != plan.starts[-1] or plan.sliding_window is not None):  # fmt: skip
+    group = plan.one_group(rows)
+    if not rows or group is None or group.spans is None or group.starts is None or plan.sliding_window is not None:
         return None
     cascade = plan.cascade
     if cascade is not None and (cascade.rows.numel() != rows or not cascade.gathered):

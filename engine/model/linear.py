@@ -125,6 +125,11 @@ def packed_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight
     return OneDNNWeights(weight, bias)
 
 
+def takes_copy(packed: PackedWeights | None, paths: RowPaths | None, rows: int) -> bool:
+    """Whether a 2-D input of ``rows`` rows runs through ``packed`` (:func:`project`'s choice)."""
+    return packed is not None and rows >= packed.min_rows and (paths is None or not paths.use_torch(rows))
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             packed: PackedWeights | None, paths: RowPaths | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``: through the packed copy for 2-D inputs of at least its ``min_rows``
@@ -133,8 +138,8 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     result is contiguous."""
     if x.dim() == 2:
         rows = x.shape[0]
-        if packed is not None and rows >= packed.min_rows and (paths is None or not paths.use_torch(rows)):
-            return packed(x)
+        if takes_copy(packed, paths, rows):
+            return packed(x)  # type: ignore[misc]
         if rows in SKINNY_ROWS and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
             out = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x.t())
             return out.t().contiguous()
@@ -184,10 +189,7 @@ class Linear(nn.Linear):
         """The C kernel's copy that a 2-D input of ``rows`` rows runs through (:func:`project`), or None
         where it takes another path (no copy, oneDNN's, or ``paths`` sends it to torch)."""
         packed = self._packed
-        if (isinstance(packed, KernelWeights) and rows >= packed.min_rows
-                and (self.paths is None or not self.paths.use_torch(rows))):  # fmt: skip
-            return packed
-        return None
+        return packed if isinstance(packed, KernelWeights) and takes_copy(packed, self.paths, rows) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(x, self.weight, self.bias, self._packed, self.paths)

@@ -173,9 +173,9 @@ class MLP(nn.Module):
         return None if paths is not None and paths.use_torch(rows) else self._glu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        paths = self._glu_paths
-        if self._glu is not None and x.dim() == 2 and not (paths and paths.use_torch(x.shape[0])):
-            act = self._glu(x)
+        glu = self.fused_glu_for(x.shape[0]) if x.dim() == 2 else None
+        if glu is not None:
+            act = glu(x)
         else:
             gate_up = self.gate_up_proj(x)
             if cpu_ops.supports(gate_up):

@@ -49,11 +49,11 @@ def _prompts(shared: int, count: int, seed: int = 3) -> tuple[list[int], list[li
     return prefix, [prefix + [rng.randrange(256) for _ in range(3 + i)] for i in range(count)]
 
 
-def _generate(model: str, dtype: str, replay: bool, prefix: list[int], prompts: list[list[int]],
-              **kwargs: object) -> tuple[list[tuple[list[int], list]], bool]:  # fmt: skip
+def _generate(model: str, dtype: str, replay: bool, prefix: list[int],
+              prompts: list[list[int]]) -> tuple[list[tuple[list[int], list]], bool]:  # fmt: skip
     """Every prompt's greedy tokens and top-5 log-probs, the prefix cached first, the replay on or off;
     and whether the replay can run here (:func:`_replayable`)."""
-    llm = LLM(model, dtype=dtype, num_blocks=256, block_size=BS, **kwargs)  # type: ignore[arg-type]
+    llm = LLM(model, dtype=dtype, num_blocks=256, block_size=BS)
     llm.engine.runner.model.replay_decode = replay
     params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=5)
     llm.generate([prefix + [1]], SamplingParams(max_tokens=2, ignore_eos=True))
