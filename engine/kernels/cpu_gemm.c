@@ -18,12 +18,15 @@
  * from L2. From two rows on, a pass fetches the panel AHEAD inputs ahead into L2 itself: the hardware's
  * prefetchers alone kept too few reads in flight to reach the memory's speed once each input took a few
  * FMAs. More rows go through the panel in blocks of KBLOCK inputs: every group runs over a block (which
- * stays in L1) while the next block is fetched into L2, the fetches shared out among the groups, and the
- * partial sums wait in a small buffer between blocks; the last block fetches the start of the panel this
- * thread will likely take next. The panel is then read from memory once, beside the item's products (a
- * panel read whole by the first group, then again from L2 by the others, left the FMA units idle while
- * the first read). There x is broadcast by a load (`splat`), leaving the FMA ports to the FMAs; in a
- * one-group pass, bound by its reads, the add form measured faster.
+ * stays in L1) while the next block is fetched into L2, and the partial sums wait in a small buffer between
+ * blocks; the last block fetches the start of the panel this thread will likely take next. The panel is
+ * then read from memory once, beside the item's products (a panel read whole by the first group, then
+ * again from L2 by the others, left the FMA units idle while the first read). The next block's lines are
+ * fetched in address order, each group a contiguous share of them a line or two per input: fetched in
+ * the order the products read them (a line of every input's PANEL weights, then the next line of every
+ * input), the same lines came at about half the memory's speed, and the products of 32 rows took 1.3x as
+ * long. There x is broadcast by a load (`splat`), leaving the FMA ports to the FMAs; in a one-group pass,
+ * bound by its reads, the add form measured faster.
  *
  * Items are handed out dynamically, so a thread that loses its core to another process for a while does
  * not hold the others up beyond the item it is on. Every sum runs over c in order from zero, in float32,
@@ -107,19 +110,23 @@ typedef void (*group_fn)(const float *, int64_t, const float *, const float *, f
                          int64_t, int64_t);
 
 /* Input rows [0, R) of x over inputs [c0, c1) of one panel, their partial sums in sums ([R][PANEL],
- * read back unless c0 is 0). */
+ * read back unless c0 is 0). Beside them, the cache lines [0, lines) from `fetch` (NULL where lines is 0)
+ * are fetched into L2 in order, `rate` (1 or 2) per input. */
 #define DEFINE_BLOCK(R)                                                                                  \
 static void block_##R(const float *restrict x, int64_t xs, const float *restrict panel, float *restrict sums, \
-                      int64_t c0, int64_t c1, const float *next, int first_line, int line_step) {        \
+                      int64_t c0, int64_t c1, const float *fetch, int64_t lines, int64_t rate) {         \
     vf acc[R][NV];                                                                                       \
     for (int r = 0; r < R; r++)                                                                          \
         for (int v = 0; v < NV; v++) acc[r][v] = c0 ? ld(sums + r * PANEL + v * W) : (vf){0};            \
+    const float *f = fetch, *const fend = fetch + lines * LINE_FLOATS; /* the next line to fetch, the end */ \
     for (int64_t c = c0; c < c1; c++) {                                                                  \
         vf wv[NV];                                                                                       \
         for (int v = 0; v < NV; v++) wv[v] = ld(panel + c * PANEL + v * W);                              \
-        if (next)                                                                                        \
-            for (int l = first_line; l < LINES; l += line_step)                                          \
-                __builtin_prefetch(next + (c - c0) * PANEL + l * LINE_FLOATS, 0, 2);                    \
+        if (f < fend) {                                                                                  \
+            __builtin_prefetch(f, 0, 2);                                                                 \
+            if (rate > 1 && f + LINE_FLOATS < fend) __builtin_prefetch(f + LINE_FLOATS, 0, 2);           \
+            f += rate * LINE_FLOATS;                                                                     \
+        }                                                                                                \
         for (int r = 0; r < R; r++) {                                                                    \
             const vf xb = splat(x[r * xs + c]);                                                         \
             for (int v = 0; v < NV; v++) acc[r][v] += wv[v] * xb;                                        \
@@ -128,7 +135,8 @@ static void block_##R(const float *restrict x, int64_t xs, const float *restrict
     for (int r = 0; r < R; r++)                                                                          \
         for (int v = 0; v < NV; v++) st(sums + r * PANEL + v * W, acc[r][v]);                            \
 }
-typedef void (*block_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t, const float *, int, int);
+typedef void (*block_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t, const float *, int64_t,
+                         int64_t);
 
 /* Both forms for every group size 1..GROUP, indexed by the size. */
 #define DEFINE_ROWS(R) DEFINE_GROUP(R) DEFINE_BLOCK(R)
@@ -151,14 +159,19 @@ static const block_fn BLOCKS[GROUP + 1] = ROWS_TABLE(block);
 static void item_blocked(const float *x, int64_t xs, const float *panel, const float *bias, float *out, int64_t n,
                          int64_t k, int64_t r0, int64_t r1, int64_t col0, int64_t cols, const float *after) {
     float sums[CHUNK * PANEL] __attribute__((aligned(64)));
-    const int groups = (int)((r1 - r0 + GROUP - 1) / GROUP);
+    const int64_t groups = (r1 - r0 + GROUP - 1) / GROUP, first = KBLOCK < k ? KBLOCK : k;
     for (int64_t c0 = 0; c0 < k; c0 += KBLOCK) {
         const int64_t c1 = c0 + KBLOCK < k ? c0 + KBLOCK : k;
-        /* The next block's lines are fetched into L2 while this one computes, shared out among the groups. */
+        /* The next block's lines are fetched into L2 while this one computes: each group a contiguous share. */
         const float *next = c1 < k ? panel + c1 * PANEL : after;
-        for (int64_t g = r0; g < r1; g += GROUP) {
+        const int64_t lines = !next ? 0 : (c1 < k ? (k - c1 < KBLOCK ? k - c1 : KBLOCK) : first) * LINES;
+        const int64_t share = (lines + groups - 1) / groups, rate = (share + c1 - c0 - 1) / (c1 - c0);
+        for (int64_t g = r0, i = 0; g < r1; g += GROUP, i++) {
             const int64_t size = r1 - g < GROUP ? r1 - g : GROUP;
-            BLOCKS[size](x + g * xs, xs, panel, sums + (g - r0) * PANEL, c0, c1, next, (int)((g - r0) / GROUP), groups);
+            const int64_t from = i * share < lines ? i * share : lines;
+            const int64_t count = lines - from < share ? lines - from : share;
+            BLOCKS[size](x + g * xs, xs, panel, sums + (g - r0) * PANEL, c0, c1, count ? next + from * LINE_FLOATS : NULL,
+                         count, rate);
         }
     }
     for (int64_t r = r0; r < r1; r++) {
