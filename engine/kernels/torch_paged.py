@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import cpu_decode, cpu_ops
+from pdserve.engine.kernels import cpu_decode, cpu_ops, cpu_prefix
 from pdserve.engine.kernels.cascade import CascadePrefix, attention_lse, merge, plan_prefix
 from pdserve.engine.kernels.quant import dequantize, is_fp8, quantize
 
@@ -324,11 +324,18 @@ def prefix_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     """Every decode row's attention over the shared prefix, in one call: ``([B, Hkv, group, D],
     float32 log-sum-exp [B, Hkv, group])``, B in ``prefix.rows`` order. Where the step set the AMX
     kernel up (``prefix.tiles``, ``cascade.gather_layers``), that kernel runs it (``out`` then float32);
-    else ATen's flash operator over ``prefix.kv[layer]`` where the step gathered them, or over a gather
-    from the caches."""
+    a float32 prefix goes to ``cpu_prefix`` where it is built; else ATen's flash operator. Either reads
+    ``prefix.kv[layer]`` where the step gathered it, else a gather from the caches."""
     rows = q if prefix.rows.numel() == q.shape[0] else q[prefix.rows]
     if prefix.tiles is not None and layer is not None and q.dtype == torch.bfloat16 and k_scale == v_scale == 1.0:
         return prefix.tiles.attention(rows, layer, scale)
+    if (q.dtype == k_cache.dtype == torch.float32 and k_scale == v_scale == 1.0
+            and cpu_prefix.available(q.dtype, q.shape[-1])):  # fmt: skip
+        if prefix.kv is not None and layer is not None:
+            k, v = prefix.kv[layer].unbind(0)
+        else:
+            k, v = (c.index_select(0, prefix.block_index).flatten(0, 1) for c in (k_cache, v_cache))
+        return cpu_prefix.attention(rows, k, v, scale)
     batch, num_heads, head_dim = rows.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads

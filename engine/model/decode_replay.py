@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pdserve.engine.kernels import cpu_decode, cpu_ops, labels
+from pdserve.engine.kernels import cpu_decode, cpu_ops, cpu_prefix, labels
 from pdserve.engine.kernels.kernel_weights import KernelWeights
 from pdserve.engine.kernels.metadata import AttentionMetadata
 from pdserve.engine.kernels.torch_paged import TorchAttentionPlan, prefix_part
@@ -152,9 +152,15 @@ class DecodeReplay:
         self.cache_strides = (stride[0], stride[3], stride[4])
         cascade = plan.cascade
         tiles = None if cascade is None else cascade.tiles
-        # The cascade's prefix on AMX tiles where the step packed them for these heads (prefix_part's choice).
+        # The cascade's prefix on AMX tiles where the step packed them for these heads, in float32 on
+        # cpu_prefix where the step gathered it (prefix_part's choices): into the step's buffers.
         on_tiles = tiles is not None and self.dtype == torch.bfloat16 and tiles.heads == self.kv_heads
         self.tiles = tiles if on_tiles else None
+        self.prefix32: tuple[ctypes._CFuncPtr, torch.Tensor] | None = None
+        fn, kv = cpu_prefix.entry(), None if cascade is None else cascade.kv
+        if (kv is not None and self.dtype == kv.dtype == torch.float32 and fn is not None
+                and kv.shape[3] == self.kv_heads and cpu_prefix.available(self.dtype, self.head_dim)):  # fmt: skip
+            self.prefix32 = (fn, cpu_prefix.workspace(kv.shape[2], self.kv_heads, self.head_dim))
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stack over the embeddings ``h [rows, hidden]`` with the step's rotary tables
@@ -162,7 +168,7 @@ class DecodeReplay:
         last layer returns them (the final norm adds them)."""
         n, width, inter = self.rows, self.hidden, self.inter
         b = _Buffers(n, width, self.heads, self.head_dim, self.qkv_width, inter, self.dtype)
-        if self.tiles is not None:
+        if self.tiles is not None or self.prefix32 is not None:
             b.share(self.kv_heads, self.group, self.head_dim, self.dtype)
         x, o, down, qkv, act = (t.data_ptr() for t in (b.x, b.o, b.down, b.qkv, b.act))
         norm = self.ops.norm  # type: ignore[union-attr]
@@ -200,12 +206,24 @@ class DecodeReplay:
         init = b.shared_init
         if b.shared is not None and self.tiles is not None:  # the AMX tiles: into the step's buffers
             self.tiles.attend_into(qkv, self.qkv_width, n, self.group, i, self.scale, *b.shared, threads)
+        elif b.shared is not None and self.prefix32 is not None:  # float32: into the step's buffers too
+            self._prefix32(i, qkv, b.shared, threads)
         elif (cascade := self.plan.cascade) is not None:
             shared = prefix_part(q, *self.kv_cache[:, i].unbind(1), cascade, self.scale, 1.0, 1.0, i)
             init = cpu_decode.prefix_args(shared, self.dtype, (n, self.kv_heads, self.group, self.head_dim))
         if self.decode(qkv, self.qkv_width, layer.k, layer.v, *self.cache_strides, *self.reads, *init,  # type: ignore[misc]
                        b.attn.data_ptr(), b.lse.data_ptr(), threads):  # fmt: skip
             raise ValueError("the decode kernel refused the step")  # not reached: build() checked what it refuses
+
+
+    def _prefix32(self, i: int, qkv: int, shared: tuple[torch.Tensor, torch.Tensor], threads: int) -> None:
+        """Layer ``i``'s attention over the gathered float32 prefix (``cpu_prefix``) into ``shared``."""
+        fn, kt = self.prefix32  # type: ignore[misc]
+        k, v = self.plan.cascade.kv[i]  # type: ignore[union-attr]  # each [keys, Hkv, D], contiguous
+        out, lse = (t.data_ptr() for t in shared)
+        if fn(qkv, self.qkv_width, k.data_ptr(), v.data_ptr(), kt.data_ptr(), self.rows, self.kv_heads, self.group,
+              k.shape[0], self.head_dim, self.scale, out, lse, threads):  # fmt: skip
+            raise ValueError("the prefix kernel refused the step")  # not reached: __init__ checked the head size
 
 
 def _project(entry: Entry, x: int, x_stride: int, out: int, rows: int, out_features: int, in_features: int,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.kernels import cpu_amx_prefix, cpu_decode, cpu_ops, labels
+from pdserve.engine.kernels import cpu_amx_prefix, cpu_decode, cpu_ops, cpu_prefix, labels
 from pdserve.engine.kernels.cascade import MIN_SEQS
 from pdserve.engine.model import ModelConfig, decode_replay
 from pdserve.engine.model.gemm_paths import RowPaths
@@ -97,6 +97,29 @@ def test_the_replay_reads_the_prefix_through_the_amx_tiles(wide_model: str, repl
         pytest.skip("no C kernel for every bfloat16 projection here")
     assert len(replays) >= 7
     assert on == _generate(wide_model, "bfloat16", False, prefix, prompts)[0]
+
+
+@pytest.mark.skipif(not cpu_prefix.available(torch.float32, 16), reason="the float32 prefix kernel is not built here")
+def test_the_replay_reads_a_float32_prefix_through_its_kernel(tiny_model: str, replays: list[int],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A float32 cascade's prefix part goes from the replay to ``cpu_prefix`` straight into the step's
+    buffers, once a layer, with the module path's results (which reach the same kernel through
+    ``prefix_part``)."""
+    calls: list[int] = []
+    attend = decode_replay.DecodeReplay._prefix32
+
+    def counted(self: decode_replay.DecodeReplay, i: int, *args: object) -> None:
+        calls.append(i)
+        attend(self, i, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(decode_replay.DecodeReplay, "_prefix32", counted)
+    prefix, prompts = _prompts(160, MIN_SEQS, seed=8)
+    on, replayable = _generate(tiny_model, "float32", True, prefix, prompts)
+    if not replayable:
+        pytest.skip("no C kernel for every float32 projection here")
+    layers = ModelConfig.from_path(tiny_model).num_hidden_layers
+    assert calls and len(calls) % layers == 0 and calls[:layers] == list(range(layers))
+    assert on == _generate(tiny_model, "float32", False, prefix, prompts)[0]
 
 
 def test_the_replay_equals_transformers(tiny_model: str, replays: list[int]) -> None:
