@@ -77,16 +77,7 @@ static inline float hmax(vf v) {
 }
 /* The lane sums of W vectors at once, by a tree of pairwise half-swaps: 2 shuffles and an add per
  * pair per level, against a whole halving per vector. */
-/* LOn / HIn: of two vectors x, y, the lanes that each level of the tree pairs up (n partial sums per
- * input at that level); their sum halves the partial sums per input. */
-#define LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
-#define HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
-#define LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
-#define HI4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
-#define LO2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
-#define HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
-#define LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
-#define HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#include "cpu_lanes.h" /* LOn / HIn: the lanes each level of the tree pairs up */
 #define PAIR_SUM(x, y, LO, HI) (__builtin_shufflevector(x, y, LO) + __builtin_shufflevector(x, y, HI))
 static inline vf reduce(const vf *p) {
     vf a[8], b[4], c[2];

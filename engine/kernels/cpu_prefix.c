@@ -11,7 +11,8 @@
  * Contract (checked by engine/kernels/cpu_prefix.py): query head g of KV head h of sequence b at
  * q + b * q_stride + (h * group + g) * d (d contiguous floats); k, v [keys][heads][d] float32, contiguous
  * (one layer of the cascade's gathered prefix); kt a buffer of heads * ceil(keys / 16) * d * 16 floats;
- * d a multiple of 16 that HEAD_SIZES instantiates; keys, batch, group >= 1; scale > 0; out
+ * d a multiple of 16 that HEAD_SIZES instantiates (pdserve_prefix_supports_head_dim: none without AVX-512);
+ * keys, batch, group >= 1; scale > 0; out
  * [heads][group][batch][d] float32 and lse [heads][group][batch] float32 (natural log-sum-exp of the
  * scaled scores), contiguous. Returns 0; -1 without writing where d has no instantiation. */
 #include <immintrin.h>
@@ -51,14 +52,7 @@ static inline float hmax(vf v) { HALVES(vmax, v) return v[0]; }
 
 /* The 16 x 16 floats m[16] transposed in place: four levels of swapping off-diagonal blocks (8, 4, 2, 1
  * lanes), each two shuffles per pair of rows. */
-#define LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
-#define HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
-#define LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
-#define HI4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
-#define LO2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
-#define HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
-#define LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
-#define HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#include "cpu_lanes.h" /* LOn / HIn */
 #define SWAP(m, b, LO, HI)                                                                               \
     for (int r = 0; r < W; r++)                                                                          \
         if (!(r & b)) {                                                                                  \
@@ -181,13 +175,22 @@ static item_fn item_for(int64_t d) {
     }
 }
 
-int pdserve_prefix_supports_head_dim(int64_t d) { return item_for(d) != 0; }
+/* Whether this build runs head size d: an instantiation, and AVX-512, whose registers the 16-lane vectors fill
+ * (built for AVX2 they ran 30x slower than ATen's flash operator, which then runs instead). */
+int pdserve_prefix_supports_head_dim(int64_t d) {
+#ifdef __AVX512F__
+    return item_for(d) != 0;
+#else
+    (void)item_for;
+    return d < 0;
+#endif
+}
 
 int pdserve_prefix_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v, float *kt,
                                  int64_t batch, int64_t heads, int64_t group, int64_t keys, int64_t d, float scale,
                                  float *out, float *lse, int num_threads) {
     const item_fn item = item_for(d);
-    if (!item || batch < 1 || heads < 1 || group < 1 || keys < 1) return -1;
+    if (!pdserve_prefix_supports_head_dim(d) || batch < 1 || heads < 1 || group < 1 || keys < 1) return -1;
     const int64_t tiles = (keys + TILE - 1) / TILE, rows = group * batch, blocks = (rows + ROWS - 1) / ROWS;
     #pragma omp parallel num_threads(num_threads)
     {

@@ -43,7 +43,8 @@ def _get() -> ctypes.CDLL | None:
 
 def available(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether :func:`attention` runs here for a ``dtype`` prefix of ``head_dim``: float32, a head size
-    the kernel is instantiated for (16, 32, 64, 80, 96, 128 or 256), and the library built."""
+    the kernel is instantiated for (16, 32, 64, 80, 96, 128 or 256), and the library built for AVX-512
+    (elsewhere ATen's flash operator stays faster)."""
     lib = _get() if dtype == torch.float32 else None
     return lib is not None and bool(lib.pdserve_prefix_supports_head_dim(head_dim))
 

@@ -215,7 +215,6 @@ class DecodeReplay:
                        b.attn.data_ptr(), b.lse.data_ptr(), threads):  # fmt: skip
             raise ValueError("the decode kernel refused the step")  # not reached: build() checked what it refuses
 
-
     def _prefix32(self, i: int, qkv: int, shared: tuple[torch.Tensor, torch.Tensor], threads: int) -> None:
         """Layer ``i``'s attention over the gathered float32 prefix (``cpu_prefix``) into ``shared``."""
         fn, kt = self.prefix32  # type: ignore[misc]
