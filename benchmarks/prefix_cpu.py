@@ -9,7 +9,7 @@ layer's prefix once, then runs each layer; the tiles pack each layer's prefix ri
 the float32 kernel reads the gathered prefix as the flash path does. Both are checked against a float64
 softmax first (exit 1 past the tolerance), then timed in alternation, ``--repeats`` rounds: per step,
 and one layer's call alone (``--calls`` calls a round, the prefix already taken); medians and the
-ratios. Without the kernel for the dtype (AMX, a C compiler) the run says so and exits 0.
+ratios. Without the kernel for the dtype (AMX, AVX-512, a C compiler) the run says so and exits 0.
 
 Run: ``pdserve bench prefix-cpu [--dtype bfloat16|float32] [--batch 32] [--prefix 208] [--heads 9,3,64]
 [--layers 30] [--json]``.
@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     if not (cpu_amx_prefix if dtype == torch.bfloat16 else cpu_prefix).available(dtype, d):
         print(f"prefix-cpu: no {args.dtype} prefix kernel runs here for head size {d} (bfloat16: no AMX-BF16 or a head "
-              "size that is not a multiple of 32; no C compiler; PDSERVE_CPU_KERNELS=0)", file=sys.stderr)  # fmt: skip
+              "size that is not a multiple of 32; float32: no AVX-512; no C compiler; PDSERVE_CPU_KERNELS=0)",
+              file=sys.stderr)  # fmt: skip
         return 0
     prefix = -(-args.prefix // BLOCK_SIZE) * BLOCK_SIZE
     with torch.inference_mode():
