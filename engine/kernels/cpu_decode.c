@@ -58,26 +58,11 @@ static inline void st_bf16(uint16_t *p, vf v) { const vh h = vbf16(v); memcpy(p,
 static inline vf vmax(vf a, vf b) { vi m = a > b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 
 #if W == 16
-static const vi LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#include "cpu_lanes.h" /* LANES, hsum, hmax; LOn / HIn: the lanes each level of reduce()'s tree pairs up */
 /* reduce() leaves in lane i the sum of p[BITREV[i]]: a key's partial sums go in at its bit-reversed slot. */
 static const int BITREV[W] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-static inline float hsum(vf v) {
-    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return v[0];
-}
-static inline float hmax(vf v) {
-    v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-    return v[0];
-}
 /* The lane sums of W vectors at once, by a tree of pairwise half-swaps: 2 shuffles and an add per
  * pair per level, against a whole halving per vector. */
-#include "cpu_lanes.h" /* LOn / HIn: the lanes each level of the tree pairs up */
 #define PAIR_SUM(x, y, LO, HI) (__builtin_shufflevector(x, y, LO) + __builtin_shufflevector(x, y, HI))
 static inline vf reduce(const vf *p) {
     vf a[8], b[4], c[2];

@@ -38,21 +38,11 @@ static inline vf splat(float x) {
 static inline vf ld(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline vf vmax(vf a, vf b) { vi m = a > b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }
-static const vi LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-/* Lane sums and maxima by halving (four shuffles), not a chain of sixteen. */
-#define HALVES(OP, v)                                                                                    \
-    v = OP(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));       \
-    v = OP(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));       \
-    v = OP(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));       \
-    v = OP(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-static inline vf vadd(vf a, vf b) { return a + b; }
-static inline float hsum(vf v) { HALVES(vadd, v) return v[0]; }
-static inline float hmax(vf v) { HALVES(vmax, v) return v[0]; }
-#include "cpu_vexp.h" /* vexp_in_range */
+#include "cpu_lanes.h" /* LANES, hsum, hmax; LOn / HIn for the transpose */
+#include "cpu_vexp.h"  /* vexp_in_range */
 
 /* The 16 x 16 floats m[16] transposed in place: four levels of swapping off-diagonal blocks (8, 4, 2, 1
  * lanes), each two shuffles per pair of rows. */
-#include "cpu_lanes.h" /* LOn / HIn */
 #define SWAP(m, b, LO, HI)                                                                               \
     for (int r = 0; r < W; r++)                                                                          \
         if (!(r & b)) {                                                                                  \
@@ -181,16 +171,17 @@ int pdserve_prefix_supports_head_dim(int64_t d) {
 #ifdef __AVX512F__
     return item_for(d) != 0;
 #else
+    (void)d;
     (void)item_for;
-    return d < 0;
+    return 0;
 #endif
 }
 
 int pdserve_prefix_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v, float *kt,
                                  int64_t batch, int64_t heads, int64_t group, int64_t keys, int64_t d, float scale,
                                  float *out, float *lse, int num_threads) {
-    const item_fn item = item_for(d);
     if (!pdserve_prefix_supports_head_dim(d) || batch < 1 || heads < 1 || group < 1 || keys < 1) return -1;
+    const item_fn item = item_for(d);
     const int64_t tiles = (keys + TILE - 1) / TILE, rows = group * batch, blocks = (rows + ROWS - 1) / ROWS;
     #pragma omp parallel num_threads(num_threads)
     {

@@ -7,8 +7,8 @@ head, a 221-token prefix): 7.4 ms of a 71 ms decode step over 30 layers. The ker
 out transposed by 16-key tiles, so that a query row's scores are a vector of broadcast FMAs, and keeps
 six rows' P V sums in registers. bfloat16 prefixes go to the AMX tiles instead (``cpu_amx_prefix.py``).
 
-The result is the flash operator's up to float32 rounding (scores summed over the dims in order, an
-online softmax over the tiles): ``tests/engine/test_cpu_prefix.py``.
+The result is the flash operator's up to float32 rounding (scores summed over the dims in order, a
+softmax over chunks of 256 keys, online across chunks): ``tests/engine/test_cpu_prefix.py``.
 """
 
 from __future__ import annotations
