@@ -6,7 +6,7 @@ is mmap'ed while it is above the dynamic mmap threshold, and once it is below, f
 top of a heap (gRPC's threads allocate in their own arenas) hands its pages back to the kernel
 whenever the free top exceeds the trim threshold (twice the mmap threshold). The next message
 then faults its pages in again and the kernel zeroes them first: page faults and zeroing cost
-the puller about a quarter of its CPU per byte (``pdserve bench transfer``, README).
+the puller about a quarter of its CPU per byte (``pdserve bench transfer``, docs/performance.md).
 Raising both thresholds above any chunk keeps those buffers in the heap, reused, resident.
 
 The price: up to ``trim_threshold`` bytes of freed memory may stay resident per malloc arena

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 MAX_NOTIF_TAG_BYTES = 64
 # The most bytes one descriptor of a write carries; a larger block goes as several. Over UCX's TCP
 # transport between two namespaces, 2 MiB blocks as 256 KiB descriptors moved at 0.86 of raw TCP
-# against 0.76-0.80 as whole blocks, and 64 KiB ones were slower (README, "NIXL").
+# against 0.76-0.80 as whole blocks, and 64 KiB ones were slower (docs/performance.md, "NIXL").
 DESC_BYTES = 256 << 10
 
 
@@ -70,7 +70,7 @@ class NixlExporter:
 
         One puller's windows are written one at a time, another puller's beside them: two windows of
         one pull written at once share the holder's cores and both land late, while the puller waits
-        for the first (on two cores, 0.59 -> 0.66 of a bare READ for 256 KiB blocks; README, "NIXL")."""
+        for the first (on two cores, 0.59 -> 0.66 of a bare READ for 256 KiB blocks; docs/performance.md, "NIXL")."""
         peer, turn = self._load(metadata)
         nb = self.block_nbytes
         local = self._base + np.asarray(block_ids, dtype=np.uint64) * np.uint64(nb)

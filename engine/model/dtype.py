@@ -12,7 +12,7 @@ The rule, as vLLM's CPU backend picks bfloat16 where the CPU multiplies it nativ
 - on any other CPU: float32.
 
 Why these lines: a reduced-precision checkpoint loses nothing its author trained with when it
-runs in bfloat16 on matrix units that are 3-5x faster than float32 ones (README, "The CPU's
+runs in bfloat16 on matrix units that are 3-5x faster than float32 ones (docs/performance.md, "The CPU's
 matrix units"); float16 checkpoints run in bfloat16 too, because bfloat16 covers float16's
 range and CPUs without AMX-FP16 have no fast float16 matmul. A float32 checkpoint keeps float32
 (vLLM would cast it down): its author chose full precision, and the small float32 models this

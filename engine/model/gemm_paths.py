@@ -3,7 +3,7 @@
 Neither wins everywhere. On an AMD machine the panel kernel (``engine/kernels/cpu_gemm.c``) read the
 weights faster than any torch path at every row count; on a Xeon with AMX, torch's products (MKL) are
 faster at one row and from about 32 rows up, the kernel at 2-16 rows (``pdserve bench projections``,
-README). So with ``EngineConfig.cpu_fp32_gemm="auto"`` (the default) the engine times
+docs/performance.md). So with ``EngineConfig.cpu_fp32_gemm="auto"`` (the default) the engine times
 both when it packs the model: for every distinct weight shape, at one row count per class of
 :data:`ROW_CLASSES`, on the threads it runs with. An input then takes the faster path of its class.
 ``"kernel"`` keeps the packed copy for every row count (no timing), ``"torch"`` keeps torch's products
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 # Row-count classes (first, last; None: no bound) and the row count each is timed at. Decode batches
 # fall in the first five, prefill chunks in the last. A decode batch of about 32 has a class of its own:
 # timed at 64 rows, where the paths tie on some machines, it took torch's product in some loads although
-# the kernel ran its projections 1.25x faster (README, "Reads in flight in the panel kernel").
+# the kernel ran its projections 1.25x faster (docs/performance.md, "Reads in flight in the panel kernel").
 ROW_CLASSES: tuple[tuple[int, int | None], ...] = ((1, 1), (2, 7), (8, 23), (24, 47), (48, 127), (128, None))
 CLASS_ROWS = (1, 4, 16, 32, 64, 256)
 MARGIN = 0.05  # torch's path is taken only where it is at least this much faster
