@@ -22,10 +22,10 @@
  * blocks; the last block fetches the start of the panel this thread will likely take next. The panel is
  * then read from memory once, beside the item's products (a panel read whole by the first group, then
  * again from L2 by the others, left the FMA units idle while the first read). The next block's lines are
- * fetched in address order, each group a contiguous share of them a line or two per input: fetched in
- * the order the products read them (a line of every input's PANEL weights, then the next line of every
+ * fetched in address order, each group a contiguous share of them spread evenly over its pass: fetched
+ * in the order the products read them (a line of every input's PANEL weights, then the next line of every
  * input), the same lines came at about half the memory's speed, and the products of 32 rows took 1.3x as
- * long. There x is broadcast by a load (`splat`), leaving the FMA ports to the FMAs; in a one-group pass,
+ * long; fetched a line per input from each pass's start, 1.05x as long. There x is broadcast by a load (`splat`), leaving the FMA ports to the FMAs; in a one-group pass,
  * bound by its reads, the add form measured faster.
  *
  * Items are handed out dynamically, so a thread that loses its core to another process for a while does
@@ -111,22 +111,21 @@ typedef void (*group_fn)(const float *, int64_t, const float *, const float *, f
 
 /* Input rows [0, R) of x over inputs [c0, c1) of one panel, their partial sums in sums ([R][PANEL],
  * read back unless c0 is 0). Beside them, the cache lines [0, lines) from `fetch` (NULL where lines is 0)
- * are fetched into L2 in order, `rate` (1 or 2) per input. */
+ * are fetched into L2 in address order, spread evenly over the pass (a line every (c1 - c0) / lines
+ * inputs): a fetch that finds every fill buffer taken holds up the products behind it, so fetches in a
+ * burst cost more than the same fetches paced at the memory's speed. */
 #define DEFINE_BLOCK(R)                                                                                  \
 static void block_##R(const float *restrict x, int64_t xs, const float *restrict panel, float *restrict sums, \
-                      int64_t c0, int64_t c1, const float *fetch, int64_t lines, int64_t rate) {         \
+                      int64_t c0, int64_t c1, const float *fetch, int64_t lines) {                       \
     vf acc[R][NV];                                                                                       \
     for (int r = 0; r < R; r++)                                                                          \
         for (int v = 0; v < NV; v++) acc[r][v] = c0 ? ld(sums + r * PANEL + v * W) : (vf){0};            \
-    const float *f = fetch, *const fend = fetch + lines * LINE_FLOATS; /* the next line to fetch, the end */ \
+    const float *f = fetch; /* the next line to fetch */                                                 \
+    int64_t due = 0; /* lines owed, in units of 1 / (c1 - c0) line: a line goes out each time it reaches 1 */ \
     for (int64_t c = c0; c < c1; c++) {                                                                  \
         vf wv[NV];                                                                                       \
         for (int v = 0; v < NV; v++) wv[v] = ld(panel + c * PANEL + v * W);                              \
-        if (f < fend) {                                                                                  \
-            __builtin_prefetch(f, 0, 2);                                                                 \
-            if (rate > 1 && f + LINE_FLOATS < fend) __builtin_prefetch(f + LINE_FLOATS, 0, 2);           \
-            f += rate * LINE_FLOATS;                                                                     \
-        }                                                                                                \
+        for (due += lines; due >= c1 - c0; due -= c1 - c0, f += LINE_FLOATS) __builtin_prefetch(f, 0, 2); \
         for (int r = 0; r < R; r++) {                                                                    \
             const vf xb = splat(x[r * xs + c]);                                                         \
             for (int v = 0; v < NV; v++) acc[r][v] += wv[v] * xb;                                        \
@@ -135,8 +134,7 @@ static void block_##R(const float *restrict x, int64_t xs, const float *restrict
     for (int r = 0; r < R; r++)                                                                          \
         for (int v = 0; v < NV; v++) st(sums + r * PANEL + v * W, acc[r][v]);                            \
 }
-typedef void (*block_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t, const float *, int64_t,
-                         int64_t);
+typedef void (*block_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t, const float *, int64_t);
 
 /* Both forms for every group size 1..GROUP, indexed by the size. */
 #define DEFINE_ROWS(R) DEFINE_GROUP(R) DEFINE_BLOCK(R)
@@ -165,13 +163,13 @@ static void item_blocked(const float *x, int64_t xs, const float *panel, const f
         /* The next block's lines are fetched into L2 while this one computes: each group a contiguous share. */
         const float *next = c1 < k ? panel + c1 * PANEL : after;
         const int64_t lines = !next ? 0 : (c1 < k ? (k - c1 < KBLOCK ? k - c1 : KBLOCK) : first) * LINES;
-        const int64_t share = (lines + groups - 1) / groups, rate = (share + c1 - c0 - 1) / (c1 - c0);
+        const int64_t share = (lines + groups - 1) / groups;
         for (int64_t g = r0, i = 0; g < r1; g += GROUP, i++) {
             const int64_t size = r1 - g < GROUP ? r1 - g : GROUP;
             const int64_t from = i * share < lines ? i * share : lines;
             const int64_t count = lines - from < share ? lines - from : share;
             BLOCKS[size](x + g * xs, xs, panel, sums + (g - r0) * PANEL, c0, c1, count ? next + from * LINE_FLOATS : NULL,
-                         count, rate);
+                         count);
         }
     }
     for (int64_t r = r0; r < r1; r++) {
