@@ -61,6 +61,17 @@ static void config(int r0, int r1) {
     _tile_loadconfig(&c);
 }
 
+/* A quarter of a block's 32 cache lines from `at` (up to `end`) fetched into L2; where the next quarter starts.
+ * A tile load that misses the caches waits for all its 16 lines before the products behind it start, so a
+ * chunk of 32 rows, with four products a block, read the weights at two thirds of the memory's speed;
+ * fetched ahead at the pace of the products, a decode step's projections took 1.1x less time
+ * (pdserve bench steps --dtype bfloat16). Chunks of 16 rows or fewer already read at the memory's speed. */
+#define AHEAD 4 /* blocks */
+static inline const char *fetch(const char *at, const char *end) {
+    for (int i = 0; i < 8 && at < end; i++, at += 64) _mm_prefetch(at, _MM_HINT_T1);
+    return at;
+}
+
 /* SwiGLU's epilogue of one item: rows [m0, m0 + m) of panel p, whose sums hold 16 gate columns
  * (buf[i][0..15]) and the same 16 up columns (buf[i][16..31]); out rows are n apart. */
 static void glu_epilogue(float (*buf)[32], uint16_t *out, int64_t m0, int64_t m, int64_t p, int64_t n) {
@@ -79,6 +90,7 @@ static int amx_product(const uint16_t *x, int64_t x_stride, const uint16_t *w, c
                        int64_t rows, int64_t n, int64_t k, int num_threads, int glu) {
     if (k % 32 || (glu && (n % 16 || bias))) return -1;
     const int64_t panels = glu ? n / 16 : (n + 31) / 32, kb = k / 32, chunks = (rows + 31) / 32;
+    const char *const end = (const char *)(w + panels * kb * 1024); /* past the last weight */
     #pragma omp parallel num_threads(num_threads)
     {
         float buf[32][32] __attribute__((aligned(64)));
@@ -93,15 +105,23 @@ static int amx_product(const uint16_t *x, int64_t x_stride, const uint16_t *w, c
             const uint16_t *xa = x + m0 * x_stride;
             _tile_zero(0); _tile_zero(1);
             if (r1) { _tile_zero(2); _tile_zero(3); }
+            /* A chunk of more than 16 rows fetches the weights AHEAD blocks on (into the next panel at its
+             * end), a quarter block beside each of its four products: a panel's first chunk only, the
+             * others read it from the cache. */
+            const char *ahead = r1 && c == 0 ? (const char *)(wp + AHEAD * 1024) : end;
             for (int64_t b = 0; b < kb; b++) {
                 _tile_loadd(4, xa + b * 32, x_stride * 2);
                 _tile_loadd(6, wp + b * 1024, 64);
+                ahead = fetch(ahead, end);
                 _tile_loadd(7, wp + b * 1024 + 512, 64);
                 _tile_dpbf16ps(0, 4, 6);
+                ahead = fetch(ahead, end);
                 _tile_dpbf16ps(1, 4, 7);
                 if (r1) {
                     _tile_loadd(5, xa + 16 * x_stride + b * 32, x_stride * 2);
+                    ahead = fetch(ahead, end);
                     _tile_dpbf16ps(2, 5, 6);
+                    ahead = fetch(ahead, end);
                     _tile_dpbf16ps(3, 5, 7);
                 }
             }
