@@ -64,7 +64,7 @@ static void config(int r0, int r1) {
 /* A quarter of a block's 32 cache lines from `at` (up to `end`) fetched into L2; where the next quarter starts.
  * A tile load that misses the caches waits for all its 16 lines before the products behind it start, so a
  * chunk of 32 rows, with four products a block, read the weights at two thirds of the memory's speed;
- * fetched ahead at the pace of the products, a decode step's projections took 1.1x less time
+ * fetched ahead at the pace of the products, a decode step's projections ran about 1.1x faster
  * (pdserve bench steps --dtype bfloat16). Chunks of 16 rows or fewer already read at the memory's speed. */
 #define AHEAD 4 /* blocks */
 static inline const char *fetch(const char *at, const char *end) {
