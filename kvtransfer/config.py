@@ -67,7 +67,7 @@ class TransferConfig:
     used goes first).
     """
 
-    chunk_bytes: int = 2 * MiB  # 1-2 MiB measured fastest over loopback (benchmarks/transfer.py, docs/performance.md)
+    chunk_bytes: int = 2 * MiB  # 1-2 MiB measured fastest over loopback (docs/performance.md, "KV transfer")
     max_blocks_per_chunk: int = 1024
     lease_ttl_s: float = 30.0
     reap_interval_s: float = 1.0

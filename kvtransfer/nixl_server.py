@@ -70,7 +70,8 @@ class NixlExporter:
 
         One puller's windows are written one at a time, another puller's beside them: two windows of
         one pull written at once share the holder's cores and both land late, while the puller waits
-        for the first (on two cores, 0.59 -> 0.66 of a bare READ for 256 KiB blocks; docs/performance.md, "NIXL")."""
+        for the first (on two cores, 0.59 -> 0.66 of a bare READ for 256 KiB blocks;
+        docs/performance.md, "NIXL")."""
         peer, turn = self._load(metadata)
         nb = self.block_nbytes
         local = self._base + np.asarray(block_ids, dtype=np.uint64) * np.uint64(nb)

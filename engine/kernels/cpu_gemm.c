@@ -25,8 +25,9 @@
  * fetched in address order, each group a contiguous share of them spread evenly over its pass: fetched
  * in the order the products read them (a line of every input's PANEL weights, then the next line of every
  * input), the same lines came at about half the memory's speed, and the products of 32 rows took 1.3x as
- * long; fetched a line per input from each pass's start, 1.05x as long. There x is broadcast by a load (`splat`), leaving the FMA ports to the FMAs; in a one-group pass,
- * bound by its reads, the add form measured faster.
+ * long; fetched a line per input from each pass's start, 1.05x as long. There x is broadcast by a load
+ * (`splat`), leaving the FMA ports to the FMAs; in a one-group pass, bound by its reads, the add form
+ * measured faster.
  *
  * Items are handed out dynamically, so a thread that loses its core to another process for a while does
  * not hold the others up beyond the item it is on. Every sum runs over c in order from zero, in float32,
