@@ -48,17 +48,7 @@ int pdserve_max_group(void) { return MAX_GROUP; }
 int pdserve_max_head_dim(void) { return MAX_HEAD_DIM; }
 int pdserve_decode_lanes(void) { return W; }
 
-/* x in every lane by a broadcast load: `(vf){} + x` took an add and a shuffle on the FMA ports (a
- * broadcast per key in the P V sums), and the kernel 1.08-1.11x as long with the keys in the cache. */
-static inline vf splat(float x) {
-#ifdef __AVX512F__
-    return (vf)_mm512_set1_ps(x);
-#elif defined(__AVX__)
-    return (vf)_mm256_set1_ps(x);
-#else
-    return (vf){} + x;
-#endif
-}
+#include "cpu_splat.h" /* splat: a broadcast (the kernel took 1.08-1.11x as long with the add, keys in the cache) */
 static inline vf ld_f32(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 #include "cpu_bf16.h" /* widen: a K/V row's bfloat16 lanes; vbf16: the output's rounding */
 static inline vf ld_bf16(const uint16_t *p) { vh h; memcpy(&h, p, sizeof h); return widen(h); }

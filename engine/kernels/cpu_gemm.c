@@ -68,16 +68,7 @@ int pdserve_gemm_panel(void) { return PANEL; }
 
 static inline vf ld(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
-/* x in every lane: a broadcast straight from memory (a load), where `(vf){0} + x` added on the FMA ports. */
-static inline vf splat(float x) {
-#ifdef __AVX512F__
-    return (vf)_mm512_set1_ps(x);
-#elif defined(__AVX__)
-    return (vf)_mm256_set1_ps(x);
-#else
-    return (vf){0} + x;
-#endif
-}
+#include "cpu_splat.h" /* splat: a broadcast, not an add on the FMA ports */
 #include "cpu_vexp.h" /* vsilu */
 
 /* Input rows [0, R) of x against panel p; their outputs' columns [p * PANEL, + cols). */

@@ -27,14 +27,7 @@
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 
-/* x in every lane: a broadcast (from memory where x is loaded), not an add on the FMA ports. */
-static inline vf splat(float x) {
-#ifdef __AVX512F__
-    return (vf)_mm512_set1_ps(x);
-#else
-    return (vf){} + x;
-#endif
-}
+#include "cpu_splat.h" /* splat: a broadcast, not an add on the FMA ports */
 static inline vf ld(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline vf vmax(vf a, vf b) { vi m = a > b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }
