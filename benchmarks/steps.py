@@ -25,6 +25,10 @@ joining prompt's uncached tokens (its prefix cached) beside the decodes, against
 around it. That step is the gap every decoding stream sees when a request arrives (its inter-token
 latency p99 in ``bench peers-serve``).
 
+With ``--perf``, the prompts then decode once more under Linux ``perf`` (``benchmarks/perf_profile.py``):
+every thread's CPU time over those steps by what ran (each C kernel, the OpenMP runtime's waiting
+threads, Python and ctypes, torch), which sees the replayed steps that ``torch.profiler`` cannot.
+
 Run: ``python -m pdserve.benchmarks.steps [--model DIR|FILE.gguf] [--dtype float32] [--joins N] [--json]``.
 """
 
@@ -39,6 +43,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.benchmarks import perf_profile
 from pdserve.benchmarks.common import emit
 from pdserve.benchmarks.peers import workload
 from pdserve.engine.kernels import cpu_amx, cpu_amx_prefix, cpu_decode, cpu_gemm, labels
@@ -126,6 +131,18 @@ def replay_steps(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict
             "steps_each": min(len(v) for v in steps.values()), "replayed": replayed / max(len(steps[True]), 1)}
 
 
+def perf_steps(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """The prompts prefilled again, then their decode steps (the same path as the timed ones: the
+    replay where a step qualifies) sampled by ``perf`` (``benchmarks/perf_profile.py``)."""
+    prefill_all(engine, prompts, max_tokens)
+
+    def decode() -> None:
+        while engine.has_unfinished():
+            engine.step()
+
+    return perf_profile.sample(decode)
+
+
 JOIN_GAP = 4  # decode-only steps before each joining prompt
 
 
@@ -196,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="then time N prompts joining --prompts minus one decoding sequences (module docstring)")
     ap.add_argument("--replay-ab", action="store_true",
                     help="then decode once more, steps alternating the kernel-call replay and the modules (medians)")
+    ap.add_argument("--perf", action="store_true",
+                    help="then decode once more under Linux perf: the CPU time by kernel, OpenMP waits, Python, torch")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
@@ -219,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         ops = forward_ops(engine, prompts, args.max_tokens)
         join = join_steps(engine, prompts[: max(args.prompts - 1, 1)], joining) if joining else None
         replay = replay_steps(engine, prompts, args.max_tokens) if args.replay_ab else None
+        perf = perf_steps(engine, prompts, args.max_tokens) if args.perf else None
     finally:
         llm.close()
     # Means, not medians: the parts of a step add up to it.
@@ -228,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": model, "dtype": args.dtype, "batch": args.prompts, "cascade": not args.disable_cascade_attn,
               "in_place_decode_kernel": in_place, "mean_step_ms": step * 1e3,
               "output_tok_per_s": args.prompts / step, "parts_ms": {k: v * 1e3 for k, v in parts.items()},
-              "forward_op_share": ops, "join": join, "replay_ab": replay}  # fmt: skip
+              "forward_op_share": ops, "join": join, "replay_ab": replay, "perf": perf}  # fmt: skip
     emit(result, args.json, report_rows(result))
     return 0
 
@@ -260,7 +280,22 @@ def report_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("decode step: kernel-call replay / modules",
                      f"{ab['replay_ms']:.2f} / {ab['modules_ms']:.2f} ms ({ab['modules_ms'] / ab['replay_ms']:.2f}x; "
                      f"medians of {ab['steps_each']} steps each, {ab['replayed']:.0%} of the replay's qualified)"))
+    if (perf := result.get("perf")) is not None:
+        rows.extend(perf_rows(perf))
     return rows  # fmt: skip
+
+
+def perf_rows(perf: dict[str, Any]) -> list[tuple[str, str]]:
+    if "unavailable" in perf:
+        return [("CPU time by perf", perf["unavailable"])]
+    rows = [("CPU time by perf", f"{perf['samples']} samples of every thread over the decode steps")]
+    rows += [(f"  {group}", f"{share:.1%}") for group, share in perf["groups"].items() if share >= 0.0005]
+    rows += [(f"  top: {t['object'].split('-')[0]} {t['symbol']}"[:64], f"{t['share']:.1%}") for t in perf["top"][:6]]
+    for name, label in (("main", "the main thread"), ("others", "the other threads")):
+        part = perf["threads"][name]
+        shares = ", ".join(f"{g} {v:.0%}" for g, v in list(part["groups"].items())[:5])
+        rows.append((f"  {label}", f"{part['samples']} samples: {shares}"))
+    return rows
 
 
 if __name__ == "__main__":

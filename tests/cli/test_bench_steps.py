@@ -1,12 +1,15 @@
 """``python -m pdserve.benchmarks.steps`` accounts for a decode step part by part, times prompts joining a
-batch and the kernel-call replay against the modules (no timing asserted)."""
+batch and the kernel-call replay against the modules, and samples the decode steps under ``perf`` (no
+timing asserted)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
+from pdserve.benchmarks.perf_profile import OTHER, group_of, summarise
 from tests.support import REPO
 
 PREFIX = 300  # the prompts' shared prefix (--prefix-tokens): its last block partial, as the default 221's
@@ -14,7 +17,7 @@ PREFIX = 300  # the prompts' shared prefix (--prefix-tokens): its last block par
 
 def test_steps_bench_parts_add_up_to_the_step(tiny_model: str) -> None:
     r = subprocess.run([sys.executable, "-m", "pdserve.benchmarks.steps", "--quick", "--joins", "2", "--replay-ab",
-                        "--json", "--model", tiny_model, "--prefix-tokens", str(PREFIX)],
+                        "--perf", "--json", "--model", tiny_model, "--prefix-tokens", str(PREFIX)],
                        capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
@@ -29,6 +32,68 @@ def test_steps_bench_parts_add_up_to_the_step(tiny_model: str) -> None:
     assert PREFIX % 16 + 44 <= join["join_uncached_tokens"] <= PREFIX % 16 + 64
     ab = out["replay_ab"]  # 7 decode steps of 4 prompts, alternating; each of the replay's qualified
     assert ab["steps_each"] == 3 and ab["replayed"] == 1.0 and ab["replay_ms"] > 0 and ab["modules_ms"] > 0
+    perf = out["perf"]  # the decode steps of a pass of their own, sampled on every thread
+    if not _perf_records():
+        assert set(perf) == {"unavailable"} and perf["unavailable"].startswith("perf ")
+        return
+    assert perf["samples"] > 0 and abs(sum(perf["groups"].values()) - 1) < 1e-9, perf
+    assert perf["top"] and all(0 < t["share"] <= 1 for t in perf["top"])
+    threads = perf["threads"]  # the main thread ran Python; with torch on one thread here, no others may have run
+    assert threads["main"]["samples"] + threads["others"]["samples"] == perf["samples"]
+    assert "Python and ctypes" in threads["main"]["groups"]
+
+
+def _perf_records() -> bool:
+    """Whether ``perf record`` works on this machine (installed, and allowed to open its events)."""
+    perf = shutil.which("perf")
+    if perf is None:
+        return False
+    cmd = [perf, "record", "-q", "-e", "cpu-clock", "-o", "/dev/null", "--", "true"]
+    return subprocess.run(cmd, check=False, capture_output=True, timeout=60).returncode == 0
+
+
+# `perf report -n --no-children --sort pid,dso,sym --stdio -t "|"` as perf 6.1 prints it (thread 10451 the main one).
+REPORT = """# Samples: 26K of event 'cpu-clock'
+#
+# Overhead|Samples|  Pid:Command|Shared Object|Symbol
+#
+ 25.59% | 7371       |  10451:python |cpu_amx-d0246eb9a4530faea946f367.so       |[.] amx_product._omp_fn.0
+ 22.87% | 6586       |  10454:python |cpu_amx-d0246eb9a4530faea946f367.so       |[.] amx_product._omp_fn.0
+ 8.82%  | 2541       |  10454:python |cpu_decode-977c067133c74d59e6e12335.so    |[.] decode_bf16_4._omp_fn.0
+ 6.85%  | 1972       |  10454:python |libgomp.so.1                              |[.] 0x000000000001de62
+ 5.08%  | 1369       |  10451:python |cpu_amx_prefix-b9a15589aaf6a7a8bbbeb823.so|[.] pdserve_amx_prefix_attention._omp_fn.0
+ 3.83%  | 1032       |  10454:python |libgomp.so.1                              |[.] 0x000000000001e02a
+ 1.54%  | 415        |  10451:python |libpython3.11.so.1.0                      |[.] _PyEval_EvalFrameDefault
+ 1.25%  | 337        |  10451:python |libtorch_cpu.so                           |[.] at::operator|(c10::Foo, long)
+ 0.11%  | 30         |  10451:python |[kernel.kallsyms]                         |[k] do_syscall_64
+ 0.10%  | 27         |  10451:python |tokenizers.abi3.so                        |[.] 0x0000000000123456
+"""
+
+
+def test_perf_samples_are_grouped_by_what_ran_and_by_thread() -> None:
+    out = summarise(REPORT, main_tid=10451, top=3)
+    main, others = 7371 + 1369 + 415 + 337 + 30 + 27, 6586 + 2541 + 1972 + 1032
+    total = main + others
+    assert out["samples"] == total
+    groups = out["groups"]
+    assert groups["products (AMX tiles)"] == (7371 + 6586) / total and groups["decode attention"] == 2541 / total
+    assert groups["shared-prefix attention"] == 1369 / total  # not the AMX products, whose name it starts with
+    assert groups["OpenMP runtime (threads waiting)"] == (1972 + 1032) / total
+    assert groups["torch"] == 337 / total and groups["operating system"] == 30 / total and groups[OTHER] == 27 / total
+    assert abs(sum(groups.values()) - 1) < 1e-12 and list(groups.values()) == sorted(groups.values(), reverse=True)
+    # The heaviest symbols over every thread; an object's unnamed addresses are one row.
+    assert [(t["object"], t["symbol"], t["share"]) for t in out["top"]] == [
+        ("cpu_amx-d0246eb9a4530faea946f367.so", "amx_product._omp_fn.0", (7371 + 6586) / total),
+        ("libgomp.so.1", "(no symbols)", (1972 + 1032) / total),
+        ("cpu_decode-977c067133c74d59e6e12335.so", "decode_bf16_4._omp_fn.0", 2541 / total)]  # fmt: skip
+    threads = out["threads"]
+    assert threads["main"]["samples"] == main and threads["others"]["samples"] == others
+    assert threads["others"]["groups"]["OpenMP runtime (threads waiting)"] == (1972 + 1032) / others
+    assert threads["main"]["groups"]["Python and ctypes"] == 415 / main
+    assert "OpenMP runtime (threads waiting)" not in threads["main"]["groups"]
+    empty = {"samples": 0, "groups": {}}
+    assert summarise("# Samples: 0\n", main_tid=1) == {**empty, "top": [], "threads": {"main": empty, "others": empty}}
+    assert group_of("cpu_gemm-0123abcd.so") == "products (float32 panel kernel)" and group_of("libfoo.so") == OTHER
 
 
 def test_a_prefix_of_no_tokens_is_refused(tiny_model: str) -> None:

@@ -1,0 +1,158 @@
+"""Where a process's CPU time goes while a piece of work runs, sampled by Linux ``perf``.
+
+``torch.profiler`` sees the operators it wraps, so it cannot split a decode step that the engine replays
+as the C kernels' calls (``engine/model/decode_replay.py``), nor see the OpenMP runtime's waits or the
+Python between the calls. ``perf record -e cpu-clock`` samples every thread of the process wherever it
+is: each kernel's shared object, ``libgomp``, the interpreter, torch.
+
+Contract of :func:`sample`: ``work()`` runs exactly once, with ``perf record`` attached to this process
+(every thread) for exactly its duration where ``perf`` is installed and allowed to record (recording
+starts disabled and is switched on and off through perf's control descriptors, which acknowledge each
+switch, so the work is neither cut short nor padded); returns the samples grouped by what they ran
+(:data:`GROUPS`, shares of all samples, every thread together), the heaviest symbols, and the same
+groups for the main thread (the one that runs Python) and the others (OpenMP's), or
+``{"unavailable": reason}`` where perf is missing or failed (``work()`` then still runs, unrecorded).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# (group, the shared objects' names before their first "-" or "."), first match wins; the kernels'
+# libraries are named ``cpu_<kernel>-<build hash>.so`` (engine/kernels/cpu_build.py).
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("products (float32 panel kernel)", ("cpu_gemm",)),
+    ("products (AMX tiles)", ("cpu_amx",)),
+    ("decode attention", ("cpu_decode",)),
+    ("shared-prefix attention", ("cpu_amx_prefix", "cpu_prefix")),
+    ("norms, rotary, KV write, sampling", ("cpu_ops",)),
+    ("OpenMP runtime (threads waiting)", ("libgomp",)),
+    ("Python and ctypes", ("libpython3", "python3", "_ctypes", "libffi")),
+    ("torch", ("libtorch_cpu", "libtorch_python", "libtorch", "libc10", "_C")),
+    ("C library", ("libc", "libm", "libstdc++", "ld-linux-x86-64", "ld-linux-aarch64")),
+    ("operating system", ("[kernel",)),
+)
+OTHER = "other"
+_SEP = "|"  # perf report -t: the columns split by it (the symbol, last, may hold it too)
+_ACK_TIMEOUT_S = 30.0
+
+
+def group_of(dso: str) -> str:
+    """The :data:`GROUPS` name of a shared object as ``perf report`` names it, else :data:`OTHER`."""
+    stem = dso if dso.startswith("[") else re.split(r"[-.]", dso, maxsplit=1)[0]
+    for name, stems in GROUPS:
+        if any(stem == s or (s.startswith("[") and stem.startswith(s)) for s in stems):
+            return name
+    return OTHER
+
+
+def summarise(report: str, main_tid: int, top: int = 10) -> dict[str, Any]:
+    """``perf report -n --no-children --sort pid,dso,sym --stdio -t "|"`` text (a row per thread, object
+    and symbol) as its number of samples, their shares per group (summing to 1), the ``top`` heaviest
+    symbols' shares (over all threads), and per thread, ``main`` (``main_tid``) and the ``others``
+    together, the samples and their shares per group."""
+    rows: list[tuple[int, int, str, str]] = []  # samples, thread, object, symbol
+    for line in report.splitlines():
+        cols = line.split(_SEP, 4)
+        if line.startswith("#") or len(cols) != 5 or not cols[0].strip().endswith("%"):
+            continue
+        sym = re.sub(r"^\[[.kgu]\]\s*", "", cols[4].strip())
+        # An object without symbols (libgomp's spin loops) reports addresses: one row for all of them.
+        sym = "(no symbols)" if re.fullmatch(r"0x[0-9a-f]+", sym) else sym
+        rows.append((int(cols[1]), int(cols[2].strip().split(":", 1)[0]), cols[3].strip(), sym))
+    out = _shares([(n, dso) for n, _, dso, _ in rows])
+    symbols: dict[tuple[str, str], int] = {}
+    for n, _, dso, sym in rows:
+        symbols[(dso, sym)] = symbols.get((dso, sym), 0) + n
+    heaviest = sorted(symbols.items(), key=lambda kv: -kv[1])[:top]
+    out["top"] = [{"share": n / out["samples"], "object": d, "symbol": y} for (d, y), n in heaviest]
+    out["threads"] = {"main": _shares([(n, dso) for n, tid, dso, _ in rows if tid == main_tid]),
+                      "others": _shares([(n, dso) for n, tid, dso, _ in rows if tid != main_tid])}  # fmt: skip
+    return out
+
+
+def _shares(rows: list[tuple[int, str]]) -> dict[str, Any]:
+    """The samples of ``(samples, object)`` rows and their shares per :data:`GROUPS` group, largest first."""
+    total = sum(n for n, _ in rows)
+    groups: dict[str, float] = {}
+    for n, dso in rows:
+        groups[group_of(dso)] = groups.get(group_of(dso), 0.0) + n / total
+    return {"samples": total, "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1]))}
+
+
+def sample(work: Callable[[], None], frequency: int = 999) -> dict[str, Any]:
+    """Run ``work()`` once under ``perf record`` (the module docstring's contract)."""
+    perf = shutil.which("perf")
+    if perf is None:
+        work()
+        return {"unavailable": "perf not found (Debian/Ubuntu: linux-perf / linux-tools; Fedora: perf)"}
+    with tempfile.TemporaryDirectory(prefix="pdserve-perf-") as tmp:
+        data = Path(tmp) / "perf.data"
+        ctl_r, ctl_w = os.pipe()
+        ack_r, ack_w = os.pipe()
+        cmd = [perf, "record", "-q", "-e", "cpu-clock", "-F", str(frequency), "-D", "-1",
+               "--control", f"fd:{ctl_r},{ack_w}", "-p", str(os.getpid()), "-o", str(data)]  # fmt: skip
+        proc = subprocess.Popen(cmd, pass_fds=(ctl_r, ack_w), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        os.close(ctl_r)
+        os.close(ack_w)
+        try:
+            if not _switch(ctl_w, ack_r, b"enable"):
+                work()
+                return {"unavailable": _failure(proc)}
+            try:
+                work()
+            finally:
+                _switch(ctl_w, ack_r, b"disable")
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=120)
+        finally:
+            os.close(ctl_w)
+            os.close(ack_r)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        return _report(perf, data, proc)
+
+
+def _switch(ctl: int, ack: int, command: bytes) -> bool:
+    """Send ``command`` on perf's control descriptor; whether perf acknowledged it in time."""
+    try:
+        os.write(ctl, command + b"\n")
+    except BrokenPipeError:  # perf already exited (it could not record)
+        return False
+    got = b""
+    while b"ack\n" not in got:  # perf writes "ack\n\0"
+        ready, _, _ = select.select([ack], [], [], _ACK_TIMEOUT_S)
+        chunk = os.read(ack, 64) if ready else b""
+        if not chunk:  # timed out, or perf exited
+            return False
+        got += chunk
+    return True
+
+
+def _failure(proc: subprocess.Popen[bytes]) -> str:
+    if proc.poll() is None:
+        proc.kill()
+    _, err = proc.communicate(timeout=30)
+    lines = [ln for ln in err.decode(errors="replace").splitlines() if ln.strip()]
+    return "perf record failed: " + (lines[-1] if lines else f"exit {proc.returncode}")
+
+
+def _report(perf: str, data: Path, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    if not data.exists():
+        return {"unavailable": _failure(proc)}
+    cmd = [perf, "report", "-i", str(data), "-n", "--no-children", "--sort", "pid,dso,sym", "--stdio", "-t", _SEP,
+           "--percent-limit", "0"]  # fmt: skip
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        return {"unavailable": "perf report failed: " + (r.stderr.strip().splitlines() or ["?"])[-1]}
+    return summarise(r.stdout, os.getpid())
