@@ -27,8 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# (group, the shared objects' names before their first "-" or "."), first match wins; the kernels'
-# libraries are named ``cpu_<kernel>-<build hash>.so`` (engine/kernels/cpu_build.py).
+# (group, the shared objects' names before their first "-" or "." (the kernel's "[kernel.kallsyms]" whole)),
+# first match wins; the kernels' libraries are named ``cpu_<kernel>-<build hash>.so`` (engine/kernels/cpu_build.py).
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("products (float32 panel kernel)", ("cpu_gemm",)),
     ("products (AMX tiles)", ("cpu_amx",)),
@@ -38,8 +38,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("OpenMP runtime (threads waiting)", ("libgomp",)),
     ("Python and ctypes", ("libpython3", "python3", "_ctypes", "libffi")),
     ("torch", ("libtorch_cpu", "libtorch_python", "libtorch", "libc10", "_C")),
-    ("C library", ("libc", "libm", "libstdc++", "ld-linux-x86-64", "ld-linux-aarch64")),
-    ("operating system", ("[kernel",)),
+    ("C library", ("libc", "libm", "libstdc++", "ld")),  # ld: the dynamic loader, ld-linux-*.so
+    ("operating system", ("[kernel.kallsyms]",)),
 )
 OTHER = "other"
 _SEP = "|"  # perf report -t: the columns split by it (the symbol, last, may hold it too)
@@ -49,10 +49,7 @@ _ACK_TIMEOUT_S = 30.0
 def group_of(dso: str) -> str:
     """The :data:`GROUPS` name of a shared object as ``perf report`` names it, else :data:`OTHER`."""
     stem = dso if dso.startswith("[") else re.split(r"[-.]", dso, maxsplit=1)[0]
-    for name, stems in GROUPS:
-        if any(stem == s or (s.startswith("[") and stem.startswith(s)) for s in stems):
-            return name
-    return OTHER
+    return next((name for name, stems in GROUPS if stem in stems), OTHER)
 
 
 def summarise(report: str, main_tid: int, top: int = 10) -> dict[str, Any]:
@@ -82,11 +79,12 @@ def summarise(report: str, main_tid: int, top: int = 10) -> dict[str, Any]:
 
 def _shares(rows: list[tuple[int, str]]) -> dict[str, Any]:
     """The samples of ``(samples, object)`` rows and their shares per :data:`GROUPS` group, largest first."""
-    total = sum(n for n, _ in rows)
-    groups: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for n, dso in rows:
-        groups[group_of(dso)] = groups.get(group_of(dso), 0.0) + n / total
-    return {"samples": total, "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1]))}
+        group = group_of(dso)
+        counts[group] = counts.get(group, 0) + n
+    total = sum(counts.values())
+    return {"samples": total, "groups": {g: n / total for g, n in sorted(counts.items(), key=lambda kv: -kv[1])}}
 
 
 def sample(work: Callable[[], None], frequency: int = 999) -> dict[str, Any]:

@@ -144,12 +144,11 @@ static inline float tile_softmax(vf sc, int64_t n, float *m, float *l, float *p)
  * rows beside the dot products of this tile's same head and key, its V rows beside the first query head's
  * P V sums (its blocks are anywhere; a fetch that finds the core's fill buffers taken holds up the work
  * behind it, so fetches spread over the tile's work cost least: a bfloat16 cache's cold reads took 6-14%
- * less time than with the whole tile's fetches issued at once, and with the V rows' moved from beside
- * the dot products to beside the sums, 1.08-1.24x less again, bfloat16 at 104 positions unchanged, in
- * `pdserve bench attention-cpu --layers 30`); for each head, each
- * K row is loaded once for the head's G query heads and its G dot products left as vectors that
- * reduce() sums W at a time; the V rows are loaded once, then each query head's accumulator takes
- * the whole tile in registers. */
+ * less time than with the whole tile's fetches issued at once, and with the V rows' fetches moved from
+ * beside the dot products to beside the sums, 1.08-1.24x less again, bfloat16 at 104 positions
+ * unchanged, in `pdserve bench attention-cpu --layers 30`); for each head, each K row is loaded once for
+ * the head's G query heads and its G dot products left as vectors that reduce() sums W at a time; the V
+ * rows are loaded once, then each query head's accumulator takes the whole tile in registers. */
 #define DEFINE_DECODE(NAME, T, LD, ST, DC)                                                               \
 static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, int64_t block_stride,            \
                  int64_t token_stride, int64_t head_stride, const int64_t *blocks, int64_t max_blocks,   \
