@@ -16,8 +16,9 @@ forward's measured wall time; what the operators do not account for is Python an
 profiled pass runs the layers as modules, whose kernel calls carry their names; the timed steps
 replay the stack as the kernels' calls where a step qualifies: ``engine/model/decode_replay.py``.)
 
-With ``--replay-ab``, the prompts then decode once more with the steps alternating between that
-replay and the modules, one step each in turn: the median step of each.
+With ``--replay-ab``, the prompts then decode once more with the steps taking in turn that replay (its
+kernel calls made from C, ``engine/kernels/cpu_replay.c``), the same calls made from Python, and the
+modules, one step each: the median step of each.
 
 With ``--joins N``, N more prompts of the same workload then join the batch one at a time, each
 after a few decode steps, while the first ``--prompts`` minus one decode: the step that prefills a
@@ -109,26 +110,32 @@ def decode_steps(engine: Any, prompts: list[list[int]], max_tokens: int, times: 
     return steps
 
 
+REPLAY_MODES = ("replay", "python_replay", "modules")  # the replay's calls from C, from Python; the modules
+
+
 def replay_steps(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
-    """Median decode step with the stack replayed as kernel calls (``engine/model/decode_replay.py``)
-    and through the modules, the two alternating step by step over the same sequences (each pair of
-    steps at nearly the same context lengths), and how many of the replay's steps qualified."""
+    """Median decode step with the stack replayed as kernel calls made from C (``cpu_replay.c``), the
+    same calls made from Python, and through the modules (``engine/model/decode_replay.py``), the
+    three taking the steps in turn over the same sequences (each three steps at nearly the same context
+    lengths), and how many of the replay's steps qualified."""
     model = engine.runner.model
     prefill_all(engine, prompts, max_tokens)
-    steps: dict[bool, list[float]] = {True: [], False: []}
-    replayed = 0
+    steps: dict[str, list[float]] = {m: [] for m in REPLAY_MODES}
+    replayed = turn = 0
     try:
         while engine.has_unfinished():
-            on = len(steps[True]) <= len(steps[False])
-            model.replay_decode = on
+            mode = REPLAY_MODES[turn % len(REPLAY_MODES)]
+            turn += 1
+            model.replay_decode, model.replay_native = mode != "modules", mode == "replay"
             t0 = time.perf_counter()
             engine.step()
-            steps[on].append(time.perf_counter() - t0)
-            replayed += on and model.last_step_replayed
+            steps[mode].append(time.perf_counter() - t0)
+            replayed += mode == "replay" and model.last_step_replayed
     finally:
-        model.replay_decode = True
-    return {"replay_ms": statistics.median(steps[True]) * 1e3, "modules_ms": statistics.median(steps[False]) * 1e3,
-            "steps_each": min(len(v) for v in steps.values()), "replayed": replayed / max(len(steps[True]), 1)}
+        model.replay_decode = model.replay_native = True
+    out = {f"{m}_ms": statistics.median(v) * 1e3 if v else 0.0 for m, v in steps.items()}
+    qualified = replayed / max(len(steps["replay"]), 1)
+    return out | {"steps_each": min(len(v) for v in steps.values()), "replayed": qualified}
 
 
 def perf_steps(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -212,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--joins", type=int, default=0,
                     help="then time N prompts joining --prompts minus one decoding sequences (module docstring)")
     ap.add_argument("--replay-ab", action="store_true",
-                    help="then decode once more, steps alternating the kernel-call replay and the modules (medians)")
+                    help="then decode once more, steps taking in turn the kernel-call replay from C, from Python, "
+                         "and the modules (medians)")
     ap.add_argument("--perf", action="store_true",
                     help="then decode once more under Linux perf: the CPU time by kernel, OpenMP waits, Python, torch")
     ap.add_argument("--json", action="store_true")
@@ -277,9 +285,9 @@ def report_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
                   f"against {join['decode_step_ms']:.1f} ms decode-only (medians of {join['joins']})")
         rows.append((f"a prompt joining {join['decoding']} decodes", joined))
     if (ab := result.get("replay_ab")) is not None:
-        rows.append(("decode step: kernel-call replay / modules",
-                     f"{ab['replay_ms']:.2f} / {ab['modules_ms']:.2f} ms ({ab['modules_ms'] / ab['replay_ms']:.2f}x; "
-                     f"medians of {ab['steps_each']} steps each, {ab['replayed']:.0%} of the replay's qualified)"))
+        times = f"{ab['replay_ms']:.2f} / {ab['python_replay_ms']:.2f} / {ab['modules_ms']:.2f} ms"
+        rows.append(("decode step: replay from C / from Python / modules",
+                     f"{times} (medians of {ab['steps_each']} steps each, {ab['replayed']:.0%} of the replay's qualified)"))
     if (perf := result.get("perf")) is not None:
         rows.extend(perf_rows(perf))
     return rows  # fmt: skip

@@ -46,6 +46,12 @@ def _get() -> ctypes.CDLL | None:
     return lib
 
 
+def entry() -> ctypes._CFuncPtr | None:
+    """The kernel :meth:`PrefixTiles.attend_into` calls (its argument list), None where it is not built."""
+    lib = _get()
+    return None if lib is None else lib.pdserve_amx_prefix_attention
+
+
 def available(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether :func:`tiles` and :meth:`PrefixTiles.attention` run here for a ``dtype`` cache of
     ``head_dim``: bfloat16, a head size that is a multiple of 32, and the AMX library built."""
@@ -101,6 +107,13 @@ class PrefixTiles:
             self.attend_into(None if q is None else q.data_ptr(), 0 if q is None else q.stride(0), batch, group, layer,
                              scale, out, lse, torch.get_num_threads())  # fmt: skip
         return out.permute(2, 0, 1, 3), lse.permute(2, 0, 1)
+
+    def addresses(self) -> tuple[int, tuple[int, ...], int, int, int]:
+        """What :meth:`attend_into` passes the kernel besides a call's own values, for callers that make the
+        call themselves (``engine/model/replay_native.py``): the cache view's address and strides (elements),
+        and the addresses of the prefix's block ids, of ``kp`` and of ``vp``."""
+        view, blocks = self._view, self._blocks
+        return view.data_ptr(), tuple(view.stride()), blocks.data_ptr(), self.kp.data_ptr(), self.vp.data_ptr()
 
     def attend_into(self, q: int | None, q_stride: int, batch: int, group: int, layer: int, scale: float,
                     out: torch.Tensor, lse: torch.Tensor, threads: int) -> None:  # fmt: skip

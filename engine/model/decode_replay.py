@@ -4,9 +4,11 @@ In a decode step on the CPU every part of a layer is one C kernel (the norms, th
 rotary embedding, the KV write, the attention), and what runs between them in the module path
 (module calls, the checks of every wrapper, views, a new output tensor per call) cost about 8 ms of
 a 33 ms step of SmolLM2-135M over 32 sequences in bfloat16, whose kernels took 24 ms. Where a step
-allows it (:func:`build`), the stack instead runs as those kernels' calls in a row: the step's
-inputs checked once, every layer's outputs in buffers allocated once a step. The kernels and their
-inputs are the same, so the results are the module path's, bit for bit (``tests/engine/
+allows it (:meth:`Replayer.build`), the stack instead runs as those kernels' calls in a row: the step's
+inputs checked once, every layer's entries kept from step to step, its outputs in buffers allocated once
+a step. The calls are made from C (``engine/kernels/cpu_replay.c``, one ctypes call a step) where that
+library is built and the step's shared-prefix part, if any, is a kernel's; else from Python. The kernels
+and their inputs are the same, so the results are the module path's, bit for bit (``tests/engine/
 test_decode_replay.py``).
 
 A step qualifies when its attention plan is the torch backend's in-place decode over every query
@@ -26,10 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pdserve.engine.kernels import cpu_decode, cpu_ops, cpu_prefix, labels
+from pdserve.engine.kernels import cpu_decode, cpu_ops, cpu_prefix, cpu_replay, labels
 from pdserve.engine.kernels.kernel_weights import KernelWeights
 from pdserve.engine.kernels.metadata import AttentionMetadata
 from pdserve.engine.kernels.torch_paged import TorchAttentionPlan, prefix_part
+from pdserve.engine.model.replay_native import native_layers, native_step
 
 Entry = tuple[ctypes._CFuncPtr, int, int | None]  # KernelWeights.entry()
 
@@ -86,13 +89,18 @@ def parts_of(layers: Iterable[nn.Module]) -> list[Parts] | None:
     return parts or None
 
 
-def _layer(parts: Parts, rows: int, k: int, v: int, dtype: torch.dtype) -> _Layer | None:
-    """A layer's entries at ``rows`` rows, or None where a part of it takes another path this step."""
-    attn, w1, w2 = parts.attn, parts.norm1_weight, parts.norm2_weight
-    if attn.k_scale != 1.0 or attn.v_scale != 1.0 or w1.dtype != dtype or w2.dtype != dtype:
+def _sources(parts: Parts, rows: int) -> tuple:
+    """What a layer's entries at ``rows`` rows are made of: its projections' copies at that row count
+    (None where one takes another path) and its norms' weights."""
+    return (parts.qkv.kernel_for(rows), parts.o.kernel_for(rows), parts.mlp.fused_glu_for(rows),
+            parts.down.kernel_for(rows), parts.norm1_weight, parts.norm2_weight)  # fmt: skip
+
+
+def _layer(parts: Parts, sources: tuple, k: int, v: int, dtype: torch.dtype) -> _Layer | None:
+    """A layer's entries from its :func:`_sources`, or None where a part of it takes another path."""
+    *kernels, w1, w2 = sources
+    if w1.dtype != dtype or w2.dtype != dtype:
         return None
-    kernels = (parts.qkv.kernel_for(rows), parts.o.kernel_for(rows), parts.mlp.fused_glu_for(rows),
-               parts.down.kernel_for(rows))  # fmt: skip
     if not all(isinstance(w, KernelWeights) and w.dtype == dtype for w in kernels):
         return None
     qkv, o, glu, down = (w.entry() for w in kernels)  # type: ignore[union-attr]
@@ -126,10 +134,12 @@ class _Buffers:
 
 
 class DecodeReplay:
-    """One step's decoder stack as kernel calls (made by :func:`build`, run once by :meth:`run`)."""
+    """One step's decoder stack as kernel calls (made by :meth:`Replayer.build`, run once by :meth:`run`)."""
 
     def __init__(self, layers: list[_Layer], kv_cache: torch.Tensor, meta: AttentionMetadata,
-                 plan: TorchAttentionPlan, attn: nn.Module, rows: int, hidden: int, inter: int) -> None:  # fmt: skip
+                 plan: TorchAttentionPlan, attn: nn.Module, rows: int, hidden: int, inter: int,
+                 native: ctypes.Array | None = None) -> None:  # fmt: skip
+        """``native``: ``layers`` as ``cpu_replay``'s array, where the step's calls may be made from C."""
         self.layers, self.kv_cache, self.plan = layers, kv_cache, plan
         self.rows, self.hidden, self.inter = rows, hidden, inter
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -161,6 +171,8 @@ class DecodeReplay:
         if (kv is not None and self.dtype == kv.dtype == torch.float32 and fn is not None
                 and kv.shape[3] == self.kv_heads and cpu_prefix.available(self.dtype, self.head_dim)):  # fmt: skip
             self.prefix32 = (fn, cpu_prefix.workspace(kv.shape[2], self.kv_heads, self.head_dim))
+        # From C where the prefix part, if any, is a kernel's (the torch prefix_part is Python's).
+        self.native = native if cascade is None or self.tiles is not None or self.prefix32 is not None else None
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stack over the embeddings ``h [rows, hidden]`` with the step's rotary tables
@@ -170,9 +182,17 @@ class DecodeReplay:
         b = _Buffers(n, width, self.heads, self.head_dim, self.qkv_width, inter, self.dtype)
         if self.tiles is not None or self.prefix32 is not None:
             b.share(self.kv_heads, self.group, self.head_dim, self.dtype)
+        threads = torch.get_num_threads()
+        if self.native is not None:
+            step = native_step(self, b, h, cos, sin, threads)
+            try:
+                cpu_replay.run(step, self.native)
+            finally:
+                if self.tiles is not None:
+                    self.tiles.packed_layer = None if step.packed_layer < 0 else step.packed_layer
+            return b.down, h if step.residual < 0 else b.residuals[step.residual]
         x, o, down, qkv, act = (t.data_ptr() for t in (b.x, b.o, b.down, b.qkv, b.act))
         norm = self.ops.norm  # type: ignore[union-attr]
-        threads = torch.get_num_threads()
         q_view = b.qkv[:, : self.q_size].view(n, self.heads, self.head_dim)
         rope = (cos.data_ptr(), sin.data_ptr())
         # Each norm after a residual add writes the new residual into the buffer its input is not in.
@@ -232,36 +252,68 @@ def _project(entry: Entry, x: int, x_stride: int, out: int, rows: int, out_featu
         raise ValueError("a projection kernel refused the step")  # not reached: build() checked the shapes
 
 
-def build(parts: list[Parts], kv_cache: torch.Tensor, meta: AttentionMetadata, h: torch.Tensor,
-          cos: torch.Tensor, sin: torch.Tensor) -> DecodeReplay | None:  # fmt: skip
-    """The step over ``h [rows, hidden]`` of the layers whose :func:`parts_of` is ``parts`` as a
-    :class:`DecodeReplay`, or None where it does not qualify (the module docstring)."""
-    plan = meta.torch_plan
-    if labels.active() or not isinstance(plan, TorchAttentionPlan) or not plan.fused or h.dim() != 2:
-        return None
-    rows, dtype = h.shape[0], h.dtype
-    group = plan.one_group(rows)
-    if not rows or group is None or group.spans is None or group.starts is None or plan.sliding_window is not None:
-        return None
-    cascade = plan.cascade
-    if cascade is not None and (cascade.rows.numel() != rows or not cascade.gathered):
-        return None
-    if not _cache_fits(kv_cache, dtype, len(parts)) or not _tables_fit(h, cos, sin, meta):
-        return None
-    attn = parts[0].attn
-    if not cpu_decode.supports(dtype, dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim):
-        return None
-    if kv_cache.shape[4:] != (attn.num_kv_heads, attn.head_dim) or cpu_ops.entries(dtype) is None:
-        return None
-    es, stride, base = kv_cache.element_size(), kv_cache.stride(), kv_cache.data_ptr()
-    entries = []
-    for i, layer in enumerate(parts):
-        k = base + i * stride[1] * es
-        entry = _layer(layer, rows, k, k + stride[2] * es, dtype)
-        if entry is None:
+class Replayer:
+    """Makes each step's :class:`DecodeReplay` for one model's layers (their :func:`parts_of`).
+
+    A layer's entries at a row count (its kernels, packed weights, norms, K/V planes) stay the same from
+    step to step, so they are kept per row count and cache, and made again only where one of the objects
+    they were made from (:func:`_sources`: the copies each projection takes at that row count, which
+    ``pack_onednn``, ``load_weights`` or a change of row paths replace) is no longer the same."""
+
+    def __init__(self, parts: list[Parts]) -> None:
+        self.parts = parts
+        self._kept: dict[tuple, tuple[list[tuple], list[_Layer] | None, ctypes.Array | None]] = {}
+
+    def build(self, kv_cache: torch.Tensor, meta: AttentionMetadata, h: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, native: bool = True) -> DecodeReplay | None:  # fmt: skip
+        """The step over ``h [rows, hidden]`` as a :class:`DecodeReplay`, or None where it does not
+        qualify (the module docstring); its calls made from C (``cpu_replay``) where ``native`` and the
+        library is built, else from Python."""
+        parts, plan = self.parts, meta.torch_plan
+        if labels.active() or not isinstance(plan, TorchAttentionPlan) or not plan.fused or h.dim() != 2:
             return None
-        entries.append(entry)
-    return DecodeReplay(entries, kv_cache, meta, plan, attn, rows, h.shape[1], parts[0].mlp.inter)
+        rows, dtype = h.shape[0], h.dtype
+        group = plan.one_group(rows)
+        if not rows or group is None or group.spans is None or group.starts is None or plan.sliding_window is not None:
+            return None
+        cascade = plan.cascade
+        if cascade is not None and (cascade.rows.numel() != rows or not cascade.gathered):
+            return None
+        if not _cache_fits(kv_cache, dtype, len(parts)) or not _tables_fit(h, cos, sin, meta):
+            return None
+        attn = parts[0].attn
+        if not cpu_decode.supports(dtype, dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim):
+            return None
+        if kv_cache.shape[4:] != (attn.num_kv_heads, attn.head_dim) or cpu_ops.entries(dtype) is None:
+            return None
+        kept = self._entries(kv_cache, rows, dtype)
+        if kept is None:
+            return None
+        entries, array = kept
+        return DecodeReplay(entries, kv_cache, meta, plan, attn, rows, h.shape[1], parts[0].mlp.inter,
+                            array if native else None)  # fmt: skip
+
+    def _entries(self, kv_cache: torch.Tensor, rows: int,
+                 dtype: torch.dtype) -> tuple[list[_Layer], ctypes.Array | None] | None:  # fmt: skip
+        """Every layer's entries at ``rows`` rows, or None where a layer takes another path: kept while
+        every layer's :func:`_sources` are the same objects."""
+        if any(p.attn.k_scale != 1.0 or p.attn.v_scale != 1.0 for p in self.parts):
+            return None
+        sources = [_sources(p, rows) for p in self.parts]
+        key = (rows, dtype, kv_cache.data_ptr(), kv_cache.stride())
+        kept = self._kept.get(key)
+        if kept is None or not all(a is b for old, new in zip(kept[0], sources) for a, b in zip(old, new)):
+            es, stride, base = kv_cache.element_size(), kv_cache.stride(), kv_cache.data_ptr()
+            entries: list[_Layer] | None = []
+            for i, (layer, src) in enumerate(zip(self.parts, sources)):
+                k = base + i * stride[1] * es
+                entry = _layer(layer, src, k, k + stride[2] * es, dtype)
+                if entry is None:
+                    entries = None
+                    break
+                entries.append(entry)  # type: ignore[union-attr]
+            kept = self._kept[key] = (sources, entries, None if entries is None else native_layers(entries))
+        return None if kept[1] is None else (kept[1], kept[2])
 
 
 def _cache_fits(kv_cache: torch.Tensor, dtype: torch.dtype, layers: int) -> bool:

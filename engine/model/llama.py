@@ -296,7 +296,8 @@ class LlamaForCausalLM(nn.Module):
         # Steps that qualify run their stack as the C kernels' calls alone (decode_replay.py); False:
         # every step takes the modules (the replay's results are the same bits).
         self.replay_decode = True
-        self._replay_parts: list[decode_replay.Parts] | None = None  # its layers' parts (empty: none qualify)
+        self.replay_native = True  # the replay's calls made from C (cpu_replay.c) where built; False: from Python
+        self._replayer: decode_replay.Replayer | None = None  # its layers' replays (parts empty: none qualify)
         self.last_step_replayed = False  # whether the last forward ran as the replay (benchmarks read it)
         # The KV heads the layers' attention reads (a rank's slice, else all), for the step's one gather of
         # a cascade's prefix; None where the layers are not this file's Attention (MLA's read no cascade).
@@ -333,10 +334,10 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = m.rotary_emb.lookup(positions, h.dtype)  # shared by all layers
         replay = None
         if self.replay_decode:
-            if self._replay_parts is None:
-                self._replay_parts = decode_replay.parts_of(m.layers) or []
-            if self._replay_parts:
-                replay = decode_replay.build(self._replay_parts, kv_cache, attn_meta, h, cos, sin)
+            if self._replayer is None:
+                self._replayer = decode_replay.Replayer(decode_replay.parts_of(m.layers) or [])
+            if self._replayer.parts:
+                replay = self._replayer.build(kv_cache, attn_meta, h, cos, sin, self.replay_native)
         self.last_step_replayed = replay is not None
         if replay is not None:
             h, residual = replay.run(h, cos, sin)

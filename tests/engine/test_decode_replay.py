@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.kernels import cpu_amx_prefix, cpu_decode, cpu_ops, cpu_prefix, labels
+from pdserve.engine.kernels import cpu_amx_prefix, cpu_decode, cpu_ops, cpu_prefix, cpu_replay, labels
 from pdserve.engine.kernels.cascade import MIN_SEQS
 from pdserve.engine.model import ModelConfig, decode_replay
 from pdserve.engine.model.gemm_paths import RowPaths
@@ -43,18 +43,36 @@ def replays(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield seen
 
 
+@pytest.fixture
+def native_prefixes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """A list that gets the prefix kind (``cpu_replay.PREFIX_*``) of each step whose calls C makes."""
+    seen: list[int] = []
+    run = cpu_replay.run
+
+    def counted(step: cpu_replay.Step, layers: object) -> None:
+        seen.append(step.prefix)
+        run(step, layers)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_replay, "run", counted)
+    yield seen
+
+
+NATIVE = [pytest.param(True, id="from-C"), pytest.param(False, id="from-Python")]
+
+
 def _prompts(shared: int, count: int, seed: int = 3) -> tuple[list[int], list[list[int]]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(256) for _ in range(shared)]
     return prefix, [prefix + [rng.randrange(256) for _ in range(3 + i)] for i in range(count)]
 
 
-def _generate(model: str, dtype: str, replay: bool, prefix: list[int],
-              prompts: list[list[int]]) -> tuple[list[tuple[list[int], list]], bool]:  # fmt: skip
-    """Every prompt's greedy tokens and top-5 log-probs, the prefix cached first, the replay on or off;
-    and whether the replay can run here (:func:`_replayable`)."""
+def _generate(model: str, dtype: str, replay: bool, prefix: list[int], prompts: list[list[int]],
+              native: bool = True) -> tuple[list[tuple[list[int], list]], bool]:  # fmt: skip
+    """Every prompt's greedy tokens and top-5 log-probs, the prefix cached first, the replay on or off
+    (its calls made from C or from Python); and whether the replay can run here (:func:`_replayable`)."""
     llm = LLM(model, dtype=dtype, num_blocks=256, block_size=BS)
     llm.engine.runner.model.replay_decode = replay
+    llm.engine.runner.model.replay_native = native
     params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=5)
     llm.generate([prefix + [1]], SamplingParams(max_tokens=2, ignore_eos=True))
     outs = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
@@ -72,17 +90,22 @@ def _replayable(llm: LLM, rows: int) -> bool:
     return runner.fused_decode and all(k is not None for k in kernels)
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("count", [3, MIN_SEQS])  # no cascade; a cascade over the cached prefix
-def test_the_replay_equals_the_module_path_bit_for_bit(tiny_model: str, replays: list[int], dtype: str,
-                                                       count: int) -> None:  # fmt: skip
+def test_the_replay_equals_the_module_path_bit_for_bit(tiny_model: str, replays: list[int], dtype: str, count: int,
+                                                       native: bool, native_prefixes: list[int]) -> None:  # fmt: skip
     prefix, prompts = _prompts(160, count)
-    on, replayable = _generate(tiny_model, dtype, True, prefix, prompts)
+    on, replayable = _generate(tiny_model, dtype, True, prefix, prompts, native)
     if not replayable:
         assert replays == []
         pytest.skip(f"no C kernel for every {dtype} projection here")
     assert len(replays) >= 7  # the decode steps (and the prompts' tails, row by row, where they join the cascade)
     assert max(replays) >= count
+    if not native or not cpu_replay.available():
+        assert native_prefixes == []
+    elif count < MIN_SEQS:  # the decode steps, no cascade: their calls made from C
+        assert native_prefixes.count(cpu_replay.PREFIX_NONE) >= 6
     replays.clear()
     off, _ = _generate(tiny_model, dtype, False, prefix, prompts)
     assert replays == []
@@ -90,21 +113,27 @@ def test_the_replay_equals_the_module_path_bit_for_bit(tiny_model: str, replays:
 
 
 @pytest.mark.skipif(not cpu_amx_prefix.available(torch.bfloat16, 32), reason="no AMX here")
-def test_the_replay_reads_the_prefix_through_the_amx_tiles(wide_model: str, replays: list[int]) -> None:
+@pytest.mark.parametrize("native", NATIVE)
+def test_the_replay_reads_the_prefix_through_the_amx_tiles(wide_model: str, replays: list[int], native: bool,
+                                                           native_prefixes: list[int]) -> None:  # fmt: skip
     prefix, prompts = _prompts(160, MIN_SEQS, seed=4)
-    on, replayable = _generate(wide_model, "bfloat16", True, prefix, prompts)
+    on, replayable = _generate(wide_model, "bfloat16", True, prefix, prompts, native)
     if not replayable:
         pytest.skip("no C kernel for every bfloat16 projection here")
     assert len(replays) >= 7
+    if native and cpu_replay.available():
+        assert native_prefixes.count(cpu_replay.PREFIX_TILES) >= 7
     assert on == _generate(wide_model, "bfloat16", False, prefix, prompts)[0]
 
 
 @pytest.mark.skipif(not cpu_prefix.available(torch.float32, 16), reason="the float32 prefix kernel is not built here")
-def test_the_replay_reads_a_float32_prefix_through_its_kernel(tiny_model: str, replays: list[int],
+@pytest.mark.parametrize("native", NATIVE)
+def test_the_replay_reads_a_float32_prefix_through_its_kernel(tiny_model: str, replays: list[int], native: bool,
+                                                              native_prefixes: list[int],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """A float32 cascade's prefix part goes from the replay to ``cpu_prefix`` straight into the step's
-    buffers, once a layer, with the module path's results (which reach the same kernel through
-    ``prefix_part``)."""
+    buffers, once a layer (from Python: ``_prefix32``; from C: the step's prefix kind), with the module
+    path's results (which reach the same kernel through ``prefix_part``)."""
     calls: list[int] = []
     attend = decode_replay.DecodeReplay._prefix32
 
@@ -114,11 +143,14 @@ def test_the_replay_reads_a_float32_prefix_through_its_kernel(tiny_model: str, r
 
     monkeypatch.setattr(decode_replay.DecodeReplay, "_prefix32", counted)
     prefix, prompts = _prompts(160, MIN_SEQS, seed=8)
-    on, replayable = _generate(tiny_model, "float32", True, prefix, prompts)
+    on, replayable = _generate(tiny_model, "float32", True, prefix, prompts, native)
     if not replayable:
         pytest.skip("no C kernel for every float32 projection here")
-    layers = ModelConfig.from_path(tiny_model).num_hidden_layers
-    assert calls and len(calls) % layers == 0 and calls[:layers] == list(range(layers))
+    if native and cpu_replay.available():
+        assert not calls and native_prefixes.count(cpu_replay.PREFIX_F32) >= 7
+    else:
+        layers = ModelConfig.from_path(tiny_model).num_hidden_layers
+        assert calls and len(calls) % layers == 0 and calls[:layers] == list(range(layers))
     assert on == _generate(tiny_model, "float32", False, prefix, prompts)[0]
 
 
@@ -162,6 +194,34 @@ def test_a_row_count_sent_to_torch_s_product_takes_the_module_path(tiny_model: s
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids == out
 
 
+
+
+def test_layer_entries_are_kept_until_a_row_path_changes(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay's layer entries are made once per row count and kept from step to step; a projection
+    whose row paths change after some steps takes the module path from the next step on, with the
+    tokens of an engine without the replay."""
+    layer_lists: list[object] = []
+    run = decode_replay.DecodeReplay.run
+
+    def recorded(self: decode_replay.DecodeReplay, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layer_lists.append(self.layers)
+        return run(self, *args)
+
+    monkeypatch.setattr(decode_replay.DecodeReplay, "run", recorded)
+    llm = LLM(tiny_model, num_blocks=64, block_size=BS)
+    proj = llm.engine.runner.model.model.layers[1].self_attn.o_proj
+    if proj.kernel_for(1) is None:
+        pytest.skip("o_proj takes no C kernel here")
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    first = llm.generate([[5, 6, 7]], params)[0].token_ids
+    assert len(layer_lists) >= 5 and all(x is layer_lists[0] for x in layer_lists)
+    layer_lists.clear()
+    proj.paths = RowPaths.every(True)
+    assert llm.generate([[5, 6, 7]], params)[0].token_ids == first
+    assert layer_lists == []
+    proj.paths = None  # back to the copy: replayed again, with entries made anew
+    assert llm.generate([[5, 6, 7]], params)[0].token_ids == first
+    assert len(layer_lists) >= 5
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("variant", ["qwen2_bias", "mqa", "tied", "mistral_window"])
