@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine import hugepages
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -80,7 +82,8 @@ class KVTensor:
                  shared: bool = False) -> None:  # fmt: skip
         """``shared``: a CPU cache in an anonymous shared-memory file (``memfd``, owner-only, no
         name in any file system) that the worker's tensor-parallel ranks map too (:attr:`fd`,
-        :meth:`attach`); otherwise ordinary memory."""
+        :meth:`attach`); otherwise the process's own memory, on 2 MB pages where the OS allows
+        (``engine/hugepages.py``: the decode kernel's reads of blocks anywhere in it miss the TLB less)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.layout = layout
@@ -88,7 +91,9 @@ class KVTensor:
         self.fd: int | None = None
         shape = (num_blocks, *self.block_shape(layout))
         if not shared:
-            self.tensor = torch.zeros(shape, dtype=layout.dtype, device=device)
+            on_cpu = torch.device(device).type == "cpu"
+            self.tensor = (hugepages.zeros(shape, layout.dtype) if on_cpu
+                           else torch.zeros(shape, dtype=layout.dtype, device=device))  # fmt: skip
             return
         if torch.device(device).type != "cpu":
             raise ValueError("a shared KV cache is a CPU cache")
