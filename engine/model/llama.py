@@ -22,7 +22,7 @@ from torch import nn
 
 from pdserve.engine.kernels import cpu_amx, cpu_gemm, cpu_ops, gather_shared_prefix, paged_attention, write_kv
 from pdserve.engine.kernels.metadata import AttentionMetadata
-from pdserve.engine.model import decode_replay
+from pdserve.engine.model import decode_replay, replayer
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.gemm_paths import GEMM_CHOICES, Projection, RowPaths, choose
 from pdserve.engine.model.linear import Linear, PackedWeights, onednn_supported, packed_copy, project
@@ -297,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
         # every step takes the modules (the replay's results are the same bits).
         self.replay_decode = True
         self.replay_native = True  # the replay's calls made from C (cpu_replay.c) where built; False: from Python
-        self._replayer: decode_replay.Replayer | None = None  # its layers' replays (parts empty: none qualify)
+        self._replayer: replayer.Replayer | None = None  # its layers' replays (parts empty: none qualify)
         self.last_step_replayed = False  # whether the last forward ran as the replay (benchmarks read it)
         # The KV heads the layers' attention reads (a rank's slice, else all), for the step's one gather of
         # a cascade's prefix; None where the layers are not this file's Attention (MLA's read no cascade).
@@ -335,7 +335,7 @@ class LlamaForCausalLM(nn.Module):
         replay = None
         if self.replay_decode:
             if self._replayer is None:
-                self._replayer = decode_replay.Replayer(decode_replay.parts_of(m.layers) or [])
+                self._replayer = replayer.Replayer(decode_replay.parts_of(m.layers) or [])
             if self._replayer.parts:
                 replay = self._replayer.build(kv_cache, attn_meta, h, cos, sin, self.replay_native)
         self.last_step_replayed = replay is not None

@@ -15,10 +15,10 @@ import torch
 from pdserve.engine.kernels import cpu_amx_prefix, cpu_replay
 
 if TYPE_CHECKING:
-    from pdserve.engine.model.decode_replay import DecodeReplay, _Buffers, _Layer
+    from pdserve.engine.model.decode_replay import DecodeReplay, LayerEntry, _Buffers
 
 
-def native_layers(layers: list[_Layer]) -> ctypes.Array | None:
+def native_layers(layers: list[LayerEntry]) -> ctypes.Array | None:
     """``layers`` as ``cpu_replay``'s array, or None where the library is not built here."""
     if not cpu_replay.available():
         return None
