@@ -81,6 +81,9 @@ struct step {
     int64_t packed_layer, failed_layer, residual;
 };
 
+/* A row of the step's q, k and v: every query head's values, then every KV head's K, then V. */
+static inline int64_t qkv_width(const struct step *s) { return (s->heads + 2 * s->kv_heads) * s->head_dim; }
+
 static int project(const struct projection *p, const void *x, int64_t x_stride, void *out, int64_t rows, int64_t n,
                    int64_t k, int threads) {
     return ((project_fn)p->fn)(x, x_stride, p->packed, p->bias, out, rows, n, k, threads);
@@ -88,18 +91,18 @@ static int project(const struct projection *p, const void *x, int64_t x_stride, 
 
 /* Layer i's prefix part into s->shared_out / shared_lse (none without a prefix). */
 static int prefix_part(struct step *s, int64_t i, const char *qkv, int threads) {
-    const int64_t group = s->heads / s->kv_heads, qkv_width = s->heads * s->head_dim + 2 * s->kv_heads * s->head_dim;
+    const int64_t group = s->heads / s->kv_heads, width = qkv_width(s);
     if (s->prefix == PREFIX_TILES) {
         const char *cache = i == s->packed_layer ? NULL : s->tiles_view + i * s->tv_layer * s->elem_bytes;
         const int failed = ((tiles_fn)s->prefix_fn)(cache, s->tv_block, s->tv_plane, s->tv_token, s->tv_head,
-                                                    s->tiles_blocks, s->block_size, qkv, qkv_width, (void *)s->kp,
+                                                    s->tiles_blocks, s->block_size, qkv, width, (void *)s->kp,
                                                     (void *)s->vp, s->shared_out, s->shared_lse, s->rows, s->kv_heads,
                                                     group, s->keys, s->keys_pad, s->head_dim, (float)s->scale, threads);
         s->packed_layer = failed ? -1 : i; /* after a failure, the next call packs again */
         return failed ? NO_ROW_BUFFER : 0;
     }
     if (s->prefix == PREFIX_F32)
-        return ((prefix32_fn)s->prefix_fn)(qkv, qkv_width, s->prefix_kv[2 * i], s->prefix_kv[2 * i + 1], s->kt, s->rows,
+        return ((prefix32_fn)s->prefix_fn)(qkv, width, s->prefix_kv[2 * i], s->prefix_kv[2 * i + 1], s->kt, s->rows,
                                            s->kv_heads, group, s->keys, s->head_dim, (float)s->scale, s->shared_out,
                                            s->shared_lse, threads) ? REFUSED_PREFIX32 : 0;
     return 0;
@@ -108,7 +111,7 @@ static int prefix_part(struct step *s, int64_t i, const char *qkv, int threads) 
 /* Layer i's q and k rotated in s->qkv, its K and V written to the cache, its attention into s->attn. */
 static int attend(struct step *s, const struct layer *l, int64_t i, int threads) {
     const int64_t n = s->rows, es = s->elem_bytes, q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
-    const int64_t width = q_size + 2 * kv_size, row_bytes = width * es;
+    const int64_t width = qkv_width(s), row_bytes = width * es;
     char *qkv = s->qkv;
     ((rotary_fn)s->rotary)(qkv, width, n, s->heads + s->kv_heads, s->head_dim, s->cos, s->sin, threads);
     ((write_kv_fn)s->write_kv)(qkv + q_size * es, row_bytes, qkv + (q_size + kv_size) * es, row_bytes, l->k, l->v,
@@ -123,7 +126,6 @@ static int attend(struct step *s, const struct layer *l, int64_t i, int threads)
 
 int pdserve_replay_stack(struct step *s, const struct layer *layers, int64_t num_layers) {
     const int64_t n = s->rows, width = s->hidden, inter = s->inter, q_size = s->heads * s->head_dim;
-    const int64_t qkv_width = q_size + 2 * s->kv_heads * s->head_dim;
     const int threads = (int)s->threads;
     const norm_fn norm = (norm_fn)s->norm;
     /* Each norm after a residual add writes the new residual into the buffer its input is not in. */
@@ -132,7 +134,6 @@ int pdserve_replay_stack(struct step *s, const struct layer *layers, int64_t num
     s->failed_layer = -1;
     for (int64_t i = 0; i < num_layers; i++) {
         const struct layer *l = &layers[i];
-        int failed = 0;
         if (i == 0) { /* the first layer: its norm's input is the residual itself, no add */
             norm(s->h, width, NULL, 0, s->h, l->norm1, s->x, n, width, (float)l->eps1, threads);
         } else {
@@ -140,22 +141,21 @@ int pdserve_replay_stack(struct step *s, const struct layer *layers, int64_t num
             residual = turn, turn ^= 1;
             norm(BUF(last), width, s->down, width, BUF(residual), l->norm1, s->x, n, width, (float)l->eps1, threads);
         }
-        if (project(&l->qkv, s->x, width, s->qkv, n, qkv_width, width, threads)) failed = REFUSED_PROJECTION;
-        if (!failed) failed = attend(s, l, i, threads);
+        int failed = project(&l->qkv, s->x, width, s->qkv, n, qkv_width(s), width, threads) ? REFUSED_PROJECTION
+                                                                                            : attend(s, l, i, threads);
         if (!failed && project(&l->o, s->attn, q_size, s->o, n, width, q_size, threads)) failed = REFUSED_PROJECTION;
+        if (!failed) {
+            const int64_t last = residual;
+            residual = turn, turn ^= 1;
+            norm(BUF(last), width, s->o, width, BUF(residual), l->norm2, s->x, n, width, (float)l->eps2, threads);
+            if (project(&l->glu, s->x, width, s->act, n, inter, width, threads) ||
+                project(&l->down, s->act, inter, s->down, n, width, inter, threads))
+                failed = REFUSED_PROJECTION;
+        }
         if (failed) {
             s->failed_layer = i;
             s->residual = residual;
             return failed;
-        }
-        const int64_t last = residual;
-        residual = turn, turn ^= 1;
-        norm(BUF(last), width, s->o, width, BUF(residual), l->norm2, s->x, n, width, (float)l->eps2, threads);
-        if (project(&l->glu, s->x, width, s->act, n, inter, width, threads) ||
-            project(&l->down, s->act, inter, s->down, n, width, inter, threads)) {
-            s->failed_layer = i;
-            s->residual = residual;
-            return REFUSED_PROJECTION;
         }
     }
 #undef BUF

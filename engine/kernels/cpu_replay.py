@@ -16,6 +16,7 @@ import ctypes
 import functools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pdserve.engine.kernels import cpu_build
 
@@ -79,13 +80,14 @@ def address(fn: ctypes._CFuncPtr) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value or 0
 
 
-def layers(rows: Sequence[tuple]) -> ctypes.Array:
-    """An array of :class:`Layer` from ``(norm1, norm2, eps1, eps2, qkv, o, glu, down, k, v)`` tuples, each
+def layers(entries: Sequence[Any]) -> ctypes.Array:
+    """An array of :class:`Layer` from entries with the same fields (``decode_replay.LayerEntry``), each
     projection ``(fn, packed, bias)`` with ``fn`` a ctypes function (its address is taken)."""
-    out = (Layer * len(rows))()
-    for dst, (norm1, norm2, eps1, eps2, *projections, k, v) in zip(out, rows):
-        dst.norm1, dst.norm2, dst.eps1, dst.eps2, dst.k, dst.v = norm1, norm2, eps1, eps2, k, v
-        for name, (fn, packed, bias) in zip(("qkv", "o", "glu", "down"), projections):
+    out = (Layer * len(entries))()
+    for dst, e in zip(out, entries):
+        dst.norm1, dst.norm2, dst.eps1, dst.eps2, dst.k, dst.v = e.norm1, e.norm2, e.eps1, e.eps2, e.k, e.v
+        for name in ("qkv", "o", "glu", "down"):
+            fn, packed, bias = getattr(e, name)
             setattr(dst, name, Projection(address(fn), packed, bias))
     return out
 

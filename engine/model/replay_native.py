@@ -22,7 +22,7 @@ def native_layers(layers: list[LayerEntry]) -> ctypes.Array | None:
     """``layers`` as ``cpu_replay``'s array, or None where the library is not built here."""
     if not cpu_replay.available():
         return None
-    return cpu_replay.layers([(l.norm1, l.norm2, l.eps1, l.eps2, l.qkv, l.o, l.glu, l.down, l.k, l.v) for l in layers])
+    return cpu_replay.layers(layers)
 
 
 def native_step(r: DecodeReplay, b: _Buffers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
