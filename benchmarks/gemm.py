@@ -17,9 +17,14 @@ against bfloat16.
    step (the decode steps: a handful of steps prefill, the rest decode the whole batch). Then one
    more round per dtype under ``torch.profiler``: the share of operator time in the projections
    (oneDNN's linear ops, their conversions, ``aten::mm``/``addmm``), and from it the projections'
-   TFLOP/s inside the engine. ``matmul floor``: a decode step's projections at part 1's speed for
-   that row count (all layers and the LM head); ``step / floor`` says how far the engine is from
-   the matmul limit.
+   TFLOP/s inside the engine. ``compute floor``: a decode step's products alone (every layer's
+   projections and the LM head at the step's row count through the engine's path, one weight per
+   shape, hot in cache as in part 1), timed beside every engine round (so that the machine's speed
+   that hour falls on both); ``limit`` (floor / step) says how far the engine is from the matmul
+   limit. ``K/V reads``: the bytes of K/V a decode step halfway through the run
+   reads (every sequence's prompt and half its tokens, every layer, once) at the measured memory
+   speed; ``ceiling`` (floor / (floor + K/V reads)) is the highest ``limit`` a step that also reads
+   its K/V can reach on this workload, before any norm, sampling or host work.
 
 Run: ``python -m pdserve.benchmarks.gemm [--quick] [--json] [--model DIR|FILE.gguf] [--no-engine]``.
 """
@@ -46,6 +51,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ROWS = (1, 8, 32, 256)
+FLOOR_CALLS = 7  # the step's products timed after each engine round, per dtype
 LABELS = {"float32_f_linear": "fp32 F.linear", "float32_engine": "fp32 engine", "bfloat16_f_linear": "bf16 F.linear",
           "bfloat16_engine": "bf16 engine"}  # fmt: skip
 # Operators that are the projections (self time): oneDNN's linear and its conversions, BLAS's mm.
@@ -130,6 +136,17 @@ def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(low, vocab) for _ in range(rng.randint(16, 128))] for _ in range(n)]
 
 
+def timed_median(fn: Callable[[], object], calls: int) -> float:
+    """Median seconds of ``calls`` calls of ``fn`` (after one untimed)."""
+    fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float]]:
     """Wall seconds of generating ``max_tokens`` for every prompt, and each engine step's seconds."""
     engine = llm.engine
@@ -182,16 +199,50 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     return nbytes / statistics.median(times)
 
 
-def engine_part(model: str, config: ModelConfig, num_prompts: int, max_tokens: int, repeats: int,
-                table: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+def step_products(config: ModelConfig, rows: int, dtype: torch.dtype) -> Callable[[], None]:
+    """A decode step's products alone: each layer's projections ``num_hidden_layers`` times and the LM
+    head once, ``rows`` rows, through the engine's path, one weight per shape."""
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for name, (k, n) in projection_shapes(config).items():
+        layer = packed_layer((torch.randn(n, k, generator=g) * k**-0.5).to(dtype))
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        calls.append((layer, x, 1 if name == "lm_head" else config.num_hidden_layers))
+
+    @torch.no_grad()
+    def run() -> None:
+        for layer, x, times in calls:
+            for _ in range(times):
+                layer(x)
+
+    return run
+
+
+def ms(seconds: float) -> float:
+    """Milliseconds to 4 significant figures (a tiny model's floors are fractions of one)."""
+    return float(f"{seconds * 1e3:.4g}")
+
+
+def kv_read_bytes(llm: Any, prompts: list[list[int]], max_tokens: int) -> int:
+    """Bytes of K/V a decode step halfway through ``max_tokens`` reads: each sequence's positions so far
+    (its prompt and half its tokens) in every layer, once, at the engine's KV layout."""
+    layout = llm.engine.kv_tensor.layout
+    per_token = layout.block_nbytes // layout.block_size
+    return per_token * sum(len(p) + max_tokens // 2 for p in prompts)
+
+
+def engine_part(model: str, config: ModelConfig, num_prompts: int, max_tokens: int, repeats: int) -> dict[str, Any]:
     """Part 2: one engine per dtype, alternating rounds; tokens/s, step times, the projections' share
-    of a decode step, and the floors a decode step's projections cannot go below."""
+    of a decode step, the floors a decode step's projections cannot go below, and the K/V it reads."""
     from pdserve.engine.llm import LLM
 
     llms = {d: LLM(model, dtype=d, max_model_len=1024, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
             for d in DTYPES}  # fmt: skip
     for llm in llms.values():  # warm-up: oneDNN compiles its kernels for the shapes seen
         timed_generate(llm, make_prompts(num_prompts, config.vocab_size, seed=99), 4)
+    products = {d: step_products(config, num_prompts, dtype) for d, dtype in DTYPES.items()}
+    floors: dict[str, list[float]] = {d: [] for d in DTYPES}
+    bandwidths: list[float] = []
     walls: dict[str, list[float]] = {d: [] for d in DTYPES}
     firsts: dict[str, list[float]] = {d: [] for d in DTYPES}
     steps: dict[str, list[float]] = {d: [] for d in DTYPES}
@@ -202,8 +253,11 @@ def engine_part(model: str, config: ModelConfig, num_prompts: int, max_tokens: i
             walls[d].append(wall)
             firsts[d].append(st[0])
             steps[d].extend(st)
-            log(f"{d}: round {r + 1}/{repeats}: {num_prompts * max_tokens / wall:.1f} output tok/s")
-    bandwidth = read_bandwidth()
+            floors[d].append(timed_median(products[d], FLOOR_CALLS))
+            tok_s = num_prompts * max_tokens / wall
+            log(f"{d}: round {r + 1}/{repeats}: {tok_s:.1f} output tok/s, products alone {floors[d][-1] * 1e3:.2f} ms")
+        bandwidths.append(read_bandwidth())
+    bandwidth = statistics.median(bandwidths)
     shapes = projection_shapes(config)
     weights = config.num_hidden_layers * sum(k * n for name, (k, n) in shapes.items() if name != "lm_head")
     weights += config.hidden_size * config.vocab_size  # the LM head
@@ -216,17 +270,24 @@ def engine_part(model: str, config: ModelConfig, num_prompts: int, max_tokens: i
         share = decode_profile(llm, make_prompts(num_prompts, config.vocab_size, seed=1000), max_tokens)
         step_s = statistics.median(steps[d])
         projection_s = share * step_s
-        compute = compute_floor(table, config, num_prompts, d)
+        compute = statistics.median(floors[d])
         streaming = weights * DTYPES[d].itemsize / bandwidth  # every weight read once per decode step
+        rounds = [make_prompts(num_prompts, config.vocab_size, seed=r) for r in range(repeats)]  # as timed
+        kv_bytes = round(statistics.mean(kv_read_bytes(llm, p, max_tokens) for p in rounds))
+        kv_s = kv_bytes / bandwidth
         out[d] = {
             "output_tok_per_s": round(num_prompts * max_tokens / statistics.median(walls[d]), 1),
             "first_step_ms": round(statistics.median(firsts[d]) * 1e3, 1),
-            "median_step_ms": round(step_s * 1e3, 2),
+            "median_step_ms": ms(step_s),
             "projection_share": round(share, 3),
             "projection_ms": round(projection_s * 1e3, 2),
             "projection_tflops_in_engine": float(f"{step_flops / projection_s / 1e12:.4g}") if share else None,
-            "compute_floor_ms": None if compute is None else round(compute * 1e3, 2),
+            "compute_floor_ms": ms(compute),
             "weight_read_floor_ms": round(streaming * 1e3, 2),
+            "kv_read_bytes": kv_bytes,
+            "kv_read_floor_ms": ms(kv_s),
+            "limit": round(compute / step_s, 3),
+            "ceiling": round(compute / (compute + kv_s), 3),
             "onednn": llm.engine.onednn,
         }
     fp32, bf16 = out["float32"], out["bfloat16"]
@@ -234,20 +295,6 @@ def engine_part(model: str, config: ModelConfig, num_prompts: int, max_tokens: i
                              "first_step": round(fp32["first_step_ms"] / bf16["first_step_ms"], 2),
                              "median_step": round(fp32["median_step_ms"] / bf16["median_step_ms"], 2)}  # fmt: skip
     return out
-
-
-def compute_floor(table: list[dict[str, Any]], config: ModelConfig, rows: int, dtype: str) -> float | None:
-    """Seconds a decode step of ``rows`` sequences spends in projections at part 1's engine-path speed,
-    weights hot in cache (None when part 1 did not time that row count)."""
-    speed = {t["shape"]: t["tflops"][f"{dtype}_engine"] for t in table if t["rows"] == rows and t["shape"] != "large"}
-    shapes = projection_shapes(config)
-    if set(speed) != set(shapes):
-        return None
-    total = 0.0
-    for name, (k, n) in shapes.items():
-        calls = 1 if name == "lm_head" else config.num_hidden_layers
-        total += calls * 2 * rows * k * n / (speed[name] * 1e12)
-    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_engine:
         prompts, max_tokens, engine_repeats = (4, 8, 1) if args.quick else (args.prompts, args.max_tokens,
                                                                             args.engine_repeats)  # fmt: skip
-        result["engine"] = engine_part(args.model, config, prompts, max_tokens, engine_repeats, result["gemm"])
+        result["engine"] = engine_part(args.model, config, prompts, max_tokens, engine_repeats)
     emit(result, args.json, report_rows(result))
     return 0
 
@@ -304,7 +351,10 @@ def report_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
                                        f"decode step {e['median_step_ms']} ms: projections "
                                        f"{e['projection_share']:.0%} = {e['projection_ms']} ms "
                                        f"({e['projection_tflops_in_engine']} TFLOP/s); floors: compute "
-                                       f"{e['compute_floor_ms']} ms, weight reads {e['weight_read_floor_ms']} ms"))
+                                       f"{e['compute_floor_ms']} ms, weight reads {e['weight_read_floor_ms']} ms, "
+                                       f"K/V reads {e['kv_read_floor_ms']} ms"))
+            against = f"{e['limit']} (floor / step); ceiling with the step's K/V reads {e['ceiling']}"
+            rows.append((f"engine {d} vs matmul limit", against))
         r = eng["bf16_over_fp32"]
         rows.append(("engine bf16 / fp32", f"{r['output_tok_per_s']}x output tok/s, {r['first_step']}x first step, "
                                            f"{r['median_step']}x decode step"))

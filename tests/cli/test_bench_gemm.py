@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+from pdserve.benchmarks.gemm import make_prompts
+from pdserve.engine.model.config import ModelConfig
 from tests.support import REPO
 
 
@@ -27,3 +29,15 @@ def test_gemm_bench_reports_every_shape_both_dtypes_and_the_engine(tiny_model: s
         e = eng[d]
         assert e["output_tok_per_s"] > 0 and e["median_step_ms"] > 0 and 0 < e["projection_share"] < 1
         assert e["weight_read_floor_ms"] > 0
+    # Against the limit: the step's products timed alone beside the rounds, and the K/V a mid-run decode step
+    # reads (every layer's K and V of each sequence's prompt and half its tokens) at the measured speed.
+    cfg = ModelConfig.from_path(tiny_model)
+    positions = sum(len(p) + 8 // 2 for p in make_prompts(4, cfg.vocab_size, seed=0))
+    for d, itemsize in (("float32", 4), ("bfloat16", 2)):
+        e = eng[d]
+        per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
+        assert e["kv_read_bytes"] == per_token * positions
+        floor, step, kv = e["compute_floor_ms"], e["median_step_ms"], e["kv_read_floor_ms"]
+        assert floor > 0 and kv > 0 and abs(kv - per_token * positions / (eng["read_gb_per_s"] * 1e6)) < 0.01 * kv
+        assert abs(e["limit"] - floor / step) < 2e-3
+        assert abs(e["ceiling"] - floor / (floor + kv)) < 2e-3 and 0 < e["ceiling"] < 1
