@@ -21,10 +21,12 @@ against bfloat16.
    projections and the LM head at the step's row count through the engine's path, one weight per
    shape, hot in cache as in part 1), timed beside every engine round (so that the machine's speed
    that hour falls on both); ``limit`` (floor / step) says how far the engine is from the matmul
-   limit. ``K/V reads``: the bytes of K/V a decode step halfway through the run
-   reads (every sequence's prompt and half its tokens, every layer, once) at the measured memory
-   speed; ``ceiling`` (floor / (floor + K/V reads)) is the highest ``limit`` a step that also reads
-   its K/V can reach on this workload, before any norm, sampling or host work.
+   limit. ``weight reads``: every weight once at the memory speed measured after each round (a plain
+   sum of a buffer far larger than the caches); ``K/V reads``: the bytes of K/V a decode step halfway
+   through the run reads (every sequence's prompt and half its tokens, every layer, once) at that
+   speed. A step reads at least both, so ``ceiling`` (floor / (weight reads + K/V reads)) is the
+   highest ``limit`` any step of this workload can reach where its weights outgrow the caches, before
+   any norm, sampling or host work (above 1: the memory does not bound it).
 
 Run: ``python -m pdserve.benchmarks.gemm [--quick] [--json] [--model DIR|FILE.gguf] [--no-engine]``.
 """
@@ -283,11 +285,11 @@ def engine_part(model: str, config: ModelConfig, num_prompts: int, max_tokens: i
             "projection_ms": round(projection_s * 1e3, 2),
             "projection_tflops_in_engine": float(f"{step_flops / projection_s / 1e12:.4g}") if share else None,
             "compute_floor_ms": ms(compute),
-            "weight_read_floor_ms": round(streaming * 1e3, 2),
+            "weight_read_floor_ms": ms(streaming),
             "kv_read_bytes": kv_bytes,
             "kv_read_floor_ms": ms(kv_s),
             "limit": round(compute / step_s, 3),
-            "ceiling": round(compute / (compute + kv_s), 3),
+            "ceiling": round(compute / (streaming + kv_s), 3),
             "onednn": llm.engine.onednn,
         }
     fp32, bf16 = out["float32"], out["bfloat16"]
@@ -353,7 +355,7 @@ def report_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
                                        f"({e['projection_tflops_in_engine']} TFLOP/s); floors: compute "
                                        f"{e['compute_floor_ms']} ms, weight reads {e['weight_read_floor_ms']} ms, "
                                        f"K/V reads {e['kv_read_floor_ms']} ms"))
-            against = f"{e['limit']} (floor / step); ceiling with the step's K/V reads {e['ceiling']}"
+            against = f"{e['limit']} (floor / step); ceiling {e['ceiling']} (floor / (weight + K/V reads))"
             rows.append((f"engine {d} vs matmul limit", against))
         r = eng["bf16_over_fp32"]
         rows.append(("engine bf16 / fp32", f"{r['output_tok_per_s']}x output tok/s, {r['first_step']}x first step, "

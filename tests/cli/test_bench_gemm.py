@@ -29,8 +29,8 @@ def test_gemm_bench_reports_every_shape_both_dtypes_and_the_engine(tiny_model: s
         e = eng[d]
         assert e["output_tok_per_s"] > 0 and e["median_step_ms"] > 0 and 0 < e["projection_share"] < 1
         assert e["weight_read_floor_ms"] > 0
-    # Against the limit: the step's products timed alone beside the rounds, and the K/V a mid-run decode step
-    # reads (every layer's K and V of each sequence's prompt and half its tokens) at the measured speed.
+    # Against the limit: the step's products timed alone beside the rounds; the ceiling, from every weight and the
+    # K/V a mid-run decode step reads (every layer's K and V of each sequence's prompt and half its tokens).
     cfg = ModelConfig.from_path(tiny_model)
     positions = sum(len(p) + 8 // 2 for p in make_prompts(4, cfg.vocab_size, seed=0))
     for d, itemsize in (("float32", 4), ("bfloat16", 2)):
@@ -39,5 +39,6 @@ def test_gemm_bench_reports_every_shape_both_dtypes_and_the_engine(tiny_model: s
         assert e["kv_read_bytes"] == per_token * positions
         floor, step, kv = e["compute_floor_ms"], e["median_step_ms"], e["kv_read_floor_ms"]
         assert floor > 0 and kv > 0 and abs(kv - per_token * positions / (eng["read_gb_per_s"] * 1e6)) < 0.01 * kv
-        assert abs(e["limit"] - floor / step) < 2e-3
-        assert abs(e["ceiling"] - floor / (floor + kv)) < 2e-3 and 0 < e["ceiling"] < 1
+        ceiling = floor / (e["weight_read_floor_ms"] + kv)  # from figures rounded to 4 digits
+        assert abs(e["limit"] - floor / step) < 2e-3 + 2e-3 * floor / step
+        assert abs(e["ceiling"] - ceiling) < 2e-3 + 3e-3 * ceiling and e["ceiling"] > 0
