@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.benchmarks.common import emit
+from pdserve.benchmarks.common import emit, median_time
 from pdserve.engine.cpu_features import cpu_bf16_units
 from pdserve.engine.kernels import cpu_amx, cpu_gemm, labels
 from pdserve.engine.model.config import ModelConfig
@@ -136,17 +136,6 @@ def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     low = min(1000, vocab // 2)  # clear of the special tokens at the start of most vocabularies
     return [[rng.randrange(low, vocab) for _ in range(rng.randint(16, 128))] for _ in range(n)]
-
-
-def timed_median(fn: Callable[[], object], calls: int) -> float:
-    """Median seconds of ``calls`` calls of ``fn`` (after one untimed)."""
-    fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float]]:
@@ -255,7 +244,8 @@ def engine_part(model: str, config: ModelConfig, num_prompts: int, max_tokens: i
             walls[d].append(wall)
             firsts[d].append(st[0])
             steps[d].extend(st)
-            floors[d].append(timed_median(products[d], FLOOR_CALLS))
+            products[d]()  # untimed: the weights back in cache after the engine's round
+            floors[d].append(median_time(products[d], FLOOR_CALLS))
             tok_s = num_prompts * max_tokens / wall
             log(f"{d}: round {r + 1}/{repeats}: {tok_s:.1f} output tok/s, products alone {floors[d][-1] * 1e3:.2f} ms")
         bandwidths.append(read_bandwidth())
