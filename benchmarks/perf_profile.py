@@ -10,12 +10,14 @@ Contract of :func:`sample`: ``work()`` runs exactly once, with ``perf record`` a
 starts disabled and is switched on and off through perf's control descriptors, which acknowledge each
 switch, so the work is neither cut short nor padded); returns the samples grouped by what they ran
 (:data:`GROUPS`, shares of all samples, every thread together), the heaviest symbols, and the same
-groups for the main thread (the one that runs Python) and the others (OpenMP's), or
+groups for the main thread (the one that runs Python) and the others (OpenMP's), what the main thread ran
+while the others waited in the OpenMP runtime and the other way round (:func:`meanwhile`), or
 ``{"unavailable": reason}`` where perf is missing or failed (``work()`` then still runs, unrecorded).
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
 import select
@@ -77,6 +79,46 @@ def summarise(report: str, main_tid: int, top: int = 10) -> dict[str, Any]:
     return out
 
 
+def meanwhile(script: str, main_tid: int, within_s: float) -> dict[str, Any]:
+    """``perf script -F tid,time,ip,dso`` text as what one side ran while the other waited: for each sample of
+    another thread in the OpenMP runtime (a thread with nothing to do: between parallel regions, or done with
+    its share of one), the group of the main thread's sample nearest in time, if one lies within
+    ``within_s``; and the same for the main thread's waits against the others' samples. Returns
+    ``{"others_waiting": {"samples": n, "main_ran": shares}, "main_waiting": {"samples": n, "others_ran":
+    shares}}`` (shares per :data:`GROUPS` group of the paired samples, largest first; unpaired samples
+    counted in ``samples`` only)."""
+    main: list[tuple[float, str]] = []
+    others: list[tuple[float, str]] = []
+    for line in script.splitlines():
+        m = re.match(r"\s*(\d+)\s+(\d+\.\d+):\s+[0-9a-f]+\s+\((.*)\)\s*$", line)
+        if m is None:
+            continue
+        dso = m[3] if m[3].startswith("[") else os.path.basename(m[3])
+        (main if int(m[1]) == main_tid else others).append((float(m[2]), group_of(dso)))
+    wait = next(name for name, stems in GROUPS if "libgomp" in stems)
+    return {"others_waiting": _paired(others, main, wait, within_s, "main_ran"),
+            "main_waiting": _paired(main, others, wait, within_s, "others_ran")}  # fmt: skip
+
+
+def _paired(waiters: list[tuple[float, str]], runners: list[tuple[float, str]], wait: str, within_s: float,
+            key: str) -> dict[str, Any]:  # fmt: skip
+    """The :func:`meanwhile` entry of one side: its waiting samples and the runners' groups nearest them."""
+    times = [t for t, _ in runners]  # perf script prints samples in time order
+    counts: dict[str, int] = {}
+    waiting = 0
+    for t, group in waiters:
+        if group != wait:
+            continue
+        waiting += 1
+        i = bisect.bisect_left(times, t)
+        near = min((j for j in (i - 1, i) if 0 <= j < len(times)), key=lambda j: abs(times[j] - t), default=None)
+        if near is not None and abs(times[near] - t) <= within_s:
+            counts[runners[near][1]] = counts.get(runners[near][1], 0) + 1
+    paired = sum(counts.values())
+    return {"samples": waiting,
+            key: {g: n / paired for g, n in sorted(counts.items(), key=lambda kv: -kv[1])}}  # fmt: skip
+
+
 def _shares(rows: list[tuple[int, str]]) -> dict[str, Any]:
     """The samples of ``(samples, object)`` rows and their shares per :data:`GROUPS` group, largest first."""
     counts: dict[str, int] = {}
@@ -118,7 +160,7 @@ def sample(work: Callable[[], None], frequency: int = 999) -> dict[str, Any]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        return _report(perf, data, proc)
+        return _report(perf, data, proc, frequency)
 
 
 def _switch(ctl: int, ack: int, command: bytes) -> bool:
@@ -145,7 +187,7 @@ def _failure(proc: subprocess.Popen[bytes]) -> str:
     return "perf record failed: " + (lines[-1] if lines else f"exit {proc.returncode}")
 
 
-def _report(perf: str, data: Path, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+def _report(perf: str, data: Path, proc: subprocess.Popen[bytes], frequency: int) -> dict[str, Any]:
     if not data.exists():
         return {"unavailable": _failure(proc)}
     cmd = [perf, "report", "-i", str(data), "-n", "--no-children", "--sort", "pid,dso,sym", "--stdio", "-t", _SEP,
@@ -153,4 +195,9 @@ def _report(perf: str, data: Path, proc: subprocess.Popen[bytes]) -> dict[str, A
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         return {"unavailable": "perf report failed: " + (r.stderr.strip().splitlines() or ["?"])[-1]}
-    return summarise(r.stdout, os.getpid())
+    out = summarise(r.stdout, os.getpid())
+    cmd = [perf, "script", "-i", str(data), "-F", "tid,time,ip,dso"]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    if r.returncode == 0:  # pairs within half a sampling period: the nearest sample of the other side
+        out["meanwhile"] = meanwhile(r.stdout, os.getpid(), 0.5 / frequency)
+    return out

@@ -28,7 +28,10 @@ latency p99 in ``bench peers-serve``).
 
 With ``--perf``, the prompts then decode once more under Linux ``perf`` (``benchmarks/perf_profile.py``):
 every thread's CPU time over those steps by what ran (each C kernel, the OpenMP runtime's waiting
-threads, Python and ctypes, torch), which sees the replayed steps that ``torch.profiler`` cannot.
+threads, Python and ctypes, torch), which sees the replayed steps that ``torch.profiler`` cannot; and,
+sampled at 5 kHz, what the main thread ran while the other threads waited (the host work they wait
+through, or a share of a kernel that took longer than theirs) and the other way round, each waiting
+sample paired with the other side's nearest one.
 
 Run: ``python -m pdserve.benchmarks.steps [--model DIR|FILE.gguf] [--dtype float32] [--joins N] [--json]``.
 """
@@ -51,6 +54,7 @@ from pdserve.engine.kernels import cpu_amx, cpu_amx_prefix, cpu_decode, cpu_gemm
 from pdserve.engine.sampling_params import SamplingParams
 
 PARTS = ("schedule", "prepare", "forward", "logits", "sample")
+PERF_HZ = 4999  # samples per second per thread: pairs the two sides' samples within 0.1 ms
 OP_GROUPS: dict[str, tuple[str, ...]] = {
     "projections": ("aten::mm", "aten::addmm", "aten::mkldnn_linear", "aten::to_mkldnn", "aten::to_dense",
                     "mkldnn::_linear_pointwise", cpu_gemm.PROFILER_LABEL, cpu_amx.PROFILER_LABEL),
@@ -147,7 +151,7 @@ def perf_steps(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[s
         while engine.has_unfinished():
             engine.step()
 
-    return perf_profile.sample(decode)
+    return perf_profile.sample(decode, frequency=PERF_HZ)
 
 
 JOIN_GAP = 4  # decode-only steps before each joining prompt
@@ -303,6 +307,12 @@ def perf_rows(perf: dict[str, Any]) -> list[tuple[str, str]]:
         part = perf["threads"][name]
         shares = ", ".join(f"{g} {v:.0%}" for g, v in list(part["groups"].items())[:5])
         rows.append((f"  {label}", f"{part['samples']} samples: {shares}"))
+    both = perf.get("meanwhile")
+    for side, ran, label in (("others_waiting", "main_ran", "the others waiting, the main thread ran"),
+                             ("main_waiting", "others_ran", "the main thread waiting, the others ran")):  # fmt: skip
+        if both:
+            shares = ", ".join(f"{g} {v:.0%}" for g, v in list(both[side][ran].items())[:5])
+            rows.append((f"  {label}", f"{both[side]['samples']} samples: {shares}"))
     return rows
 
 

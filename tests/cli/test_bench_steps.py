@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 
-from pdserve.benchmarks.perf_profile import OTHER, group_of, summarise
+from pdserve.benchmarks.perf_profile import OTHER, group_of, meanwhile, summarise
 from tests.support import REPO
 
 PREFIX = 300  # the prompts' shared prefix (--prefix-tokens): its last block partial, as the default 221's
@@ -42,6 +42,10 @@ def test_steps_bench_parts_add_up_to_the_step(tiny_model: str) -> None:
     threads = perf["threads"]  # the main thread ran Python; with torch on one thread here, no others may have run
     assert threads["main"]["samples"] + threads["others"]["samples"] == perf["samples"]
     assert "Python and ctypes" in threads["main"]["groups"]
+    both = perf["meanwhile"]  # waits paired with the other side's samples (none paired where no other thread ran)
+    for side, ran in (("others_waiting", "main_ran"), ("main_waiting", "others_ran")):
+        assert both[side]["samples"] >= 0 and all(0 < v <= 1 for v in both[side][ran].values())
+        assert not both[side][ran] or abs(sum(both[side][ran].values()) - 1) < 1e-9
 
 
 def _perf_records() -> bool:
@@ -95,6 +99,32 @@ def test_perf_samples_are_grouped_by_what_ran_and_by_thread() -> None:
     empty = {"samples": 0, "groups": {}}
     assert summarise("# Samples: 0\n", main_tid=1) == {**empty, "top": [], "threads": {"main": empty, "others": empty}}
     assert group_of("cpu_gemm-0123abcd.so") == "products (float32 panel kernel)" and group_of("libfoo.so") == OTHER
+
+
+# `perf script -F tid,time,ip,dso` as perf 6.1 prints it (thread 10451 the main one, 10454 an OpenMP thread).
+SCRIPT = """\
+   10454 100.000100:      7f385ec1de62 (/venv/torch/lib/libgomp.so.1)
+   10451 100.000150:      7f38500ba02f (/usr/lib/libpython3.11.so.1.0)
+   10454 100.000300:      7f385ec1de62 (/venv/torch/lib/libgomp.so.1)
+   10451 100.000320:      7f3856158948 (/cache/cpu_amx-d0246eb9a4530faea946f367.so)
+   10454 100.000500:      7f385ec1de62 (/venv/torch/lib/libgomp.so.1)
+   10451 100.000700:      7f3856158948 (/cache/cpu_amx-d0246eb9a4530faea946f367.so)
+   10454 100.000710:      7f385ec1de62 (/cache/cpu_amx-d0246eb9a4530faea946f367.so)
+   10451 100.000900:      7f385ec1de62 (/venv/torch/lib/libgomp.so.1)
+   10454 100.000910:      7f3856158948 (/cache/cpu_decode-611b80f8a618b52e077d15c0.so)
+   10454 100.002000:      ffffffff8100 ([kernel.kallsyms])
+"""
+
+
+def test_waits_are_paired_with_what_the_other_side_ran_meanwhile() -> None:
+    out = meanwhile(SCRIPT, main_tid=10451, within_s=0.0001)
+    # The OpenMP thread waited 3 times: beside Python (50 us away) and the AMX products (20 us); its wait at
+    # .000500 has no main-thread sample within 100 us (the nearest, .000320 and .000700, are 180 and 200 away).
+    assert out["others_waiting"] == {"samples": 3, "main_ran": {"Python and ctypes": 0.5, "products (AMX tiles)": 0.5}}
+    # The main thread waited once, while the other thread ran decode attention (10 us away).
+    assert out["main_waiting"] == {"samples": 1, "others_ran": {"decode attention": 1.0}}
+    assert meanwhile("", main_tid=1, within_s=1.0) == {"others_waiting": {"samples": 0, "main_ran": {}},
+                                                      "main_waiting": {"samples": 0, "others_ran": {}}}  # fmt: skip
 
 
 def test_a_prefix_of_no_tokens_is_refused(tiny_model: str) -> None:
