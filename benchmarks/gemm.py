@@ -237,8 +237,8 @@ def engine_part(model: str, config: ModelConfig, num_prompts: int, max_tokens: i
     walls: dict[str, list[float]] = {d: [] for d in DTYPES}
     firsts: dict[str, list[float]] = {d: [] for d in DTYPES}
     steps: dict[str, list[float]] = {d: [] for d in DTYPES}
-    for r in range(repeats):
-        prompts = make_prompts(num_prompts, config.vocab_size, seed=r)
+    rounds = [make_prompts(num_prompts, config.vocab_size, seed=r) for r in range(repeats)]
+    for r, prompts in enumerate(rounds):
         for d, llm in llms.items():
             wall, st = timed_generate(llm, prompts, max_tokens)
             walls[d].append(wall)
@@ -264,7 +264,6 @@ def engine_part(model: str, config: ModelConfig, num_prompts: int, max_tokens: i
         projection_s = share * step_s
         compute = statistics.median(floors[d])
         streaming = weights * DTYPES[d].itemsize / bandwidth  # every weight read once per decode step
-        rounds = [make_prompts(num_prompts, config.vocab_size, seed=r) for r in range(repeats)]  # as timed
         kv_bytes = round(statistics.mean(kv_read_bytes(llm, p, max_tokens) for p in rounds))
         kv_s = kv_bytes / bandwidth
         out[d] = {

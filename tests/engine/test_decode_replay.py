@@ -4,8 +4,9 @@ module path's results bit for bit, runs where a step qualifies and only there.""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from pdserve.engine.kernels.cascade import MIN_SEQS
 from pdserve.engine.model import ModelConfig, decode_replay
 from pdserve.engine.model.gemm_paths import RowPaths
 from pdserve.engine.model.tiny import make_tiny_model
+
+T = TypeVar("T")
 
 BS = 16
 pytestmark = pytest.mark.skipif(cpu_decode.entry(torch.float32) is None or cpu_ops.entries(torch.float32) is None,
@@ -29,18 +32,23 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> str:
                                num_heads=4, num_kv_heads=2, intermediate_size=256))  # fmt: skip
 
 
+def _record_runs(monkeypatch: pytest.MonkeyPatch, what: Callable[[decode_replay.DecodeReplay], T]) -> list[T]:
+    """A list that gets ``what(replay)`` of each step the replay runs."""
+    seen: list[T] = []
+    run = decode_replay.DecodeReplay.run
+
+    def recorded(self: decode_replay.DecodeReplay, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(what(self))
+        return run(self, *args)
+
+    monkeypatch.setattr(decode_replay.DecodeReplay, "run", recorded)
+    return seen
+
+
 @pytest.fixture
 def replays(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """A list that gets the row count of each step the replay runs."""
-    seen: list[int] = []
-    run = decode_replay.DecodeReplay.run
-
-    def counted(self: decode_replay.DecodeReplay, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        seen.append(self.rows)
-        return run(self, *args)
-
-    monkeypatch.setattr(decode_replay.DecodeReplay, "run", counted)
-    yield seen
+    yield _record_runs(monkeypatch, lambda r: r.rows)
 
 
 @pytest.fixture
@@ -200,14 +208,7 @@ def test_layer_entries_are_kept_until_a_row_path_changes(tiny_model: str, monkey
     """The replay's layer entries are made once per row count and kept from step to step; a projection
     whose row paths change after some steps takes the module path from the next step on, with the
     tokens of an engine without the replay."""
-    layer_lists: list[object] = []
-    run = decode_replay.DecodeReplay.run
-
-    def recorded(self: decode_replay.DecodeReplay, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        layer_lists.append(self.layers)
-        return run(self, *args)
-
-    monkeypatch.setattr(decode_replay.DecodeReplay, "run", recorded)
+    layer_lists: list[object] = _record_runs(monkeypatch, lambda r: r.layers)
     llm = LLM(tiny_model, num_blocks=64, block_size=BS)
     proj = llm.engine.runner.model.model.layers[1].self_attn.o_proj
     if proj.kernel_for(1) is None:
