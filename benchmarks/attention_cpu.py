@@ -6,7 +6,9 @@ on or off), on a cache of shuffled blocks inside a two-layer, block-major KV ten
 and V are strided views, as in the engine), every sequence decoding one token. Each shape is first
 checked against the float32 reference (the run exits 1 on a mismatch); then the two are timed in
 alternation, ``--repeats`` rounds of ``--calls`` calls each, and the median of the rounds is reported
-per call. ``gbps`` counts the K/V bytes each call must read once. With ``--layers N`` the KV tensor
+per call. ``gbps`` counts the K/V bytes each call must read once. Both paths' calls include their Python
+(the plan's checks, the output tensors); ``call`` times the kernel's entry point alone in the same rounds (its
+arguments made once, the outputs allocated once), which is the kernel's own read speed. With ``--layers N`` the KV tensor
 holds N layers and the calls take them in turn, as a step does: for shapes whose N layers outgrow the
 caches, each call reads its K/V from memory (one layer, the default, reads it from cache after the
 first call). Without a C compiler (or with ``PDSERVE_CPU_KERNELS=0``) the kernel is not built and the
@@ -22,6 +24,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,6 +54,28 @@ def problem(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, 
     return q, [kv[:, i, 0] for i in taken], [kv[:, i, 1] for i in taken], table, lens, qsl, head_dim**-0.5
 
 
+def raw_calls(args: tuple) -> tuple[list[Callable[[], Any]], torch.Tensor]:
+    """The kernel's entry point (``cpu_decode.entry``) over ``problem``'s arguments as one zero-argument
+    call per layer, every position of each sequence read, and the output they all write (made once)."""
+    q, ks, vs, table, lens, _, scale = args
+    fn = cpu_decode.entry(q.dtype)
+    assert fn is not None  # main checked cpu_decode.supports
+    batch, heads, head_dim = q.shape
+    kv_heads = ks[0].shape[2]
+    blocks = table.to(torch.int64).contiguous()
+    starts, spans = torch.zeros(batch, dtype=torch.int64), lens.to(torch.int64)
+    out, lse = torch.empty_like(q), torch.empty(batch, heads, dtype=torch.float32)
+    keep = (blocks, starts, spans, out, lse)
+    calls = []
+    for k, v in zip(ks, vs):
+        argv = (q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), *k.stride()[:3], blocks.data_ptr(),
+                blocks.shape[1], starts.data_ptr(), spans.data_ptr(), batch, kv_heads, heads // kv_heads, head_dim,
+                k.shape[1], scale, None, 0, None, None, None, out.data_ptr(), lse.data_ptr(),
+                torch.get_num_threads())  # fmt: skip
+        calls.append(lambda argv=argv, keep=keep: fn(*argv))
+    return calls, out
+
+
 def run_shape(args: tuple, calls: int, repeats: int) -> dict[str, Any]:
     q, ks, vs, table, lens, qsl, scale = args
     k, v = ks[0], vs[0]
@@ -63,13 +88,21 @@ def run_shape(args: tuple, calls: int, repeats: int) -> dict[str, Any]:
         err = float((got.float() - ref).norm() / ref.norm())
         if not err < tol:
             raise SystemExit(f"attention-cpu: {name} differs from the reference by {err:.2e} (bound {tol:.0e})")
-    rounds: dict[str, list[float]] = {name: [] for name in plans}
+    raw, raw_out = raw_calls(args)
+    raw[0]()
+    if not torch.equal(raw_out, paged_attention_torch(q, k, v, table, lens, qsl, scale, plans["kernel"])):
+        raise SystemExit("attention-cpu: the kernel's call alone differs from its call through the plan")
+    rounds: dict[str, list[float]] = {name: [] for name in (*plans, "call")}
     for _ in range(repeats):
         for name, plan in plans.items():  # alternating, so both see the same machine
             t0 = time.perf_counter()
             for i in range(calls):
                 paged_attention_torch(q, ks[i % len(ks)], vs[i % len(vs)], table, lens, qsl, scale, plan)
             rounds[name].append((time.perf_counter() - t0) / calls)
+        t0 = time.perf_counter()
+        for i in range(calls):
+            raw[i % len(raw)]()
+        rounds["call"].append((time.perf_counter() - t0) / calls)
     kv_bytes = 2 * int(lens.sum()) * k.shape[2] * k.shape[3] * k.element_size()
     out = {name: {"ms": statistics.median(t) * 1e3, "gbps": kv_bytes / statistics.median(t) / 1e9}
            for name, t in rounds.items()}  # fmt: skip
@@ -78,9 +111,10 @@ def run_shape(args: tuple, calls: int, repeats: int) -> dict[str, Any]:
 
 
 def _row(r: dict[str, Any]) -> str:
-    torch_path, kernel = r["torch"], r["kernel"]
+    torch_path, kernel, call = r["torch"], r["kernel"], r["call"]
     return (f"torch path {torch_path['ms']:.3f} ms ({torch_path['gbps']:.1f} GB/s), kernel {kernel['ms']:.3f} ms "
-            f"({kernel['gbps']:.1f} GB/s): {r['speedup']:.2f}x")  # fmt: skip
+            f"({kernel['gbps']:.1f} GB/s): {r['speedup']:.2f}x; the kernel's call alone {call['ms']:.3f} ms "
+            f"({call['gbps']:.1f} GB/s)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

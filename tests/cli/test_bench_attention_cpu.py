@@ -30,6 +30,7 @@ def test_both_paths_checked_and_timed() -> None:
     assert got == {(d, b, c) for d in ("float32", "bfloat16") for b, c in ((3, 40), (2, 70))}
     for x in out["results"]:
         assert x["torch"]["ms"] > 0 and x["kernel"]["ms"] > 0 and x["speedup"] > 0 and x["kernel"]["gbps"] > 0
+        assert x["call"]["ms"] > 0 and x["call"]["gbps"] > 0  # the entry point alone, checked equal first
 
 
 @pytest.mark.skipif(not cpu_decode.supports(torch.float32, torch.float32, 9, 3, 64), reason="the kernel is not built here")
