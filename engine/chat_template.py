@@ -61,7 +61,8 @@ def _strftime_now(fmt: str) -> str:
 _GLOBALS = frozenset({"range", "dict", "lipsum", "cycler", "joiner", "namespace", "raise_exception", "strftime_now"})
 # Variables render_chat sets from the conversation and the tokenizer.
 # ("chat_template": a template is code, never a request's variable; vLLM's GHSA-x567-49g5-p4cf.)
-_SET_BY_RENDER = frozenset({"messages", "add_generation_prompt", "tools", "chat_template"})
+# "self": jinja2's Template.render takes its variables as keywords beside its own ``self``.
+_SET_BY_RENDER = frozenset({"messages", "add_generation_prompt", "tools", "chat_template", "self"})
 
 
 def reserved_variable(name: str, special_tokens: Mapping[str, str | None] = {}) -> str | None:  # noqa: B006
@@ -91,10 +92,13 @@ def render_chat(
     template: str,
     messages: Sequence[Mapping[str, Any]],
     special_tokens: Mapping[str, str | None],
+    /,
     add_generation_prompt: bool = True,
     **kwargs: Any,
 ) -> str:
-    """The prompt text of ``messages`` (dicts with ``role`` and ``content``) under ``template``.
+    """The prompt text of ``messages`` (dicts with ``role`` and ``content``) under ``template``; ``kwargs``
+    are the template's other variables (any names but ``reserved_variable``'s: ``template``, ``messages`` and
+    ``special_tokens`` are positional only).
 
     Raises ``ChatTemplateError`` when the template cannot be compiled or refuses the conversation.
     """

@@ -212,7 +212,7 @@ class ModelTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.raw.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], /, add_generation_prompt: bool = True,
                     **kwargs: Any) -> str:  # fmt: skip
         """The chat template applied to ``messages``; ``ChatTemplateError`` when there is none."""
         if self.info.chat_template is None:
@@ -220,7 +220,7 @@ class ModelTokenizer:
         return render_chat(self.info.chat_template, messages, self.info.special_tokens, add_generation_prompt,
                            **kwargs)  # fmt: skip
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], /, add_generation_prompt: bool = True,
                     **kwargs: Any) -> list[int]:  # fmt: skip
         return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
 

@@ -72,6 +72,10 @@ def test_chat_template_jinja_file_wins_and_templates_are_sandboxed(checkpoint: P
     (d / "chat_template.jinja").write_text("{{ messages.__class__.__mro__[1].__subclasses__() }}")
     with pytest.raises(ChatTemplateError):
         ModelTokenizer.from_path(d).render_chat(CHATS[0])
+    # A request's template variables may take any name the call's own parameters have.
+    (d / "chat_template.jinja").write_text("{{ template }}/{{ special_tokens }}/{{ messages | length }}")
+    named = ModelTokenizer.from_path(d).render_chat(CHATS[0], False, template="t", special_tokens="s")
+    assert named == "t/s/1"
     (d / "chat_template.jinja").unlink()
     (d / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ChatTemplateError, match="no chat template"):

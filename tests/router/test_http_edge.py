@@ -162,6 +162,7 @@ def test_chat_template_is_refused_and_template_kwargs_checked(tiny_model: str) -
         ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs.chat_template",
          "not a template variable"),
         ({"chat_template_kwargs": {"raise_exception": 1}}, "chat_template_kwargs.raise_exception", "function"),
+        ({"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs.self", "not a template variable"),
         ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs", "not a variable name"),
         ({"chat_template_kwargs": {"x": "y" * 70_000}}, "chat_template_kwargs", "at most 65536"),
         ({"chat_template_kwargs": {f"v{i}": i for i in range(65)}}, "chat_template_kwargs", "at most 64"),
