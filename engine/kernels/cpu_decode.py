@@ -96,6 +96,9 @@ def decode_attention(
         raise ValueError(f"decode_attention does not run for {q.dtype} queries over {k_cache.dtype} K/V here")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or v_cache.dtype != k_cache.dtype:
         raise ValueError("k_cache and v_cache must share strides and dtype, head_dim contiguous")
+    if k_cache.dim() != 4 or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [blocks, block_size, {num_kv_heads}, {head_dim}] (q's "
+                         f"head size), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")  # fmt: skip
     for name, t in (("blocks", blocks), ("starts", starts), ("spans", spans)):
         if t.dtype != torch.int64 or not t.is_contiguous() or t.shape[0] != batch:
             raise ValueError(f"{name} must be a contiguous int64 tensor with {batch} rows")

@@ -86,7 +86,9 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     ``llama.RMSNorm``. ``h``, ``delta`` and ``weight`` share a dtype that :func:`supports` takes;
     ``weight`` is contiguous ``[d]``. ``s`` is ``h`` itself when there is no ``delta``."""
     n, d = h.shape
-    _check(h.dtype, weight, delta)
+    _check(h.dtype, h, weight, delta)
+    if delta is not None and delta.shape != h.shape:
+        raise ValueError(f"delta must have h's shape {tuple(h.shape)}, not {tuple(delta.shape)}")
     if weight.shape != (d,) or not weight.is_contiguous():
         raise ValueError(f"weight must be a contiguous [{d}] tensor, not {tuple(weight.shape)}")
     out = torch.empty(n, d, dtype=h.dtype)
@@ -106,7 +108,7 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     n, width = gate_up.shape
     if width != 2 * inter:
         raise ValueError(f"gate_up has {width} columns, not 2 x {inter}")
-    _check(gate_up.dtype)
+    _check(gate_up.dtype, gate_up)
     out = torch.empty(n, inter, dtype=gate_up.dtype)
     with labels.label(PROFILER_LABEL):
         _get().silu_mul[gate_up.dtype](  # type: ignore[union-attr]
@@ -123,7 +125,7 @@ def rotary_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: 
     half = head_dim // 2
     if heads * head_dim > width or head_dim % 2:
         raise ValueError(f"{heads} heads of {head_dim} do not fit rows of {width}")
-    _check(x.dtype, cos, sin)
+    _check(x.dtype, x, cos, sin)
     for name, t in (("cos", cos), ("sin", sin)):
         if t.numel() != n * half or not t.is_contiguous():
             raise ValueError(f"{name} must hold {n} x {half} contiguous values")
@@ -138,7 +140,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     ``x.max(dim=-1).indices`` (and of ``x.float()``: widening keeps the order). ``x`` is ``[n, vocab]``
     and :func:`supports` it. One pass over each row, where torch's reduction makes several."""
     n, cols = x.shape
-    _check(x.dtype)
+    _check(x.dtype, x)
     out = torch.empty(n, dtype=torch.int64)
     with labels.label(PROFILER_LABEL):
         _get().argmax[x.dtype](  # type: ignore[union-attr]
@@ -153,6 +155,8 @@ def writes_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_c
     adjacent (a strided cache or a head slice of one is fine), the caches' strides equal."""
     head_dim = key.shape[-1]
     return (key.dim() == 3 and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype and supports(key)
+            and value.shape == key.shape and k_cache.dim() == 4 and k_cache.shape[2:] == key.shape[1:]
+            and v_cache.shape == k_cache.shape
             and k_cache.device.type == "cpu" and k_cache.stride() == v_cache.stride()
             and k_cache.stride()[2:] == (head_dim, 1)
             and all(t.stride()[1:] == (head_dim, 1) for t in (key, value)))  # fmt: skip

@@ -48,6 +48,8 @@ class Replayer:
             return None
         if not _cache_fits(kv_cache, dtype, len(parts)) or not _tables_fit(h, cos, sin, meta):
             return None
+        if plan.block_size != kv_cache.shape[3]:  # the module path refuses such a step; so does the replay
+            return None
         attn = parts[0].attn
         if not cpu_decode.supports(dtype, dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim):
             return None

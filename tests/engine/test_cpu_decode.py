@@ -210,6 +210,11 @@ def test_what_it_does_not_run() -> None:
     q, k, v, table, seq_lens, _ = _batch([5], [1], 64, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="does not run"):
         cpu_decode.decode_attention(q, k, v, table.long(), torch.zeros(1, dtype=torch.int64), seq_lens.long(), 1.0)
+    # A cache of another head size than the queries' would be read past its end: refused.
+    q, k, v, table, seq_lens, _ = _batch([5], [1], 4, 2, 32, torch.float32)
+    with pytest.raises(ValueError, match="q's head size"):
+        cpu_decode.decode_attention(torch.zeros(1, 4, 64), k, v, table.long(), torch.zeros(1, dtype=torch.int64),
+                                    seq_lens.long(), 1.0)  # fmt: skip
 
 
 def test_one_openmp_runtime_in_the_process() -> None:

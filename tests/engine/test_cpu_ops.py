@@ -187,6 +187,15 @@ def test_refusals() -> None:
         cpu_ops.rotary_(torch.zeros(2, 60), 2, 32, torch.zeros(2, 16), torch.zeros(2, 16))
     with pytest.raises(ValueError, match="cos"):
         cpu_ops.rotary_(torch.zeros(2, 64), 2, 32, torch.zeros(2, 15), torch.zeros(2, 16))
+    # Operands that would make the kernel read or write past a tensor are refused before it runs.
+    with pytest.raises(ValueError, match="delta must have h's shape"):
+        cpu_ops.add_rms_norm(torch.zeros(4, 8), torch.zeros(1, 8), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="rows are contiguous"):
+        cpu_ops.argmax_rows(torch.zeros(4, 2).t())
+    key = torch.zeros(3, 4, 16)
+    assert cpu_ops.writes_kv(key, key, torch.zeros(2, 8, 4, 16), torch.zeros(2, 8, 4, 16))
+    assert not cpu_ops.writes_kv(key, key, torch.zeros(2, 8, 2, 16), torch.zeros(2, 8, 2, 16))  # 4 heads into 2
+    assert not cpu_ops.writes_kv(key, torch.zeros(3, 2, 16), torch.zeros(2, 8, 4, 16), torch.zeros(2, 8, 4, 16))
 
 
 def _has_avx2() -> bool:

@@ -224,6 +224,29 @@ def test_layer_entries_are_kept_until_a_row_path_changes(tiny_model: str, monkey
     assert llm.generate([[5, 6, 7]], params)[0].token_ids == first
     assert len(layer_lists) >= 5
 
+def test_a_plan_of_another_block_size_is_refused_as_the_modules_refuse_it(tiny_model: str) -> None:
+    """A step whose attention plan was made for another block size than the cache's is not replayed
+    (the kernel would read the wrong blocks, or past a row's block table): the module path's
+    ValueError reaches the caller, as without the replay."""
+    from pdserve.engine.kernels.metadata import AttentionMetadata
+    from pdserve.engine.kernels.torch_paged import plan_attention
+
+    llm = LLM(tiny_model, num_blocks=16, block_size=BS)
+    model = llm.engine.runner.model
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv = torch.randn(16, config.num_hidden_layers, 2, BS, config.num_key_value_heads, head_dim)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=torch.tensor([BS + 3, 3 * BS + 3]), block_tables=tables,
+                             seq_lens=torch.tensor([20, 20], dtype=torch.int32),
+                             query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32), max_query_len=1,
+                             max_seq_len=20)  # fmt: skip
+    meta.torch_plan = plan_attention(tables, meta.seq_lens, meta.query_start_loc, BS // 2, None, False, True)
+    assert model.replay_decode
+    with torch.inference_mode(), pytest.raises(ValueError, match=f"built for block_size {BS // 2}"):
+        model(torch.tensor([5, 6]), torch.tensor([19, 19]), kv, meta)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("variant", ["qwen2_bias", "mqa", "tied", "mistral_window"])
 def test_model_variants_replay_bit_for_bit_or_take_the_modules(variant: str, dtype: str, replays: list[int],
