@@ -104,16 +104,29 @@ class RayWorkers:
         try:
             result: PrefillResult = await ref
             self._addresses[worker_id] = result.address
+            if result.finished:  # the request ends on its first token: no decode call will end the prefetch
+                self._end_prefetch(spec.request_id)
             return result
         except RayActorError as exc:
+            # The decode worker prefills instead (RouterCore._prefill): its call ends the prefetch.
             raise WorkerUnavailableError(f"prefill worker {worker_id} is unavailable") from exc
         except RayTaskError as exc:
+            self._end_prefetch(spec.request_id)  # the request fails here
             raise _worker_error("prefill", worker_id, exc) from exc
         except asyncio.CancelledError:
             self._give_up(worker_id, spec.request_id, ref)
             raise
         finally:
             self._prefetching.pop(spec.request_id, None)
+
+    def _end_prefetch(self, request_id: str) -> None:
+        """End the decode worker's prefetch of ``request_id``'s prompt, if one runs, where no decode call
+        for the request will (the request ended or failed with its prefill): else it would poll for
+        blocks until it has them all or idles out, holding a prefetch slot and blocks. Only then: a
+        drop also ends a decode call of the request id that has not begun."""
+        decode = self.decode_handles.get(self._prefetching.pop(request_id, ""))
+        if decode is not None:
+            decode.drop.remote(request_id)  # not awaited: idempotent
 
     def _give_up(self, worker_id: str, request_id: str, ref: ray.ObjectRef) -> None:
         """The request ended while its prefill ran on ``worker_id``. A prefill still running is
@@ -124,9 +137,7 @@ class RayWorkers:
         prefetch slot and blocks until it idles out."""
         ray.cancel(ref)
         self.prefill_handles[worker_id].drop.remote(request_id)  # not awaited: idempotent
-        decode = self.decode_handles.get(self._prefetching.get(request_id, ""))
-        if decode is not None:
-            decode.drop.remote(request_id)
+        self._end_prefetch(request_id)
         task = asyncio.ensure_future(self._release_orphan(worker_id, request_id, ref))
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)

@@ -201,13 +201,16 @@ def test_a_channel_that_ends_as_its_request_is_refused_sends_the_request_again()
 
 @ray.remote
 class SlowPrefill:
-    """A prefill actor whose prefills take an hour, but for one of one token; it records the calls it gets."""
+    """A prefill actor whose prefills take an hour, but for one of one token, and that refuses a request
+    named "refused"; it records the calls it gets."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
 
     async def prefill(self, spec: RequestSpec) -> PrefillResult:
         self.calls.append(("prefill", spec.request_id))
+        if spec.request_id == "refused":
+            raise ValueError("max_tokens: the request needs 40 KV blocks, the pool has 8")
         if spec.params.max_tokens != 1:
             await asyncio.sleep(3600)
         return PrefillResult(spec.request_id, 7, True, "length", None, "127.0.0.1:1", "prefill-0", 2, 0)
@@ -251,6 +254,33 @@ def test_a_cancelled_prefill_is_dropped_by_id_with_its_prefetch_and_released_onc
             ("drop", "gone"), ("prefill", "gone"), ("prefill", "warm"), ("release_request", "gone")]  # fmt: skip
         assert wait_until(lambda: ray.get(decode.drops.remote(), timeout=30) == ["gone"], timeout=30)
         assert ray.get(decode.prefetches.remote(), timeout=30) == ["gone"]
+    finally:
+        ray.kill(prefill)
+        ray.kill(decode)
+
+
+def test_a_prefill_that_ends_or_fails_its_request_drops_its_prefetch() -> None:
+    """A prefill whose first token finishes the request, or that the worker refuses, leaves no decode
+    call to end the decode worker's prefetch of the prompt: it is dropped there and then."""
+    shared_ray()
+    prefill, decode = SlowPrefill.remote(), CountingDecode.remote()
+    try:
+        workers = RayWorkers({"prefill-0": prefill}, {"decode-0": decode})
+
+        async def main() -> None:
+            await workers.prefill("prefill-0", RequestSpec("warm", (1,), SamplingParams(max_tokens=1)))
+            one = RequestSpec("one", (1, 2), SamplingParams(max_tokens=1))
+            workers.prefetch("decode-0", one, "prefill-0")
+            assert (await workers.prefill("prefill-0", one)).finished
+            refused = RequestSpec("refused", (1, 2), SamplingParams(max_tokens=3))
+            workers.prefetch("decode-0", refused, "prefill-0")
+            with pytest.raises(ValueError, match="the pool has 8"):
+                await workers.prefill("prefill-0", refused)
+
+        asyncio.run(main())
+        # An async actor's calls may run out of their order of submission: polled.
+        assert wait_until(lambda: sorted(ray.get(decode.prefetches.remote(), timeout=30)) == ["one", "refused"])
+        assert wait_until(lambda: sorted(ray.get(decode.drops.remote(), timeout=30)) == ["one", "refused"], timeout=30)
     finally:
         ray.kill(prefill)
         ray.kill(decode)
