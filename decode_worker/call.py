@@ -55,7 +55,9 @@ class CallThreads:
     ``ender`` aborts (one thread each: each waits for the engine's lock, which a step holds; never
     on the event loop that streams the other requests' tokens), and ``releases`` lease releases,
     apart from the aborts: a release to a hung prefill worker waits for its deadline, and must not
-    hold up the end of other requests.
+    hold up the end of other requests. ``compiles`` (one thread) compiles requests' structured-output
+    constraints, which take seconds for a large schema over a large vocabulary: never on the event
+    loop, nor on the registering thread that every request waits for.
     """
 
     pulls: Executor
@@ -63,6 +65,7 @@ class CallThreads:
     registers: Executor
     ender: Executor
     releases: Executor
+    compiles: Executor
 
 
 class DecodeCall:
@@ -117,6 +120,13 @@ class DecodeCall:
             return None
         self._claimed_load = load is not None
         return load
+
+    async def build(self) -> None:
+        """Build the engine's request (its checks raise ValueError), a constraint compiled on the
+        ``compiles`` thread; before ``stage`` and ``register``, which then take it as built."""
+        if self._request is None and self.spec.params.structured_outputs is not None:
+            await run_to_end(self._threads.compiles, self._build_request)
+        self._build_request()
 
     def _build_request(self) -> Request:
         if self._request is None:

@@ -44,8 +44,9 @@ class DecodeService:
         self._ender = ThreadPoolExecutor(1, thread_name_prefix="request-end", initializer=single_threaded_torch)
         self._releases = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="lease-release")
         per_holder = min(runtime.config.transfer.max_pulls_per_peer, MAX_CONCURRENT_PULLS // 2)
+        self._compiles = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self.threads = CallThreads(self._pulls, HolderSlots(per_holder), self._registers, self._ender,
-                                   self._releases)  # fmt: skip
+                                   self._releases, self._compiles)  # fmt: skip
         self._prefetching = ThreadPoolExecutor(MAX_CONCURRENT_PREFETCHES, thread_name_prefix="kv-prefetch",
                                                initializer=single_threaded_torch)  # fmt: skip
         self.prefetches = Prefetches(runtime, self._prefetching, MAX_CONCURRENT_PREFETCHES)
@@ -59,6 +60,7 @@ class DecodeService:
         self._registers.shutdown(wait=True)
         self._ender.shutdown(wait=True)
         self._releases.shutdown(wait=True)
+        self._compiles.shutdown(wait=True)
 
     def prefetch(self, spec: RequestSpec, address: str) -> bool:
         """Start pulling ``spec``'s prompt blocks from the prefill worker at ``address`` while it
@@ -106,6 +108,7 @@ class DecodeService:
         async with DecodeCall(rt, spec, prefill, self.threads) as call:
             if not begun:
                 return  # dropped before it began: the call's exit releases the lease
+            await call.build()
             if prefill is not None:
                 await call.stage()
             load = await call.register(on_output)

@@ -8,6 +8,7 @@ from concurrent.futures import wait as wait_futures
 
 from pdserve.engine.cpu_threads import single_threaded_torch
 from pdserve.engine.engine import RequestOutput
+from pdserve.engine.request import Request
 from pdserve.worker.drops import Dropped, Drops
 from pdserve.worker.messages import PrefillResult, RequestSpec
 from pdserve.worker.runtime import WorkerRuntime
@@ -26,7 +27,8 @@ class PrefillService:
     A registration and the end of a request given up on wait for the engine's lock, which a step
     holds: they run on a thread of their own, in order (a request's end after its registration),
     never on the event loop that answers the other prefills, and a cancelled waiter leaves them
-    running to their end. ``close`` waits for them.
+    running to their end. A request's structured-output constraint compiles on a thread of its own
+    too (seconds for a large schema over a large vocabulary: ``make_request``). ``close`` waits for them.
     """
 
     def __init__(self, runtime: WorkerRuntime) -> None:
@@ -34,22 +36,33 @@ class PrefillService:
         self.drops = Drops()
         self._engine_calls = ThreadPoolExecutor(1, thread_name_prefix="prefill-register",
                                                 initializer=single_threaded_torch)  # fmt: skip
+        self._compiles = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
 
     def close(self) -> None:
         """Wait for the registrations and ends handed to the service's thread."""
         self._engine_calls.shutdown(wait=True)
+        self._compiles.shutdown(wait=True)
 
     def drop(self, request_id: str) -> bool:
         """End ``request_id``'s prefill (the router gave up on it): True when it runs, False when
         it has not begun (it ends as it begins)."""
         return self.drops.drop(request_id)
 
+    async def _make_request(self, spec: RequestSpec) -> Request:
+        """``spec``'s engine request (its checks raise ValueError), built where a constraint's compile
+        cannot hold up the event loop: on the compile thread when it has one."""
+
+        def make() -> Request:
+            # handoff: the engine samples the first token with the request's own parameters and,
+            # unless that token ends it, hands it off with its KV held (KV-handover API).
+            return self.rt.engine.make_request(spec.prompt_token_ids, spec.params, spec.request_id, spec.cache_salt,
+                                               handoff=True)  # fmt: skip
+
+        return make() if spec.params.structured_outputs is None else await run_to_end(self._compiles, make)
+
     async def prefill(self, spec: RequestSpec) -> PrefillResult:
         rt = self.rt
-        # handoff: the engine samples the first token with the request's own parameters and,
-        # unless that token ends it, hands it off with its KV held (KV-handover API).
-        req = rt.engine.make_request(spec.prompt_token_ids, spec.params, spec.request_id, spec.cache_salt,
-                                     handoff=True)  # fmt: skip
+        req = await self._make_request(spec)
         aloop = asyncio.get_running_loop()
         done: asyncio.Future[RequestOutput] = aloop.create_future()
 
