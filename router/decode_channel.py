@@ -50,11 +50,16 @@ class DecodeChannel:
     @classmethod
     async def open(cls, handle: ray.actor.ActorHandle, name: str, ttl_s: float) -> DecodeChannel:
         """A channel whose worker has confirmed it open (its first, empty batch came back). Raises
-        what Ray raised when the worker cannot answer."""
+        what Ray raised when the worker cannot answer, and TimeoutError when it did not confirm within
+        ``ttl_s`` (a worker whose loop is stuck: the channel would expire before it served anything)."""
         self = cls(handle, name, ttl_s)
         self._stream = handle.events.options(num_returns="streaming").remote(self.id, ttl_s)
-        try:
+
+        async def confirmed() -> None:
             await (await self._stream.__anext__())
+
+        try:
+            await asyncio.wait_for(confirmed(), ttl_s)
         except BaseException:
             ray.cancel(self._stream)
             raise

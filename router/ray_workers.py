@@ -263,7 +263,12 @@ class RayWorkers:
             if channel is None or not channel.usable(handle):
                 if channel is not None:
                     channel.close()
-                channel = self._channels[worker_id] = await DecodeChannel.open(handle, worker_id, self.channel_ttl_s)
+                try:
+                    channel = await DecodeChannel.open(handle, worker_id, self.channel_ttl_s)
+                except TimeoutError as exc:  # alive, but not answering: taken for down (RouterCore)
+                    raise WorkerUnavailableError(f"decode worker {worker_id} did not open an event channel within "
+                                                 f"{self.channel_ttl_s:g} s") from exc  # fmt: skip
+                self._channels[worker_id] = channel
             return channel
 
     def close(self) -> None:

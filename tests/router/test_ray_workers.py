@@ -138,6 +138,33 @@ def test_a_run_refused_for_a_channel_the_worker_does_not_have_open_is_sent_again
 
 
 @ray.remote
+class StuckDecode(ChannelWorker):
+    """A decode actor that never confirms an event channel (its loop as good as stuck)."""
+
+    async def events(self, channel: str, ttl_s: float):  # noqa: ANN201 - a Ray stream
+        await asyncio.Event().wait()
+        yield []
+
+    async def drop(self, request_id: str) -> bool:
+        return False
+
+
+def test_a_worker_that_never_opens_its_channel_is_unavailable_within_the_ttl() -> None:
+    """Opening a channel waits at most the channel's TTL: the request then fails as on a dead worker
+    (the router takes the worker for down and sends the request elsewhere), and the next request
+    tries to open a channel anew."""
+    shared_ray()
+    actor = StuckDecode.remote()
+    try:
+        workers = RayWorkers({}, {"decode-0": actor}, channel_ttl_s=1.0)
+        for _ in range(2):
+            with pytest.raises(WorkerUnavailableError, match="did not open an event channel within 1 s"):
+                asyncio.run(asyncio.wait_for(_decode(workers, "r", 3), timeout=60))
+    finally:
+        ray.kill(actor)
+
+
+@ray.remote
 class ExpiringDecode(ChannelWorker):
     """A decode actor whose first channel ends, as an expiry ends one, when the first request comes
     for it, and which refuses that request (the channel is not open any more); later channels serve."""
