@@ -14,6 +14,12 @@ do not decode on for nobody (Ray does not end them when their caller dies).
 When its stream ends or fails (the worker died or restarted, or the stream was cancelled), or
 :meth:`close` is called (a request learnt first that the worker died), every registered request
 gets :class:`ChannelBroken` and the channel stays broken; the caller opens a new one.
+
+The worker decodes at its own pace, whoever reads: a request whose reader leaves
+``MAX_UNREAD_EVENTS`` of its events waiting (a client that takes its stream slower than it comes)
+gets :data:`UNREAD` instead of the next and no more events, so that its output cannot pile up in the
+router's memory, and its run on the worker is dropped at once (the caller ends the request when it
+reads that far).
 """
 
 from __future__ import annotations
@@ -25,6 +31,15 @@ from typing import Any
 import ray
 
 from pdserve.worker.messages import DecodeEvent
+
+MAX_UNREAD_EVENTS = 1024  # a request's events waiting for its reader, at most
+
+
+class Unread:
+    """Queued, in place of an event, to a request that left ``MAX_UNREAD_EVENTS`` events unread."""
+
+
+UNREAD = Unread()
 
 
 class ChannelBroken:
@@ -91,8 +106,14 @@ class DecodeChannel:
                 batch: list[tuple[str, DecodeEvent]] = await ref
                 for request_id, event in batch:
                     queue = self._queues.get(request_id)
-                    if queue is not None:
+                    if queue is None:
+                        continue
+                    if queue.qsize() < MAX_UNREAD_EVENTS:
                         queue.put_nowait(event)
+                    else:  # its reader fell too far behind: no more events for it, and its run ends now
+                        del self._queues[request_id]
+                        queue.put_nowait(UNREAD)
+                        self.handle.drop.remote(request_id)  # not awaited: idempotent
         except asyncio.CancelledError:
             pass
         except Exception as exc:  # noqa: BLE001 - the worker died or the stream failed: its requests learn it

@@ -141,13 +141,19 @@ class ServedModel:
     max_model_len: int
 
 
+CHUNKS_AHEAD = 16  # chunks of one stream read ahead of the client (_merged)
+
+
 async def _merged(streams: list[AsyncIterator[Chunk]], leaders: list[int | None]) -> AsyncIterator[tuple[int, Chunk]]:
     """Chunks of several streams as they come, tagged with the stream's index. Stream ``i`` starts
     once stream ``leaders[i]`` sent its first chunk (None: at once): the n choices of one prompt
     wait for the first one's prefill and find its blocks cached instead of computing them n times.
-    The first failure ends it (raised here); closing it cancels every stream still running."""
+    The first failure ends it (raised here); closing it cancels every stream still running. A stream
+    is read at most ``CHUNKS_AHEAD`` chunks ahead of the consumer: what a slow client has not taken
+    waits where its request's events come in (``router/decode_channel.py``), which bounds it."""
     queue: asyncio.Queue[tuple[int, Chunk | BaseException | None]] = asyncio.Queue()
     started = [asyncio.Event() for _ in streams]
+    room = [asyncio.Semaphore(CHUNKS_AHEAD) for _ in streams]
 
     async def pump(i: int, stream: AsyncIterator[Chunk]) -> None:
         end: BaseException | None = None
@@ -157,7 +163,8 @@ async def _merged(streams: list[AsyncIterator[Chunk]], leaders: list[int | None]
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for chunk in stream:
                     started[i].set()
-                    await queue.put((i, chunk))
+                    await room[i].acquire()
+                    queue.put_nowait((i, chunk))
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, whatever it is
             end = e
             if isinstance(e, asyncio.CancelledError):
@@ -176,6 +183,7 @@ async def _merged(streams: list[AsyncIterator[Chunk]], leaders: list[int | None]
             elif isinstance(item, BaseException):
                 raise item if isinstance(item, Exception) else RuntimeError(f"choice {i} ended: {item!r}")
             else:
+                room[i].release()
                 yield i, item
     finally:
         for t in tasks:

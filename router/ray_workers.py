@@ -10,8 +10,9 @@ import ray
 from prometheus_client.metrics_core import Metric
 from ray.exceptions import RayActorError, RayTaskError
 
+from pdserve.router.admission import Overloaded
 from pdserve.router.core import WorkerUnavailableError
-from pdserve.router.decode_channel import DecodeChannel
+from pdserve.router.decode_channel import MAX_UNREAD_EVENTS, DecodeChannel, Unread
 from pdserve.worker.messages import ChannelClosedError, DecodeEvent, PrefillResult, RequestSpec
 
 
@@ -242,6 +243,9 @@ class RayWorkers:
                 if item.error is not None:
                     raise item.error
                 sent = item.sent
+            elif isinstance(item, Unread):  # the request ends (decode's exit cancels and drops its run)
+                raise Overloaded(f"the client left {MAX_UNREAD_EVENTS} events of its output unread: it reads "
+                                 "slower than its tokens come; the request is ended")  # fmt: skip
             else:  # the channel broke: the worker died or restarted, or the channel expired
                 end = await _run_end(queue, RUN_END_WAIT_S) if received == 0 else None
                 if end is not None and end.error is not None and _refused(end.error):

@@ -22,6 +22,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.kvindex.config import IndexConfig
 from pdserve.router.actor import Router
 from pdserve.router.config import RouterConfig
+from pdserve.router.http import CHUNKS_AHEAD, _merged
 from pdserve.router.http_limits import EdgeState, HttpLimits, guarded_protocol
 from tests.support.polling import wait_until_async
 
@@ -253,3 +254,25 @@ def test_router_config_checks_the_http_limits() -> None:
         with pytest.raises(ValueError, match=next(iter(bad))):
             RouterConfig(**bad)  # type: ignore[arg-type]
     assert RouterConfig(http_body_timeout_s=0.5, http_max_buffered_bytes=1 << 20).http_body_timeout_s == 0.5
+
+
+def test_a_stream_is_read_at_most_chunks_ahead_of_its_client() -> None:
+    """The choices' streams are read only as far ahead of the response as CHUNKS_AHEAD: what a slow
+    client has not taken stays where its events come in, which bounds it (``decode_channel.py``)."""
+    produced = [0, 0]
+
+    async def stream(i: int) -> AsyncIterator[int]:
+        for n in range(10 * CHUNKS_AHEAD):
+            produced[i] += 1
+            yield n
+
+    async def main() -> None:
+        merged = _merged([stream(0), stream(1)], [None, None])
+        first = await anext(merged)
+        for _ in range(50):  # the pumps get every chance to run ahead
+            await asyncio.sleep(0)
+        assert max(produced) <= CHUNKS_AHEAD + 2, produced
+        rest = [x async for x in merged]
+        assert sorted([first, *rest]) == sorted((i, n) for i in (0, 1) for n in range(10 * CHUNKS_AHEAD))
+
+    asyncio.run(main())

@@ -10,7 +10,9 @@ import ray
 
 from pdserve import SamplingParams
 from pdserve.decode_worker.outbox import Outboxes
+from pdserve.router.admission import Overloaded
 from pdserve.router.core import WorkerUnavailableError
+from pdserve.router.decode_channel import MAX_UNREAD_EVENTS
 from pdserve.router.ray_workers import RayWorkers, WorkerFailedError
 from pdserve.worker.messages import ChannelClosedError, DecodeEvent, PrefillResult, RequestSpec
 from tests.support.polling import wait_until, wait_until_async
@@ -135,6 +137,33 @@ def test_a_run_refused_for_a_channel_the_worker_does_not_have_open_is_sent_again
         asyncio.run(main())
     finally:
         ray.kill(actor)
+
+
+def test_a_reader_that_falls_too_far_behind_has_its_request_ended() -> None:
+    """A request's reader that leaves MAX_UNREAD_EVENTS of its events unread: the run is dropped on the
+    worker while the reader still waits, and the reader gets what was queued, then Overloaded."""
+    shared_ray()
+    decode = CountingDecode.remote()
+    try:
+        workers = RayWorkers({}, {"decode-0": decode})
+        total = 3 * MAX_UNREAD_EVENTS
+
+        async def main() -> int:
+            spec = RequestSpec("slow", (1,), SamplingParams(max_tokens=total))
+            events = workers.decode("decode-0", spec, None)
+            assert not (await anext(events)).finished
+            # Not read meanwhile: the worker goes on, and is told to stop once the queue is full.
+            assert await wait_until_async(lambda: "slow" in ray.get(decode.drops.remote(), timeout=30), timeout=60)
+            read = 1
+            with pytest.raises(Overloaded, match=f"left {MAX_UNREAD_EVENTS} events of its output unread"):
+                async for _ in events:
+                    read += 1
+            return read
+
+        read = asyncio.run(main())
+        assert read <= MAX_UNREAD_EVENTS + 1 < total
+    finally:
+        ray.kill(decode)
 
 
 @ray.remote
