@@ -97,8 +97,8 @@ def render_chat(
     **kwargs: Any,
 ) -> str:
     """The prompt text of ``messages`` (dicts with ``role`` and ``content``) under ``template``; ``kwargs``
-    are the template's other variables (any names but ``reserved_variable``'s: ``template``, ``messages`` and
-    ``special_tokens`` are positional only).
+    are the template's other variables. The parameters before them are positional only, so that no variable's
+    name collides with theirs (``reserved_variable`` says which names a request may not set).
 
     Raises ``ChatTemplateError`` when the template cannot be compiled or refuses the conversation.
     """
