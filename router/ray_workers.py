@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import ray
 from prometheus_client.metrics_core import Metric
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 
 from pdserve.router.admission import Overloaded
 from pdserve.router.core import WorkerUnavailableError
@@ -23,12 +23,16 @@ class WorkerFailedError(RuntimeError):
 
 def _worker_error(role: str, worker_id: str, exc: RayTaskError) -> Exception:
     """What the router raises for a worker call that raised ``exc``: a request the worker refused
-    (its ValueError) as a ValueError of the worker's message alone, anything else as a
-    WorkerFailedError. Ray's own error carries the remote traceback, process id and host address,
-    which go to the router's log (as ``__cause__``), never to a client."""
+    (its ValueError) as a ValueError of the worker's message alone, a call the worker cancelled
+    itself (a decode worker ends the runs of an event channel that closed there) as
+    WorkerUnavailableError, anything else as a WorkerFailedError. Ray's own error carries the remote
+    traceback, process id and host address, which go to the router's log (as ``__cause__``), never to
+    a client."""
     cause = exc.cause
     if isinstance(cause, ValueError):
         return ValueError(str(cause))
+    if isinstance(cause, (asyncio.CancelledError, TaskCancelledError)):
+        return WorkerUnavailableError(f"{role} worker {worker_id} ended the call (cancelled there)")
     return WorkerFailedError(f"{role} worker {worker_id} failed ({type(cause).__name__})")
 
 

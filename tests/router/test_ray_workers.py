@@ -167,6 +167,41 @@ def test_a_reader_that_falls_too_far_behind_has_its_request_ended() -> None:
 
 
 @ray.remote
+class SelfCancellingDecode(ChannelWorker):
+    """A decode actor whose run is cancelled on the worker after one event (as a channel that closes
+    there cancels the runs still sending on it)."""
+
+    def __init__(self) -> None:
+        self.outboxes = Outboxes()
+
+    async def run(self, spec: RequestSpec, prefill: object, channel: str) -> int:
+        async def generate():  # noqa: ANN202
+            yield DecodeEvent(spec.request_id, (1,), False, None)
+            await asyncio.Event().wait()
+
+        sending = asyncio.ensure_future(self.outboxes.send(channel, spec.request_id, generate()))
+        await asyncio.sleep(0.05)
+        sending.cancel()
+        raise asyncio.CancelledError
+
+    async def drop(self, request_id: str) -> bool:
+        return False
+
+
+def test_a_run_cancelled_on_the_worker_is_unavailable_not_a_failure() -> None:
+    """A decode run that the worker cancelled itself reaches the router as the worker being unavailable
+    (UNAVAILABLE, 503: retry), not as an internal failure."""
+    shared_ray()
+    actor = SelfCancellingDecode.remote()
+    try:
+        workers = RayWorkers({}, {"decode-0": actor})
+        with pytest.raises(WorkerUnavailableError, match="decode worker decode-0 ended the call"):
+            asyncio.run(asyncio.wait_for(_decode(workers, "r", 3), timeout=60))
+    finally:
+        ray.kill(actor)
+
+
+@ray.remote
 class StuckDecode(ChannelWorker):
     """A decode actor that never confirms an event channel (its loop as good as stuck)."""
 
