@@ -116,8 +116,10 @@ class RayWorkers:
             # The decode worker prefills instead (RouterCore._prefill): its call ends the prefetch.
             raise WorkerUnavailableError(f"prefill worker {worker_id} is unavailable") from exc
         except RayTaskError as exc:
-            self._end_prefetch(spec.request_id)  # the request fails here
-            raise _worker_error("prefill", worker_id, exc) from exc
+            error = _worker_error("prefill", worker_id, exc)
+            if not isinstance(error, WorkerUnavailableError):  # the request fails here (else as above)
+                self._end_prefetch(spec.request_id)
+            raise error from exc
         except asyncio.CancelledError:
             self._give_up(worker_id, spec.request_id, ref)
             raise
