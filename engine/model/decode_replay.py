@@ -63,8 +63,6 @@ class Parts:
     down: nn.Module
     norm1: nn.Module
     norm2: nn.Module
-    norm1_weight: torch.Tensor
-    norm2_weight: torch.Tensor
 
 
 def parts_of(layers: Iterable[nn.Module]) -> list[Parts] | None:
@@ -83,8 +81,7 @@ def parts_of(layers: Iterable[nn.Module]) -> list[Parts] | None:
             return None
         if attn.kv_slice is not None or attn.comm is not None or mlp.comm is not None or attn.sliding_window:
             return None
-        parts.append(Parts(attn, mlp, attn.qkv_proj, attn.o_proj, mlp.down_proj, *norms, norms[0].weight,
-                           norms[1].weight))  # fmt: skip
+        parts.append(Parts(attn, mlp, attn.qkv_proj, attn.o_proj, mlp.down_proj, *norms))
     return parts or None
 
 

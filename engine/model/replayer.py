@@ -65,13 +65,13 @@ class Replayer:
     def _entries(self, kv_cache: torch.Tensor, rows: int,
                  dtype: torch.dtype) -> tuple[list[LayerEntry], ctypes.Array | None] | None:  # fmt: skip
         """Every layer's entries at ``rows`` rows, or None where a layer takes another path: kept while
-        every layer's :func:`_sources` are the same objects."""
+        every layer's :func:`_sources` are the same (:func:`_same`)."""
         if any(p.attn.k_scale != 1.0 or p.attn.v_scale != 1.0 for p in self.parts):
             return None
         sources = [_sources(p, rows) for p in self.parts]
         key = (rows, dtype, kv_cache.data_ptr(), kv_cache.stride())
         kept = self._kept.get(key)
-        if kept is not None and not all(a is b for old, new in zip(kept[0], sources) for a, b in zip(old, new)):
+        if kept is not None and not all(_same(a, b) for old, new in zip(kept[0], sources) for a, b in zip(old, new)):
             self._kept.clear()  # copies were replaced: what any row count kept holds the old ones alive
             kept = None
         if kept is None:
@@ -90,14 +90,21 @@ class Replayer:
 
 def _sources(parts: Parts, rows: int) -> tuple:
     """What a layer's entries at ``rows`` rows are made of: its projections' copies at that row count
-    (None where one takes another path) and its norms' weights."""
+    (None where one takes another path), its norms' weights as the modules hold them now, and where
+    those weights' data lie (a weight whose ``.data`` was replaced is the same object over new memory)."""
+    w1, w2 = parts.norm1.weight, parts.norm2.weight
     return (parts.qkv.kernel_for(rows), parts.o.kernel_for(rows), parts.mlp.fused_glu_for(rows),
-            parts.down.kernel_for(rows), parts.norm1_weight, parts.norm2_weight)  # fmt: skip
+            parts.down.kernel_for(rows), w1, w2, (w1.data_ptr(), w2.data_ptr()))  # fmt: skip
+
+
+def _same(a: object, b: object) -> bool:
+    """One of :func:`_sources`' items unchanged: the same object, or the same addresses."""
+    return a is b or (type(a) is tuple and a == b)
 
 
 def _layer(parts: Parts, sources: tuple, k: int, v: int, dtype: torch.dtype) -> LayerEntry | None:
     """A layer's entries from its :func:`_sources`, or None where a part of it takes another path."""
-    *kernels, w1, w2 = sources
+    *kernels, w1, w2, _ = sources
     if w1.dtype != dtype or w2.dtype != dtype:
         return None
     if not all(isinstance(w, KernelWeights) and w.dtype == dtype for w in kernels):

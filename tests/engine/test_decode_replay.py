@@ -224,6 +224,25 @@ def test_layer_entries_are_kept_until_a_row_path_changes(tiny_model: str, monkey
     assert llm.generate([[5, 6, 7]], params)[0].token_ids == first
     assert len(layer_lists) >= 5
 
+def test_a_norm_weight_given_new_data_is_read_there(tiny_model: str, replays: list[int]) -> None:
+    """A norm weight whose ``.data`` is replaced (the same Parameter over new memory) is read at its new
+    address from the next step on: the replay's tokens stay the module path's."""
+    llm = LLM(tiny_model, num_blocks=64, block_size=BS)
+    model = llm.engine.runner.model
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    llm.generate([[5, 6, 7]], params)
+    if not replays:
+        pytest.skip("the replay does not run here")
+    for layer in model.model.layers:
+        weight = layer.input_layernorm.weight
+        weight.data = weight.data * 3 - 1  # new memory; the old is freed
+    replays.clear()
+    replayed = llm.generate([[5, 6, 7]], params)[0].token_ids
+    assert len(replays) >= 5
+    model.replay_decode = False
+    assert llm.generate([[5, 6, 7]], params)[0].token_ids == replayed
+
+
 def test_a_plan_of_another_block_size_is_refused_as_the_modules_refuse_it(tiny_model: str) -> None:
     """A step whose attention plan was made for another block size than the cache's is not replayed
     (the kernel would read the wrong blocks, or past a row's block table): the module path's
