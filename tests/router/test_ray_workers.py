@@ -4,6 +4,7 @@ and also dropped by its request id (``worker/drops.py``), which ends it where Ra
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import ray
@@ -166,6 +167,20 @@ def test_a_reader_that_falls_too_far_behind_has_its_request_ended() -> None:
         ray.kill(decode)
 
 
+def _decode_unavailable(actor_class: Any, match: str, requests: int = 1, channel_ttl_s: float = 30.0) -> None:
+    """Each of ``requests`` requests to a decode actor of ``actor_class`` fails as WorkerUnavailableError
+    matching ``match`` (within a minute)."""
+    shared_ray()
+    actor = actor_class.remote()
+    try:
+        workers = RayWorkers({}, {"decode-0": actor}, channel_ttl_s=channel_ttl_s)
+        for _ in range(requests):
+            with pytest.raises(WorkerUnavailableError, match=match):
+                asyncio.run(asyncio.wait_for(_decode(workers, "r", 3), timeout=60))
+    finally:
+        ray.kill(actor)
+
+
 @ray.remote
 class SelfCancellingDecode(ChannelWorker):
     """A decode actor whose run is cancelled on the worker after one event (as a channel that closes
@@ -191,14 +206,7 @@ class SelfCancellingDecode(ChannelWorker):
 def test_a_run_cancelled_on_the_worker_is_unavailable_not_a_failure() -> None:
     """A decode run that the worker cancelled itself reaches the router as the worker being unavailable
     (UNAVAILABLE, 503: retry), not as an internal failure."""
-    shared_ray()
-    actor = SelfCancellingDecode.remote()
-    try:
-        workers = RayWorkers({}, {"decode-0": actor})
-        with pytest.raises(WorkerUnavailableError, match="decode worker decode-0 ended the call"):
-            asyncio.run(asyncio.wait_for(_decode(workers, "r", 3), timeout=60))
-    finally:
-        ray.kill(actor)
+    _decode_unavailable(SelfCancellingDecode, "decode worker decode-0 ended the call")
 
 
 @ray.remote
@@ -217,15 +225,7 @@ def test_a_worker_that_never_opens_its_channel_is_unavailable_within_the_ttl() -
     """Opening a channel waits at most the channel's TTL: the request then fails as on a dead worker
     (the router takes the worker for down and sends the request elsewhere), and the next request
     tries to open a channel anew."""
-    shared_ray()
-    actor = StuckDecode.remote()
-    try:
-        workers = RayWorkers({}, {"decode-0": actor}, channel_ttl_s=1.0)
-        for _ in range(2):
-            with pytest.raises(WorkerUnavailableError, match="did not open an event channel within 1 s"):
-                asyncio.run(asyncio.wait_for(_decode(workers, "r", 3), timeout=60))
-    finally:
-        ray.kill(actor)
+    _decode_unavailable(StuckDecode, "did not open an event channel within 1 s", requests=2, channel_ttl_s=1.0)
 
 
 @ray.remote
